@@ -1,0 +1,31 @@
+"""Every error celery_zk raises on purpose.
+
+Each message says what was wrong and what to do about it.
+"""
+from __future__ import annotations
+
+from celery.exceptions import ImproperlyConfigured
+
+
+class CeleryZKError(Exception):
+    """Base class for celery_zk's own runtime errors."""
+
+
+class ZKConfigurationError(ImproperlyConfigured, ValueError):
+    """A broker/backend URL or transport option is wrong."""
+
+
+class ZooKeeperNotInstalled(CeleryZKError):
+    """No local ZooKeeper installation was found for the launcher."""
+
+
+class PortInUse(CeleryZKError):
+    """The launcher was asked for a port another process already holds."""
+
+
+class ServerStartError(CeleryZKError):
+    """A launched ZooKeeper did not come up; the message carries its log tail."""
+
+
+class MessageTooLarge(CeleryZKError, ValueError):
+    """A message or result does not fit in one znode (ZooKeeper's jute.maxbuffer)."""

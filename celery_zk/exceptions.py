@@ -29,3 +29,11 @@ class ServerStartError(CeleryZKError):
 
 class MessageTooLarge(CeleryZKError, ValueError):
     """A message or result does not fit in one znode (ZooKeeper's jute.maxbuffer)."""
+
+
+class ZKConnectionError(CeleryZKError, ConnectionError):
+    """ZooKeeper could not be reached within the connect timeout."""
+
+
+class ZKAuthError(CeleryZKError, PermissionError):
+    """ZooKeeper refused the URL's credentials."""

@@ -1,0 +1,135 @@
+"""Making kazoo clients from :class:`~celery_zk.config.ZKSettings`, fork-safely.
+
+A kazoo client owns a socket and two threads. After ``fork()`` the child has
+the socket but not the threads, and a ``close()`` from the child would end
+the *parent's* session. :class:`ClientHandle` therefore remembers the pid that
+made its client and, in any other process, silently starts a fresh one
+(prefork pool children publishing subtasks or writing results take this path).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoAuthError, NoNodeError
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.retry import KazooRetry
+from kazoo.security import OPEN_ACL_UNSAFE, make_digest_acl
+
+from .config import ZKSettings
+from .exceptions import ZKAuthError, ZKConfigurationError, ZKConnectionError
+
+logger = logging.getLogger(__name__)
+
+
+def node_acl(settings: ZKSettings) -> list[Any]:
+    """The ACL every node celery_zk creates gets."""
+    opts = settings.options
+    if opts.acl not in ("auto", "open"):
+        raise ZKConfigurationError(
+            f"celery_zk option 'acl' must be 'auto' or 'open', not {opts.acl!r}.")
+    if opts.acl == "open" or not settings.username:
+        return list(OPEN_ACL_UNSAFE)
+    acl = [make_digest_acl(settings.username, settings.password or "", all=True)]
+    for pair in filter(None, (p.strip() for p in opts.read_only_users.split(","))):
+        user, sep, password = pair.partition(":")
+        if not sep or not user:
+            raise ZKConfigurationError(
+                f"read_only_users entry {user or pair!r} must be user:password.")
+        acl.append(make_digest_acl(user, password, read=True))
+    return acl
+
+
+def make_client(settings: ZKSettings) -> KazooClient:
+    """A started client, authenticated, with the root path in place."""
+    opts = settings.options
+    kwargs: dict[str, Any] = {}
+    if opts.use_ssl:
+        kwargs.update(use_ssl=True, verify_certs=opts.verify_certs)
+        for name in ("ca", "certfile", "keyfile", "keyfile_password"):
+            value = getattr(opts, name)
+            if value:
+                kwargs[name] = value
+    auth = ([("digest", f"{settings.username}:{settings.password or ''}")]
+            if settings.username else None)
+    client = KazooClient(
+        hosts=settings.hosts,
+        timeout=opts.session_timeout,
+        default_acl=node_acl(settings),
+        auth_data=auth,
+        connection_retry=KazooRetry(max_tries=-1, max_delay=2.0),
+        command_retry=KazooRetry(max_tries=10, delay=0.05, max_delay=2.0, deadline=max(
+            opts.session_timeout, 5.0)),
+        **kwargs,
+    )
+    try:
+        client.start(timeout=opts.connect_timeout)
+    except KazooTimeoutError:
+        client.stop()
+        client.close()
+        raise ZKConnectionError(
+            f"Could not connect to ZooKeeper at {settings.hosts} within "
+            f"{opts.connect_timeout:g}s. Is the server running and reachable? "
+            "(For a local one: `celery zk server`.) Raise 'connect_timeout' for a "
+            "slow network.") from None
+    try:
+        _check_root(client, settings)
+    except BaseException:
+        client.stop()
+        client.close()
+        raise
+    return client
+
+
+def _check_root(client: KazooClient, settings: ZKSettings) -> None:
+    try:
+        client.ensure_path(settings.root)
+        client.get_children(settings.root)
+    except NoAuthError:
+        who = f"user {settings.username!r}" if settings.username else "an unauthenticated client"
+        raise ZKAuthError(
+            f"ZooKeeper refused {who} access to {settings.root!r} on {settings.hosts}: "
+            "wrong password, or the node's ACL belongs to someone else. Check the "
+            "credentials in the zk:// URL.") from None
+    except NoNodeError:  # pragma: no cover - ensure_path just made it
+        raise
+
+
+class ClientHandle:
+    """Lazily started, per-process kazoo client for one set of settings."""
+
+    def __init__(self, settings: ZKSettings) -> None:
+        self.settings = settings
+        self._client: KazooClient | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> KazooClient:
+        client = self._client
+        if client is not None and self._pid == os.getpid():
+            return client
+        with self._lock:
+            if self._client is None or self._pid != os.getpid():
+                if self._client is not None:
+                    logger.debug("celery_zk: new ZooKeeper client after fork (pid %d)",
+                                 os.getpid())
+                self._client = make_client(self.settings)
+                self._pid = os.getpid()
+            return self._client
+
+    @property
+    def started(self) -> bool:
+        return self._client is not None and self._pid == os.getpid()
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+            if client is not None and self._pid == os.getpid():
+                try:
+                    client.stop()
+                finally:
+                    client.close()

@@ -1,0 +1,253 @@
+"""Znode layout: every path and node name celery_zk uses is built here.
+
+::
+
+    {root}/
+      queues/{queue}/                 data: queue meta (JSON)
+        unowned/m{P}-{uid}-{seq}      waiting message; P = 9 - priority
+        unowned/m{P}-{uid}-r{orig}-{seq}   requeued message, keeps its first seq
+        owned/{consumer}~{unowned name}   claimed by a live consumer
+        dead/{unowned name}           dead-lettered (rejected / undecodable)
+      exchanges/{exchange}/           data: {"type": ...}
+        bindings/{queue},{routing key}    ephemeral for auto-delete queues
+      consumers/{consumer}-{seq}      ephemeral: one per live ZooKeeper session
+      results/{shard}/{task id}       done node: the task's result meta
+      groups/{shard}/{group id}       saved GroupResult
+      chords/{group id}               chord counter (children are completed parts)
+      expiry/{hour}/{shard}~{id}      index of done nodes by the hour they were written
+
+Names carry what a reader needs, so a consumer orders a queue from
+``get_children`` alone: priority first (inverted so a plain sort puts the
+highest first), then the first sequence number ZooKeeper gave the message, so
+a requeued message keeps its original place among its priority. The uid lets
+a create retried after ConnectionLoss find the node it already made.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kazoo.protocol.paths import join
+
+MAX_PRIORITY = 9
+SEQ_DIGITS = 10
+OWNER_SEP = "~"
+BINDING_SEP = ","
+RESULT_SHARDS_HEX = 2  # 256 shards: a million results is ~4,000 per directory
+
+_MESSAGE_RE = re.compile(r"^m(\d)-([0-9a-f]{1,32})-(?:r(\d{10})-)?(\d{10})$")
+_CONSUMER_RE = re.compile(r"^(c[0-9a-f]{1,32})-(\d{10})$")
+# Characters that cannot appear raw in a node name, or that we use as separators.
+_ESCAPE_RE = re.compile(r"[%/,~\x00-\x1f\x7f]")
+
+
+def escape(name: str) -> str:
+    """Make a queue/exchange/routing-key string safe as one znode name."""
+    escaped = _ESCAPE_RE.sub(lambda m: "%%%02X" % ord(m.group()), name)
+    if escaped in ("", ".", "..", "zookeeper"):
+        escaped = "%" + escaped.encode().hex() + "%"  # reserved names stay distinct
+    return escaped
+
+
+def unescape(name: str) -> str:
+    if name.startswith("%") and name.endswith("%") and len(name) > 1 and "%" not in name[1:-1]:
+        return bytes.fromhex(name[1:-1]).decode()
+    return re.sub(r"%([0-9A-F]{2})", lambda m: chr(int(m.group(1), 16)), name)
+
+
+class MessageName(NamedTuple):
+    """A parsed unowned message name."""
+
+    inverted_priority: int
+    uid: str
+    first_seq: int | None
+    seq: int
+
+    @property
+    def priority(self) -> int:
+        return MAX_PRIORITY - self.inverted_priority
+
+    @property
+    def order(self) -> int:
+        """Position among messages of the same priority (the first sequence)."""
+        return self.first_seq if self.first_seq is not None else self.seq
+
+    @property
+    def sort_key(self) -> tuple[int, int, int]:
+        return (self.inverted_priority, self.order, self.seq)
+
+
+def clamp_priority(priority: int | None) -> int:
+    """AMQP semantics: higher first, 0..9, missing counts as 0."""
+    if priority is None:
+        return 0
+    return max(0, min(MAX_PRIORITY, int(priority)))
+
+
+def message_prefix(priority: int | None, uid: str, first_seq: int | None = None) -> str:
+    """Name prefix of a new (or requeued) message; ZooKeeper appends the sequence."""
+    inv = MAX_PRIORITY - clamp_priority(priority)
+    keep = f"r{first_seq:0{SEQ_DIGITS}d}-" if first_seq is not None else ""
+    return f"m{inv}-{uid}-{keep}"
+
+
+def parse_message_name(name: str) -> MessageName | None:
+    """Parse an unowned node name; ``None`` for nodes celery_zk did not write."""
+    match = _MESSAGE_RE.match(name)
+    if not match:
+        return None
+    inv, uid, first, seq = match.groups()
+    return MessageName(int(inv), uid, int(first) if first else None, int(seq))
+
+
+def sort_messages(names: list[str]) -> tuple[list[str], list[str]]:
+    """Split a listing into (ours in delivery order, foreign names)."""
+    parsed: list[tuple[tuple[int, int, int], str]] = []
+    foreign = []
+    for name in names:
+        msg = parse_message_name(name)
+        if msg is None:
+            foreign.append(name)
+        else:
+            parsed.append((msg.sort_key, name))
+    parsed.sort()
+    return [name for _, name in parsed], foreign
+
+
+def owned_name(consumer_id: str, message_name: str) -> str:
+    return f"{consumer_id}{OWNER_SEP}{message_name}"
+
+
+def split_owned_name(name: str) -> tuple[str, str] | None:
+    """``(consumer id, unowned name)`` of an owned node, or ``None`` if foreign."""
+    consumer, sep, message = name.partition(OWNER_SEP)
+    if not sep or not consumer or parse_message_name(message) is None:
+        return None
+    return consumer, message
+
+
+def consumer_prefix(consumer_id: str) -> str:
+    return f"{consumer_id}-"
+
+
+def parse_consumer_name(name: str) -> tuple[str, int] | None:
+    """``(consumer id, sequence)`` of a live-consumer node."""
+    match = _CONSUMER_RE.match(name)
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+def binding_name(queue: str, routing_key: str) -> str:
+    return f"{escape(queue)}{BINDING_SEP}{escape(routing_key)}"
+
+
+def parse_binding_name(name: str) -> tuple[str, str] | None:
+    queue, sep, routing_key = name.partition(BINDING_SEP)
+    if not sep:
+        return None
+    return unescape(queue), unescape(routing_key)
+
+
+def result_shard(key: str) -> str:
+    return hashlib.sha1(key.encode()).hexdigest()[:RESULT_SHARDS_HEX]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Paths under one root (the URL's path)."""
+
+    root: str
+
+    # -- queues ---------------------------------------------------------------
+    @property
+    def queues(self) -> str:
+        return join(self.root, "queues")
+
+    def queue(self, queue: str) -> str:
+        return join(self.queues, escape(queue))
+
+    def unowned(self, queue: str) -> str:
+        return join(self.queue(queue), "unowned")
+
+    def owned(self, queue: str) -> str:
+        return join(self.queue(queue), "owned")
+
+    def dead(self, queue: str) -> str:
+        return join(self.queue(queue), "dead")
+
+    def unowned_message(self, queue: str, name: str) -> str:
+        return join(self.unowned(queue), name)
+
+    def owned_message(self, queue: str, name: str) -> str:
+        return join(self.owned(queue), name)
+
+    def dead_message(self, queue: str, name: str) -> str:
+        return join(self.dead(queue), name)
+
+    def new_message(self, queue: str, prefix: str) -> str:
+        return join(self.unowned(queue), prefix)
+
+    # -- routing --------------------------------------------------------------
+    @property
+    def exchanges(self) -> str:
+        return join(self.root, "exchanges")
+
+    def exchange(self, exchange: str) -> str:
+        return join(self.exchanges, escape(exchange))
+
+    def bindings(self, exchange: str) -> str:
+        return join(self.exchange(exchange), "bindings")
+
+    def binding(self, exchange: str, queue: str, routing_key: str) -> str:
+        return join(self.bindings(exchange), binding_name(queue, routing_key))
+
+    # -- liveness -------------------------------------------------------------
+    @property
+    def consumers(self) -> str:
+        return join(self.root, "consumers")
+
+    def consumer(self, name: str) -> str:
+        return join(self.consumers, name)
+
+    # -- results (the backend) ------------------------------------------------
+    @property
+    def results(self) -> str:
+        return join(self.root, "results")
+
+    def result(self, task_id: str) -> str:
+        return join(self.results, result_shard(task_id), escape(task_id))
+
+    @property
+    def groups(self) -> str:
+        return join(self.root, "groups")
+
+    def group(self, group_id: str) -> str:
+        return join(self.groups, result_shard(group_id), escape(group_id))
+
+    @property
+    def chords(self) -> str:
+        return join(self.root, "chords")
+
+    def chord(self, group_id: str) -> str:
+        return join(self.chords, escape(group_id))
+
+    @property
+    def expiry(self) -> str:
+        return join(self.root, "expiry")
+
+    def expiry_bucket(self, hour: int) -> str:
+        return join(self.expiry, f"h{hour:010d}")
+
+    def expiry_entry(self, hour: int, kind: str, key: str) -> str:
+        """Index entry pointing at a results/ or groups/ node written in ``hour``."""
+        return join(self.expiry_bucket(hour), f"{kind}{OWNER_SEP}{escape(key)}")
+
+    @staticmethod
+    def parse_expiry_bucket(name: str) -> int | None:
+        return int(name[1:]) if name.startswith("h") and name[1:].isdigit() else None
+
+    @staticmethod
+    def parse_expiry_entry(name: str) -> tuple[str, str] | None:
+        kind, sep, key = name.partition(OWNER_SEP)
+        return (kind, unescape(key)) if sep else None

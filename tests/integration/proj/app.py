@@ -1,0 +1,71 @@
+"""The Celery app real test workers run: configured entirely from the environment.
+
+CELERY_ZK_TEST_BROKER / CELERY_ZK_TEST_BACKEND give the URLs; CELERY_ZK_TEST_LOG
+is a file each executed task appends one line to (so tests can count
+executions, duplicates included, across worker processes).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from celery import Celery
+
+app = Celery(
+    "proj",
+    broker=os.environ.get("CELERY_ZK_TEST_BROKER", "zk://127.0.0.1:2181/celery-test"),
+    backend=os.environ.get("CELERY_ZK_TEST_BACKEND") or None,
+)
+app.conf.update(
+    worker_hijack_root_logger=False,
+    worker_send_task_events=bool(os.environ.get("CELERY_ZK_TEST_EVENTS")),
+    task_send_sent_event=bool(os.environ.get("CELERY_ZK_TEST_EVENTS")),
+    broker_connection_retry_on_startup=True,
+    result_extended=bool(os.environ.get("CELERY_ZK_TEST_RESULT_EXTENDED")),
+    task_track_started=bool(os.environ.get("CELERY_ZK_TEST_TRACK_STARTED")),
+)
+if os.environ.get("CELERY_ZK_TEST_CONF"):
+    app.conf.update(json.loads(os.environ["CELERY_ZK_TEST_CONF"]))
+
+
+def _record(kind: str, value: object) -> None:
+    path = os.environ.get("CELERY_ZK_TEST_LOG")
+    if path:
+        line = json.dumps({"kind": kind, "value": value, "pid": os.getpid()})
+        with open(path, "a") as fh:  # O_APPEND: whole lines even across processes
+            fh.write(line + "\n")
+
+
+@app.task
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+@app.task
+def record(value: object) -> object:
+    _record("record", value)
+    return value
+
+
+@app.task(acks_late=True)
+def slow_record(value: object, seconds: float = 0.5) -> object:
+    time.sleep(seconds)
+    _record("slow_record", value)
+    return value
+
+
+@app.task
+def fail(message: str = "boom") -> None:
+    raise ValueError(message)
+
+
+@app.task
+def tsum(values: list[int]) -> int:
+    return sum(values)
+
+
+@app.task
+def fanout_subtasks(n: int) -> list[str]:
+    """Publishes n subtasks from inside a task (in a prefork child: after fork)."""
+    return [record.delay(f"sub-{i}").id for i in range(n)]

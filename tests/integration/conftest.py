@@ -23,7 +23,7 @@ def start_worker(tmp_path: Path) -> Iterator:
         kwargs.setdefault("name", f"w{len(workers) + 1}")
         worker = Worker(broker, tmp_dir=tmp_path, **kwargs)
         workers.append(worker)
-        return worker.start(wait_ready=kwargs.get("wait_ready", True)) if False else worker.start()
+        return worker.start()
 
     yield start
     for worker in workers:

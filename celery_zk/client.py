@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
-from kazoo.client import KazooClient
+from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoAuthError, NoNodeError
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
@@ -106,6 +106,17 @@ class ClientHandle:
         self._client: KazooClient | None = None
         self._pid = 0
         self._lock = threading.Lock()
+        self._listeners: list[Callable[[KazooState], None]] = []
+
+    def add_listener(self, listener: Callable[[KazooState], None]) -> None:
+        """Register a connection-state listener on this and every later client.
+
+        kazoo calls listeners on its event thread: they must not block.
+        """
+        with self._lock:
+            self._listeners.append(listener)
+            if self._client is not None and self._pid == os.getpid():
+                self._client.add_listener(listener)
 
     @property
     def client(self) -> KazooClient:
@@ -119,6 +130,8 @@ class ClientHandle:
                                  os.getpid())
                 self._client = make_client(self.settings)
                 self._pid = os.getpid()
+                for listener in self._listeners:
+                    self._client.add_listener(listener)
             return self._client
 
     @property

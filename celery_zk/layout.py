@@ -14,7 +14,8 @@
       results/{shard}/{task id}       done node: the task's result meta
       groups/{shard}/{group id}       saved GroupResult
       chords/{group id}               chord counter (children are completed parts)
-      expiry/{hour}/{shard}~{id}      index of done nodes by the hour they were written
+        {task id}                     one per counted header task: counts it once
+      expiry/h{hour}/{shard}/{kind}~{id}  index of results/groups/chords by write hour
 
 Names carry what a reader needs, so a consumer orders a queue from
 ``get_children`` alone: priority first (inverted so a plain sort puts the
@@ -45,7 +46,7 @@ _ESCAPE_RE = re.compile(r"[%/,~\x00-\x1f\x7f]")
 
 def escape(name: str) -> str:
     """Make a queue/exchange/routing-key string safe as one znode name."""
-    escaped = _ESCAPE_RE.sub(lambda m: "%%%02X" % ord(m.group()), name)
+    escaped = _ESCAPE_RE.sub(lambda m: f"%{ord(m.group()):02X}", name)
     if escaped in ("", ".", "..", "zookeeper"):
         escaped = "%" + escaped.encode().hex() + "%"  # reserved names stay distinct
     return escaped
@@ -188,6 +189,14 @@ class Layout:
     def new_message(self, queue: str, prefix: str) -> str:
         return join(self.unowned(queue), prefix)
 
+    def split_owned_path(self, path: str) -> tuple[str, str]:
+        """Inverse of :meth:`owned_message`: ``(queue, owned name)``."""
+        head, _, name = path.rpartition("/")
+        queue_path, _, owned = head.rpartition("/")
+        if owned != "owned" or not queue_path.startswith(self.queues + "/"):
+            raise ValueError(f"not an owned-message path: {path!r}")
+        return unescape(queue_path[len(self.queues) + 1:]), name
+
     # -- routing --------------------------------------------------------------
     @property
     def exchanges(self) -> str:
@@ -232,6 +241,9 @@ class Layout:
     def chord(self, group_id: str) -> str:
         return join(self.chords, escape(group_id))
 
+    def chord_part(self, group_id: str, task_id: str) -> str:
+        return join(self.chord(group_id), escape(task_id))
+
     @property
     def expiry(self) -> str:
         return join(self.root, "expiry")
@@ -239,9 +251,17 @@ class Layout:
     def expiry_bucket(self, hour: int) -> str:
         return join(self.expiry, f"h{hour:010d}")
 
+    def expiry_shard(self, hour: int, shard: str) -> str:
+        return join(self.expiry_bucket(hour), shard)
+
     def expiry_entry(self, hour: int, kind: str, key: str) -> str:
-        """Index entry pointing at a results/ or groups/ node written in ``hour``."""
-        return join(self.expiry_bucket(hour), f"{kind}{OWNER_SEP}{escape(key)}")
+        """Index entry pointing at a results/, groups/ or chords/ node written in ``hour``.
+
+        Sharded like results/: a busy hour would otherwise put more names in one
+        directory than a single get_children reply can carry (jute.maxbuffer).
+        """
+        return join(self.expiry_shard(hour, result_shard(key)),
+                    f"{kind}{OWNER_SEP}{escape(key)}")
 
     @staticmethod
     def parse_expiry_bucket(name: str) -> int | None:

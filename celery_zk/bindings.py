@@ -1,0 +1,164 @@
+"""Exchanges and bindings shared by every process through ZooKeeper.
+
+kombu's virtual transports keep bindings in process memory, which is why a
+``celery inspect`` client and a worker cannot find each other's queues. Here a
+binding is a node whose *name* holds the queue and routing key, so the routing
+table of an exchange is one ``get_children``. Tables are cached and the cache
+is dropped by a watch; a fanout publish (broadcast control commands) and a
+direct lookup that finds nothing always re-read, so a binding made an instant
+ago by another process is never missed.
+
+Bindings of auto-delete queues (pidbox, reply and event queues) are ephemeral:
+they vanish with the session that made them, so nothing is routed to a queue
+whose consumer is gone. They are re-created after a session expiry.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Any, Callable
+
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import NodeExistsError, NoNodeError
+
+from .client import ClientHandle
+from .layout import Layout, parse_binding_name, unescape
+
+logger = logging.getLogger(__name__)
+
+
+class Bindings:
+    """Exchange declarations and routing tables stored under ``exchanges/``."""
+
+    def __init__(self, handle: ClientHandle, layout: Layout) -> None:
+        self.handle = handle
+        self.layout = layout
+        self._tables: dict[str, list[tuple[str, str]]] = {}
+        self._types: dict[str, str] = {}
+        self._watchers: dict[str, Callable[[Any], None]] = {}
+        self._ephemeral: set[tuple[str, str, str]] = set()
+        self._lock = threading.Lock()
+        self._rebind = False
+        handle.add_listener(self._on_state)
+
+    @property
+    def client(self) -> KazooClient:
+        return self.handle.client
+
+    def declare_exchange(self, exchange: str, type: str) -> None:
+        client = self.client
+        meta = json.dumps({"type": type}).encode()
+        try:
+            client.retry(client.create, self.layout.bindings(exchange), makepath=True)
+        except NodeExistsError:
+            pass
+        try:
+            client.retry(client.set, self.layout.exchange(exchange), meta)
+        except NoNodeError:  # deleted meanwhile: recreate
+            client.retry(client.create, self.layout.bindings(exchange), makepath=True)
+            client.retry(client.set, self.layout.exchange(exchange), meta)
+        self._types[exchange] = type
+
+    def exchange_type(self, exchange: str) -> str | None:
+        """The declared type, read from ZooKeeper for exchanges this process never declared."""
+        if exchange in self._types:
+            return self._types[exchange]
+        client = self.client
+        try:
+            data, _ = client.retry(client.get, self.layout.exchange(exchange))
+            type_ = json.loads(data or b"{}").get("type")
+        except (NoNodeError, ValueError):
+            return None
+        if type_:
+            self._types[exchange] = type_
+        return type_
+
+    def delete_exchange(self, exchange: str) -> None:
+        client = self.client
+        try:
+            client.retry(client.delete, self.layout.exchange(exchange), recursive=True)
+        except NoNodeError:
+            pass
+        self._types.pop(exchange, None)
+        self._tables.pop(exchange, None)
+
+    def bind(self, exchange: str, queue: str, routing_key: str, ephemeral: bool) -> None:
+        self._maybe_rebind()
+        client = self.client
+        path = self.layout.binding(exchange, queue, routing_key)
+        try:
+            client.retry(client.create, path, ephemeral=ephemeral, makepath=True)
+        except NodeExistsError:
+            pass  # idempotent: a retried create, or another process bound it too
+        if ephemeral:
+            self._ephemeral.add((exchange, queue, routing_key))
+        self._tables.pop(exchange, None)
+
+    def unbind(self, exchange: str, queue: str, routing_key: str) -> None:
+        client = self.client
+        self._ephemeral.discard((exchange, queue, routing_key))
+        try:
+            client.retry(client.delete, self.layout.binding(exchange, queue, routing_key))
+        except NoNodeError:
+            pass
+        self._tables.pop(exchange, None)
+
+    def table(self, exchange: str, fresh: bool = False) -> list[tuple[str, str]]:
+        """``[(routing key, queue), ...]`` bound to ``exchange``."""
+        self._maybe_rebind()
+        if not fresh:
+            cached = self._tables.get(exchange)
+            if cached is not None:
+                return cached
+        client = self.client
+        watcher = self._watchers.setdefault(exchange, self._make_invalidator(exchange))
+        try:
+            names = client.retry(client.get_children, self.layout.bindings(exchange),
+                                 watch=watcher)
+        except NoNodeError:
+            names = []
+        table = [(rk, queue) for queue, rk in filter(None, map(parse_binding_name, names))]
+        self._tables[exchange] = table
+        return table
+
+    def bindings_of_queue(self, queue: str) -> list[tuple[str, str]]:
+        """``[(exchange, routing key), ...]`` of one queue, across all exchanges."""
+        client = self.client
+        found = []
+        try:
+            exchanges = client.retry(client.get_children, self.layout.exchanges)
+        except NoNodeError:
+            return []
+        for escaped in exchanges:
+            exchange = unescape(escaped)
+            found += [(exchange, rk) for rk, q in self.table(exchange, fresh=True) if q == queue]
+        return found
+
+    def _make_invalidator(self, exchange: str) -> Callable[[Any], None]:
+        def invalidate(event: Any) -> None:  # kazoo event thread: no blocking
+            self._tables.pop(exchange, None)
+        return invalidate
+
+    def _on_state(self, state: KazooState) -> None:
+        if state == KazooState.LOST:
+            self._tables.clear()  # watches died with the session
+            self._rebind = bool(self._ephemeral)
+
+    def _maybe_rebind(self) -> None:
+        """Re-create ephemeral bindings a session expiry removed."""
+        if not self._rebind:
+            return
+        with self._lock:
+            if not self._rebind:
+                return
+            self._rebind = False
+            client = self.client
+            for exchange, queue, routing_key in list(self._ephemeral):
+                try:
+                    client.retry(client.create, self.layout.binding(exchange, queue, routing_key),
+                                 ephemeral=True, makepath=True)
+                except NodeExistsError:
+                    pass
+            logger.info("celery_zk: re-created %d ephemeral binding(s) after session expiry",
+                        len(self._ephemeral))

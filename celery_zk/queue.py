@@ -1,0 +1,351 @@
+"""The queue protocol: put, claim, ack, requeue, dead-letter, purge.
+
+Every state change that touches more than one node is one ``multi``
+transaction, so a message is always in exactly one place (unowned, owned or
+dead) whatever crashes in between. Operations are retried after
+ConnectionLoss; because a lost reply does not say whether a transaction
+committed, each retry first checks for the effect it was about to cause.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kazoo.client import KazooClient, TransactionRequest
+from kazoo.exceptions import (
+    BadVersionError,
+    ConnectionLoss,
+    NodeExistsError,
+    NoNodeError,
+    NotEmptyError,
+    RolledBackError,
+)
+
+from .config import ZKOptions
+from .exceptions import MessageTooLarge
+from .layout import (
+    Layout,
+    message_prefix,
+    owned_name,
+    parse_message_name,
+    sort_messages,
+    unescape,
+)
+
+logger = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class Claimed:
+    """A message this consumer now owns."""
+
+    queue: str
+    name: str          # unowned name it had
+    owned_path: str    # where it lives while owned (the delivery tag)
+    data: bytes
+
+
+def _first_failure(results: list[Any]) -> tuple[int, Exception] | None:
+    """Index and error of the op that made a multi transaction fail."""
+    for index, result in enumerate(results):
+        if isinstance(result, Exception) and not isinstance(result, RolledBackError):
+            return index, result
+    return None
+
+
+def new_uid() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+class QueueStore:
+    """Queue operations for one kazoo client under one root."""
+
+    def __init__(self, client: Callable[[], KazooClient], layout: Layout,
+                 options: ZKOptions) -> None:
+        self._client = client  # a callable: the handle gives a new client after fork
+        self.layout = layout
+        self.options = options
+
+    @property
+    def client(self) -> KazooClient:
+        return self._client()
+
+    def _commit(self, build: Callable[[TransactionRequest], None]) -> list[Any]:
+        """Build and commit a transaction, rebuilt per retry (kazoo commits one once)."""
+        client = self.client
+
+        def attempt() -> list[Any]:
+            txn = client.transaction()
+            build(txn)
+            return txn.commit()
+
+        return client.retry(attempt)
+
+    # -- declaration ------------------------------------------------------------
+    def declare(self, queue: str, meta: bytes = b"{}") -> None:
+        """Create the queue's directories; a no-op when they exist (idempotent)."""
+        layout, client = self.layout, self.client
+        client.retry(client.ensure_path, layout.queues)
+
+        def build(txn: TransactionRequest) -> None:
+            txn.create(layout.queue(queue), meta)
+            for path in (layout.unowned(queue), layout.owned(queue), layout.dead(queue)):
+                txn.create(path)
+
+        failure = _first_failure(self._commit(build))
+        if failure and not isinstance(failure[1], NodeExistsError):
+            raise failure[1]
+
+    def exists(self, queue: str) -> bool:
+        return self.client.retry(self.client.exists, self.layout.unowned(queue)) is not None
+
+    def size(self, queue: str) -> int:
+        """Messages waiting, from the directory's stat alone (no listing)."""
+        stat = self.client.retry(self.client.exists, self.layout.unowned(queue))
+        return stat.numChildren if stat else 0
+
+    # -- publishing ---------------------------------------------------------------
+    def check_size(self, data: bytes, what: str) -> None:
+        limit = self.options.max_message_size
+        if len(data) > limit:
+            raise MessageTooLarge(
+                f"{what} is {len(data):,} bytes; a ZooKeeper node holds at most "
+                f"{limit:,} (option max_message_size; the server's jute.maxbuffer caps "
+                "it near 1 MiB). Nothing was written. Send a reference to the data "
+                "(a path or URL) instead of the data itself.")
+
+    def put(self, queue: str, data: bytes, priority: int | None) -> str:
+        """Append a message; returns its node name."""
+        self.check_size(data, f"A message for queue {queue!r}")
+        uid = new_uid()
+        path = self.layout.new_message(queue, message_prefix(priority, uid))
+        try:
+            return self._create_once(queue, uid, path, data)
+        except NoNodeError:
+            self.declare(queue)  # first message to an undeclared queue
+            return self._create_once(queue, uid, path, data)
+
+    def _create_once(self, queue: str, uid: str, path: str, data: bytes) -> str:
+        client = self.client
+        attempts = 0
+
+        def create() -> str:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1:  # the lost reply may hide a create that happened
+                found = self._find_uid(queue, uid)
+                if found:
+                    return found
+            return client.create(path, data, sequence=True).rpartition("/")[2]
+
+        return client.retry(create)
+
+    def _find_uid(self, queue: str, uid: str) -> str | None:
+        for name in self.client.get_children(self.layout.unowned(queue)):
+            parsed = parse_message_name(name)
+            if parsed and parsed.uid == uid:
+                return name
+        return None
+
+    # -- consuming ----------------------------------------------------------------
+    def listing(self, queue: str, watch: Callable[[Any], None] | None = None
+                ) -> tuple[list[str], list[str]]:
+        """(messages in delivery order, foreign node names) of a queue."""
+        client = self.client
+        try:
+            names = client.retry(client.get_children, self.layout.unowned(queue), watch=watch)
+        except NoNodeError:
+            return [], []
+        return sort_messages(names)
+
+    def claim(self, queue: str, names: list[str], consumer_id: str
+              ) -> tuple[list[Claimed], set[str]]:
+        """Move ``names`` from unowned to owned in one transaction.
+
+        Returns what was claimed and the names another consumer took first.
+        """
+        layout, client = self.layout, self.client
+        gone: set[str] = set()
+        pending = [(n, client.get_async(layout.unowned_message(queue, n))) for n in names]
+        candidates: list[tuple[str, bytes, int]] = []
+        for name, result in pending:
+            try:
+                data, stat = result.get()
+            except NoNodeError:
+                gone.add(name)
+            else:
+                candidates.append((name, data, stat.version))
+        while candidates:
+            txn = client.transaction()
+            for name, data, version in candidates:
+                # Without the transaction a crash between delete and create would
+                # lose the message; with it the message is unowned or owned, never neither.
+                txn.delete(layout.unowned_message(queue, name), version=version)
+                txn.create(layout.owned_message(queue, owned_name(consumer_id, name)), data)
+            try:
+                results = txn.commit()
+            except ConnectionLoss:
+                # Did it commit? The first create tells (the multi is all or nothing).
+                first = layout.owned_message(queue, owned_name(consumer_id, candidates[0][0]))
+                if client.retry(client.exists, first) is None:
+                    continue
+                results = []
+            failure = _first_failure(results)
+            if failure is None:
+                return [Claimed(queue, name, layout.owned_message(
+                    queue, owned_name(consumer_id, name)), data)
+                    for name, data, _ in candidates], gone
+            index, error = failure
+            if not isinstance(error, (NoNodeError, BadVersionError, NodeExistsError)):
+                raise error
+            gone.add(candidates.pop(index // 2)[0])  # two ops per candidate
+        return [], gone
+
+    def ack(self, owned_path: str, consumer_node: str) -> bool:
+        """Delete an owned message if this consumer's session still owns it."""
+
+        def build(txn: TransactionRequest) -> None:
+            # The check makes an ack from an expired session a no-op: by then a
+            # survivor may have requeued the message and another worker holds it.
+            txn.check(consumer_node, 0)
+            txn.delete(owned_path)
+
+        try:
+            failure = _first_failure(self._commit(build))
+        except NoNodeError:
+            return False
+        if failure is None:
+            return True
+        index, error = failure
+        if index == 0:
+            logger.warning(
+                "celery_zk: not acking %s: this worker's ZooKeeper session %s ended, so "
+                "the message was requeued and will run again (at-least-once).",
+                owned_path, consumer_node)
+        return False
+
+    def requeue(self, owned_path: str, data: bytes | None = None,
+                expected_version: int = -1) -> bool:
+        """Move an owned message back to unowned, ahead of newer messages of its priority.
+
+        ``data=None`` reads it from the owned node (recovery of a dead owner).
+        Returns False when the message was no longer there (acked, or requeued
+        by someone else): the delete in the same transaction makes a double
+        requeue impossible.
+        """
+        layout, client = self.layout, self.client
+        queue, owned = layout.split_owned_path(owned_path)
+        message = parse_message_name(owned.partition("~")[2])
+        if message is None:
+            raise ValueError(f"not a celery_zk owned message: {owned_path!r}")
+        if data is None:
+            try:
+                data, stat = client.retry(client.get, owned_path)
+            except NoNodeError:
+                return False
+            expected_version = stat.version
+        path = layout.new_message(queue, message_prefix(
+            message.priority, message.uid, message.order))
+
+        def move() -> bool:
+            txn = client.transaction()
+            txn.delete(owned_path, version=expected_version)
+            txn.create(path, data, sequence=True)
+            try:
+                failure = _first_failure(txn.commit())
+            except ConnectionLoss:
+                if client.retry(client.exists, owned_path) is None:
+                    return True  # it committed (or another survivor moved it)
+                raise
+            if failure is None:
+                return True
+            if isinstance(failure[1], (NoNodeError, BadVersionError)):
+                return False
+            raise failure[1]
+
+        return bool(client.retry(move))
+
+    def remove(self, owned_path: str, dead_letter: bool, reason: str = "") -> bool:
+        """Drop an owned message, or move it to the queue's dead/ directory."""
+        layout, client = self.layout, self.client
+        if not dead_letter:
+            try:
+                client.retry(client.delete, owned_path)
+                return True
+            except NoNodeError:
+                return False
+        queue, owned = layout.split_owned_path(owned_path)
+        name = owned.partition("~")[2]
+        return self._move_to_dead(owned_path, layout.dead_message(queue, name), reason)
+
+    def dead_letter_unowned(self, queue: str, name: str, reason: str) -> bool:
+        """Move a node we cannot deliver out of the way, so it is not retried forever."""
+        return self._move_to_dead(self.layout.unowned_message(queue, name),
+                                  self.layout.dead_message(queue, name), reason)
+
+    def _move_to_dead(self, source: str, target: str, reason: str) -> bool:
+        client = self.client
+        try:
+            data, stat = client.retry(client.get, source)
+        except NoNodeError:
+            return False
+
+        def build(txn: TransactionRequest) -> None:
+            txn.delete(source, version=stat.version)
+            txn.create(target, data)
+
+        failure = _first_failure(self._commit(build))
+        if failure is None:
+            logger.error("celery_zk: moved %s to %s: %s", source, target, reason)
+            return True
+        if isinstance(failure[1], NodeExistsError):  # a retry after it committed
+            return False
+        if isinstance(failure[1], (NoNodeError, BadVersionError)):
+            return False
+        raise failure[1]
+
+    # -- maintenance --------------------------------------------------------------
+    def purge(self, queue: str) -> int:
+        """Delete every waiting (unowned) message; owned ones are being worked on."""
+        client, layout = self.client, self.layout
+        try:
+            names = client.retry(client.get_children, layout.unowned(queue))
+        except NoNodeError:
+            return 0
+        removed = 0
+        results = [(n, client.delete_async(layout.unowned_message(queue, n))) for n in names]
+        for _, result in results:
+            try:
+                result.get()
+                removed += 1
+            except NoNodeError:
+                pass  # claimed or purged by someone else meanwhile
+        return removed
+
+    def delete(self, queue: str) -> None:
+        """Remove a queue and everything in it (messages included)."""
+        client = self.client
+        for _ in range(5):
+            try:
+                client.retry(client.delete, self.layout.queue(queue), recursive=True)
+                return
+            except NoNodeError:
+                return
+            except NotEmptyError:  # a message arrived while deleting; go again
+                continue
+
+    def owned_listing(self, queue: str) -> list[str]:
+        client = self.client
+        try:
+            return client.retry(client.get_children, self.layout.owned(queue))
+        except NoNodeError:
+            return []
+
+    def queue_names(self) -> Iterable[str]:
+        client = self.client
+        try:
+            return [unescape(n) for n in client.retry(client.get_children, self.layout.queues)]
+        except NoNodeError:
+            return []

@@ -1,0 +1,458 @@
+"""Apache ZooKeeper transport for kombu (``zk://``).
+
+Features
+========
+* Type: Virtual
+* Supports Direct: Yes
+* Supports Topic: Yes
+* Supports Fanout: Yes (bindings are stored in ZooKeeper, shared by all processes)
+* Supports Priority: Yes, 0-9, higher first (AMQP semantics); FIFO within a priority
+* Supports TTL: No
+* Delivery: at-least-once. A claimed message is *owned* by a live ZooKeeper
+  session; it goes back to its queue when acked-never and the session ends.
+  There is no visibility timeout.
+* Waiting: watch-driven; an idle consumer sends ZooKeeper no requests.
+
+Connection String
+=================
+.. code-block::
+
+    zk://[user:password@]host1[:port][,host2[:port]...][/path][?option=value...]
+
+The path (default ``/celery``) is the root under which every node lives.
+kombu's ``;``-separated failover form is accepted and folded into one host
+list. Credentials switch on digest authentication and per-node ACLs.
+
+Transport Options
+=================
+Given as ``broker_transport_options`` or as URL query options (the URL wins):
+
+* ``session_timeout`` (float, 10.0): ZooKeeper session timeout in seconds; a
+  dead worker's messages are requeued this long after it dies.
+* ``connect_timeout`` (float, 10.0): seconds to wait for the first connection.
+* ``claim_batch`` (int, 64): most messages claimed in one transaction (also
+  bounded by the consumer's prefetch).
+* ``listing_max_age`` (float, 1.0): seconds a consumer may reuse its cached,
+  sorted listing of a busy queue before re-reading it.
+* ``dead_letter_rejected`` (bool, False): keep messages rejected with
+  ``requeue=False`` under the queue's ``dead/`` directory.
+* ``max_message_size`` (int, 1000000): largest encoded message in bytes.
+* ``acl`` (str, "auto"): "auto" gives nodes a digest ACL for the URL's user
+  (open ACL without credentials); "open" always uses the open ACL.
+* ``read_only_users`` (str, ""): comma-separated ``user:password`` pairs that
+  get read-only access.
+* ``use_ssl`` (bool, False), ``ca``, ``certfile``, ``keyfile``,
+  ``keyfile_password`` (str, ""), ``verify_certs`` (bool, True): TLS.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from queue import Empty
+from time import monotonic
+from typing import Any
+
+import kazoo
+from kazoo.client import KazooState
+from kazoo.exceptions import (
+    ConnectionClosedError,
+    ConnectionLoss,
+    OperationTimeoutError,
+    SessionExpiredError,
+)
+from kazoo.handlers.threading import KazooTimeoutError
+from kombu.transport import virtual
+
+from .bindings import Bindings
+from .client import ClientHandle
+from .config import DEFAULT_PORT, ZKSettings, mask_password, parse_url
+from .exceptions import ZKConnectionError
+from .layout import Layout, parse_consumer_name, parse_message_name
+from .liveness import ConsumerSession
+from .queue import Claimed, QueueStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _QueueState:
+    """What one channel knows about one queue it consumes from."""
+
+    listing: deque[str] = field(default_factory=deque)   # sorted, not yet tried
+    listed_at: float = 0.0
+    armed: bool = False   # empty at last look, and the watch set then has not fired
+    events: int = 0       # bumped by the watch; detects a fire during a listing
+    buffer: deque[Claimed] = field(default_factory=deque)  # claimed, not delivered yet
+    watcher: Any = None   # one callable per queue, so kazoo holds it once
+
+
+class QoS(virtual.QoS):
+    """Acks and rejects are ZooKeeper transactions on the owned node."""
+
+    def ack(self, delivery_tag: str) -> None:
+        self.channel.connection.store.ack(delivery_tag, self.channel.consumer_node())
+        super().ack(delivery_tag)
+        self.channel.connection.wake()  # a prefetch slot is free
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        message = self._delivered.get(delivery_tag)
+        if requeue:
+            self.channel.requeue_owned(delivery_tag, message)
+        else:
+            self.channel.connection.store.remove(
+                delivery_tag, dead_letter=self.channel.options.dead_letter_rejected,
+                reason="rejected with requeue=False")
+        self._quick_ack(delivery_tag)
+        self.channel.connection.wake()
+
+    def restore_unacked(self) -> list[tuple[BaseException, Any]]:
+        """Put every unacked message back (warm shutdown, channel close)."""
+        self._flush()
+        errors = []
+        delivered = self._delivered
+        while delivered:
+            tag, message = delivered.popitem()
+            try:
+                self.channel.requeue_owned(tag, message)
+            except BaseException as exc:
+                if tag not in self._dirty:
+                    errors.append((exc, message))
+        return errors
+
+
+class Channel(virtual.Channel):
+    """A kombu channel whose queues live in ZooKeeper."""
+
+    QoS = QoS
+    supports_fanout = True
+    do_restore = True
+    connection: Transport
+
+    def __init__(self, connection: Transport, **kwargs: Any) -> None:
+        super().__init__(connection, **kwargs)
+        self.options = connection.settings.options
+        self._states: dict[str, _QueueState] = {}
+
+    # -- consuming ----------------------------------------------------------------
+    def consumer_node(self) -> str:
+        return self.connection.session.ensure_registered()[1]
+
+    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        # Register before the first claim: an owned message must always name a session.
+        self.connection.session.ensure_registered()
+        result = super().basic_consume(queue, no_ack, *args, **kwargs)
+        self.connection.wake()
+        return result
+
+    def _state(self, queue: str) -> _QueueState:
+        state = self._states.get(queue)
+        if state is None:
+            state = self._states[queue] = _QueueState()
+        return state
+
+    def _watcher(self, state: _QueueState) -> Any:
+        if state.watcher is None:
+            def on_event(event: Any) -> None:  # kazoo's event thread: flag and wake only
+                state.events += 1
+                state.armed = False
+                self.connection.wake()
+            state.watcher = on_event
+        return state.watcher
+
+    def reset_watches(self) -> None:
+        """After a session change: watches are gone, so look again."""
+        for state in list(self._states.values()):
+            state.armed = False
+            state.listing.clear()
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        state = self._state(queue)
+        while True:
+            if not state.buffer:
+                self._fill(queue, state)
+            if not state.buffer:
+                raise Empty()
+            claimed = state.buffer.popleft()
+            payload = self._decode(claimed)
+            if payload is not None:
+                return payload
+
+    def _decode(self, claimed: Claimed) -> dict[str, Any] | None:
+        try:
+            payload = json.loads(claimed.data)
+            payload["properties"]["delivery_tag"] = claimed.owned_path
+            return payload
+        except (ValueError, KeyError, TypeError) as exc:
+            self.connection.store.remove(
+                claimed.owned_path, dead_letter=True,
+                reason=f"cannot decode message: {exc!r}; it is kept for inspection")
+            return None
+
+    def _claim_limit(self) -> int:
+        limit = self.options.claim_batch
+        estimate = self.qos.can_consume_max_estimate()
+        return limit if estimate is None else min(limit, estimate)
+
+    def _fill(self, queue: str, state: _QueueState) -> None:
+        if state.armed:
+            return  # empty at last look and nothing changed since: no request needed
+        limit = self._claim_limit()
+        if limit <= 0:
+            return
+        transport = self.connection
+        consumer_id, _ = transport.session.ensure_registered()
+        while True:
+            if not state.listing or monotonic() - state.listed_at > self.options.listing_max_age:
+                generation = state.events
+                names, foreign = transport.store.listing(queue, watch=self._watcher(state))
+                for name in foreign:
+                    transport.store.dead_letter_unowned(
+                        queue, name, "node name was not written by celery_zk")
+                state.listing = deque(names)
+                state.listed_at = monotonic()
+                if not names:
+                    state.armed = state.events == generation
+                    return
+            batch = self._pick(state.listing, limit)
+            claimed, _gone = transport.store.claim(queue, batch, consumer_id)
+            taken = set(batch)
+            state.listing = deque(n for n in state.listing if n not in taken)
+            if claimed:
+                state.buffer.extend(claimed)
+                return
+
+    def _pick(self, listing: deque[str], limit: int) -> list[str]:
+        """The batch to claim: the head, spread across consumers of a long queue.
+
+        Consumers sharing a backlog would all try the same head and abort each
+        other's transactions; each takes its own slice of the first priority
+        level instead (order across consumers is not defined anyway).
+        """
+        names = list(listing)
+        head = parse_message_name(names[0])
+        same = 0
+        for name in names:
+            parsed = parse_message_name(name)
+            if parsed is None or head is None or parsed.inverted_priority != head.inverted_priority:
+                break
+            same += 1
+        live = sorted((p for p in map(parse_consumer_name,
+                                      self.connection.session._live) if p),
+                      key=lambda p: p[1])
+        ids = [p[0] for p in live]
+        me = self.connection.session.consumer_id
+        start = 0
+        if me in ids and same >= limit * len(ids):
+            start = ids.index(me) * limit
+        return names[start:start + limit]
+
+    def requeue_owned(self, owned_path: str, message: Any = None) -> None:
+        data = None
+        if message is not None:
+            raw = dict(message._raw)
+            raw["redelivered"] = True
+            data = json.dumps(raw).encode()
+        self.connection.store.requeue(owned_path, data)
+
+    # -- publishing ---------------------------------------------------------------
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        data = json.dumps(message).encode()
+        self.connection.store.put(queue, data, self._get_message_priority(message))
+
+    def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
+                    **kwargs: Any) -> None:
+        # Broadcasts are rare and must reach a worker that bound a moment ago.
+        queues = {queue for _, queue in self.connection.bindings.table(exchange, fresh=True)}
+        for queue in queues:
+            self._put(queue, message)
+
+    # -- queues -------------------------------------------------------------------
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        transport = self.connection
+        if kwargs.get("auto_delete") or kwargs.get("exclusive"):
+            transport.auto_delete_queues.add(queue)
+        if queue not in transport.declared_queues:
+            meta = {"auto_delete": bool(kwargs.get("auto_delete") or kwargs.get("exclusive"))}
+            transport.store.declare(queue, json.dumps(meta).encode())
+            transport.declared_queues.add(queue)
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return self.connection.store.exists(queue)
+
+    def _size(self, queue: str) -> int:
+        return self.connection.store.size(queue)
+
+    def _purge(self, queue: str) -> int:
+        state = self._states.get(queue)
+        if state is not None:
+            state.listing.clear()
+        return self.connection.store.purge(queue)
+
+    def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
+                     **kwargs: Any) -> None:
+        transport = self.connection
+        if if_empty and self._size(queue):
+            return
+        for exchange, routing_key in transport.bindings.bindings_of_queue(queue):
+            transport.bindings.unbind(exchange, queue, routing_key)
+        self.state.queue_bindings_delete(queue)
+        transport.store.delete(queue)
+        transport.declared_queues.discard(queue)
+        self._states.pop(queue, None)
+
+    # -- exchanges and bindings ---------------------------------------------------
+    def exchange_declare(self, exchange: str | None = None, type: str = "direct",
+                         durable: bool = False, auto_delete: bool = False,
+                         arguments: Any = None, nowait: bool = False,
+                         passive: bool = False) -> None:
+        if exchange and passive and exchange not in self.state.exchanges:
+            self.typeof(exchange)  # learn it from ZooKeeper if another process declared it
+        known = exchange in self.state.exchanges
+        super().exchange_declare(exchange, type, durable, auto_delete, arguments,
+                                 nowait, passive)
+        if exchange and not passive and not known:
+            self.connection.bindings.declare_exchange(exchange, type)
+
+    def exchange_delete(self, exchange: str, if_unused: bool = False,
+                        nowait: bool = False) -> None:
+        super().exchange_delete(exchange, if_unused, nowait)
+        self.connection.bindings.delete_exchange(exchange)
+
+    def typeof(self, exchange: str, default: str = "direct") -> Any:
+        if exchange and exchange not in self.state.exchanges:
+            type_ = self.connection.bindings.exchange_type(exchange)
+            if type_:
+                self.state.exchanges[exchange] = {
+                    "type": type_, "durable": True, "auto_delete": False,
+                    "arguments": {}, "table": []}
+        return super().typeof(exchange, default)
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: Any, queue: str) -> None:
+        transport = self.connection
+        transport.bindings.bind(exchange, queue, routing_key,
+                                ephemeral=queue in transport.auto_delete_queues)
+
+    def queue_unbind(self, queue: str, exchange: str | None = None, routing_key: str = "",
+                     arguments: Any = None, **kwargs: Any) -> None:
+        super().queue_unbind(queue, exchange, routing_key, arguments, **kwargs)
+        if exchange:
+            self.connection.bindings.unbind(exchange, queue, routing_key)
+
+    def get_table(self, exchange: str) -> list[tuple[str, Any, str]]:
+        return self._table(exchange, fresh=False)
+
+    def _table(self, exchange: str, fresh: bool) -> list[tuple[str, Any, str]]:
+        exchange_type = self.typeof(exchange)
+        return [exchange_type.prepare_bind(queue, exchange, routing_key, None)
+                for routing_key, queue in self.connection.bindings.table(exchange, fresh)]
+
+    def _lookup(self, exchange: str, routing_key: str, default: Any = None) -> list[str]:
+        queues = super()._lookup(exchange, routing_key, default)
+        fallback = [default if default is not None else self.deadletter_queue]
+        if exchange and queues in ([], fallback) and self.typeof(exchange).type == "direct":
+            # A direct miss may be a binding made an instant ago elsewhere: re-read once.
+            self.connection.bindings.table(exchange, fresh=True)
+            queues = super()._lookup(exchange, routing_key, default)
+        return queues
+
+    # -- lifecycle ----------------------------------------------------------------
+    def close(self) -> None:
+        if not self.closed:
+            store = self.connection.store if self.connection else None
+            for state in self._states.values():
+                while state.buffer and store is not None:
+                    claimed = state.buffer.popleft()
+                    store.requeue(claimed.owned_path, claimed.data)
+        super().close()
+
+
+class Transport(virtual.Transport):
+    """kombu transport storing messages as ZooKeeper sequential nodes."""
+
+    Channel = Channel
+    can_parse_url = True
+    default_port = DEFAULT_PORT
+    driver_type = "zookeeper"
+    driver_name = "kazoo"
+    polling_interval = None  # never sleeps on a timer: waits for watches
+
+    implements = virtual.Transport.implements.extend(
+        asynchronous=False,
+        exchange_type=frozenset(["direct", "topic", "fanout"]),
+        heartbeats=False,
+    )
+
+    connection_errors = virtual.Transport.connection_errors + (
+        ZKConnectionError, ConnectionLoss, SessionExpiredError, KazooTimeoutError,
+        ConnectionClosedError, OperationTimeoutError,
+    )
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        self.settings = self._settings(client)
+        self.handle = ClientHandle(self.settings)
+        self.layout = Layout(self.settings.root)
+        self.store = QueueStore(lambda: self.handle.client, self.layout, self.settings.options)
+        self.bindings = Bindings(self.handle, self.layout)
+        self.session = ConsumerSession(self.handle, self.layout, self.store)
+        self.declared_queues: set[str] = set()
+        self.auto_delete_queues: set[str] = set()
+        self._wake = threading.Event()
+        self.handle.add_listener(self._on_state)
+
+    @staticmethod
+    def _settings(client: Any) -> ZKSettings:
+        urls = [u for u in (client.alt or [client.hostname]) if u]
+        if not urls or "://" not in urls[0]:  # Connection(transport='zk', hostname='h')
+            host = client.hostname or "localhost"
+            port = client.port or DEFAULT_PORT
+            vhost = (client.virtual_host or "").strip("/")
+            urls = [f"zk://{host}:{port}/{vhost}"]
+        return parse_url(urls, client.transport_options)
+
+    def wake(self) -> None:
+        """Something may be deliverable now (new message, free prefetch slot)."""
+        self._wake.set()
+
+    def _on_state(self, state: KazooState) -> None:
+        # kazoo's event thread. After a session change the watches are gone.
+        for channel in list(self.channels):
+            channel.reset_watches()
+        self._wake.set()
+
+    def establish_connection(self) -> Any:
+        self.handle.client  # connect now: a bad URL or dead server fails here, clearly
+        return super().establish_connection()
+
+    def close_connection(self, connection: Any) -> None:
+        try:
+            super().close_connection(connection)
+            if self.handle.started:
+                for queue in self.auto_delete_queues:
+                    self.store.delete(queue)
+        finally:
+            self.session.close()
+            self.handle.close()
+
+    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else monotonic() + timeout
+        while True:
+            self._wake.clear()
+            try:
+                return self.cycle.get(self._deliver)
+            except Empty:
+                pass
+            remaining = None if deadline is None else deadline - monotonic()
+            if remaining is not None and remaining <= 0:
+                raise socket.timeout()
+            self._wake.wait(remaining)
+
+    def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
+        return uri if include_password else mask_password(uri)
+
+    def driver_version(self) -> str:
+        return getattr(kazoo, "__version__", "unknown")

@@ -184,7 +184,13 @@ class Channel(virtual.Channel):
     def _decode(self, claimed: Claimed) -> dict[str, Any] | None:
         try:
             payload = json.loads(claimed.data)
-            payload["properties"]["delivery_tag"] = claimed.owned_path
+            properties = payload["properties"]
+            properties["delivery_tag"] = claimed.owned_path
+            parsed = parse_message_name(claimed.name)
+            if parsed is not None and parsed.first_seq is not None:
+                # The name says it was requeued (by a reject, a shutdown or a dead owner).
+                payload["redelivered"] = True
+                properties.setdefault("delivery_info", {})["redelivered"] = True
             return payload
         except (ValueError, KeyError, TypeError) as exc:
             self.connection.store.remove(
@@ -251,11 +257,12 @@ class Channel(virtual.Channel):
         return names[start:start + limit]
 
     def requeue_owned(self, owned_path: str, message: Any = None) -> None:
-        data = None
-        if message is not None:
-            raw = dict(message._raw)
-            raw["redelivered"] = True
-            data = json.dumps(raw).encode()
+        # Our cached listing predates the requeued message, which sorts ahead of it.
+        queue = self.connection.layout.split_owned_path(owned_path)[0]
+        state = self._states.get(queue)
+        if state is not None:
+            state.listing.clear()
+        data = json.dumps(message._raw).encode() if message is not None else None
         self.connection.store.requeue(owned_path, data)
 
     # -- publishing ---------------------------------------------------------------

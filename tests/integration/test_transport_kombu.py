@@ -1,0 +1,284 @@
+"""The zk:// transport through kombu's API, against a real ZooKeeper."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kazoo.client import KazooClient
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+
+from celery_zk.exceptions import MessageTooLarge, ZKConfigurationError
+from celery_zk.layout import Layout
+
+
+@pytest.fixture
+def conn(zk_url: str) -> Iterator[Connection]:
+    with Connection(zk_url) as connection:
+        connection.connect()
+        yield connection
+
+
+def drain(connection: Connection, queue: Queue, count: int, ack: bool = True,
+          timeout: float = 10) -> list[Any]:
+    got: list[Any] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append((body, message))
+        if ack:
+            message.ack()
+
+    with Consumer(connection, [queue], callbacks=[on_message], prefetch_count=count):
+        deadline = time.monotonic() + timeout
+        while len(got) < count and time.monotonic() < deadline:
+            try:
+                connection.drain_events(timeout=0.5)
+            except TimeoutError:
+                pass
+    return got
+
+
+def layout_of(zk_url: str) -> Layout:
+    """Paths as the ``zk_client`` fixture sees them: it is chrooted at the URL's path."""
+    return Layout("/")
+
+
+def test_priority_order_higher_first_fifo_within(conn: Connection) -> None:
+    queue = Queue("prio", Exchange("prio", "direct"), "prio")
+    producer = Producer(conn.channel())
+    sent = [(i, p) for i, p in enumerate([0, 5, 9, 5, 0, None, 9, 1])]
+    for i, priority in sent:
+        kwargs = {} if priority is None else {"priority": priority}
+        producer.publish({"i": i}, exchange=queue.exchange, routing_key="prio",
+                         declare=[queue], **kwargs)
+    got = [body["i"] for body, _ in drain(conn, queue, len(sent))]
+    assert got == [2, 6, 1, 3, 7, 0, 4, 5]
+
+
+def test_requeue_goes_back_ahead_of_newer_messages(conn: Connection) -> None:
+    queue = Queue("rq", Exchange("rq", "direct"), "rq")
+    producer = Producer(conn.channel())
+    for i in range(3):
+        producer.publish({"i": i}, exchange=queue.exchange, routing_key="rq", declare=[queue])
+    (body, message), = drain(conn, queue, 1, ack=False)
+    assert body == {"i": 0}
+    message.requeue()
+    producer.publish({"i": 3}, exchange=queue.exchange, routing_key="rq")
+    got = drain(conn, queue, 4)
+    assert [b["i"] for b, _ in got] == [0, 1, 2, 3]
+    assert got[0][1].delivery_info["redelivered"] is True
+
+
+def test_reject_removes_or_dead_letters(zk_url: str, zk_client: KazooClient) -> None:
+    layout = layout_of(zk_url)
+    for dead_letter in (False, True):
+        with Connection(zk_url, transport_options={"dead_letter_rejected": dead_letter}) as c:
+            queue = Queue(f"rej{dead_letter}", Exchange("rej", "direct"), f"rej{dead_letter}")
+            Producer(c.channel()).publish({"x": 1}, exchange=queue.exchange,
+                                          routing_key=queue.routing_key, declare=[queue])
+            (_, message), = drain(c, queue, 1, ack=False)
+            message.reject(requeue=False)
+            name = queue.name
+            assert zk_client.get_children(layout.unowned(name)) == []
+            assert zk_client.get_children(layout.owned(name)) == []
+            assert len(zk_client.get_children(layout.dead(name))) == (1 if dead_letter else 0)
+
+
+def test_purge_size_and_delete(conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
+    queue = Queue("pq", Exchange("pq", "direct"), "pq")
+    channel = conn.channel()
+    producer = Producer(channel)
+    for i in range(25):
+        producer.publish({"i": i}, exchange=queue.exchange, routing_key="pq", declare=[queue])
+    bound = queue(channel)
+    assert bound.queue_declare(passive=True).message_count == 25
+    assert bound.purge() == 25
+    assert bound.queue_declare(passive=True).message_count == 0
+    bound.delete()
+    layout = layout_of(zk_url)
+    assert zk_client.exists(layout.queue("pq")) is None
+    assert zk_client.get_children(layout.bindings("pq")) == []
+
+
+def test_fanout_and_topic_route_across_processes(zk_url: str, conn: Connection) -> None:
+    """Bindings made here are seen by a publisher in another process."""
+    fan = Exchange("bcast", "fanout")
+    topic = Exchange("events", "topic")
+    queues = [Queue("fan-a", fan), Queue("fan-b", fan),
+              Queue("t-all", topic, "job.#"), Queue("t-done", topic, "job.*.done")]
+    channel = conn.channel()
+    for q in queues:
+        q(channel).declare()
+    script = f"""
+import celery_zk
+from kombu import Connection, Exchange, Producer
+with Connection({zk_url!r}) as c:
+    p = Producer(c.channel())
+    p.publish({{'b': 1}}, exchange=Exchange('bcast', 'fanout'), routing_key='')
+    p.publish({{'t': 'started'}}, exchange=Exchange('events', 'topic'), routing_key='job.1.started')
+    p.publish({{'t': 'done'}}, exchange=Exchange('events', 'topic'), routing_key='job.1.done')
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    assert [b for b, _ in drain(conn, queues[0], 1)] == [{"b": 1}]
+    assert [b for b, _ in drain(conn, queues[1], 1)] == [{"b": 1}]
+    assert [b for b, _ in drain(conn, queues[2], 2)] == [{"t": "started"}, {"t": "done"}]
+    assert [b for b, _ in drain(conn, queues[3], 1)] == [{"t": "done"}]
+
+
+def test_auto_delete_bindings_die_with_the_session(zk_url: str, zk_client: KazooClient) -> None:
+    layout = layout_of(zk_url)
+    fan = Exchange("bc2", "fanout")
+    with Connection(zk_url) as c:
+        Queue("ephemeral-q", fan, auto_delete=True)(c.channel()).declare()
+        assert zk_client.get_children(layout.bindings("bc2")) != []
+    assert zk_client.get_children(layout.bindings("bc2")) == []
+    assert zk_client.exists(layout.queue("ephemeral-q")) is None
+
+
+def test_warm_close_requeues_unacked(zk_url: str, conn: Connection) -> None:
+    queue = Queue("wc", Exchange("wc", "direct"), "wc")
+    Producer(conn.channel()).publish({"x": 1}, exchange=queue.exchange, routing_key="wc",
+                                     declare=[queue])
+    with Connection(zk_url) as other:
+        got = drain(other, queue, 1, ack=False)
+        assert len(got) == 1
+    # closing `other` without acking put it back
+    assert [b for b, _ in drain(conn, queue, 1)] == [{"x": 1}]
+
+
+def test_dead_owner_is_recovered_and_cannot_ack(zk_url: str, zk_client: KazooClient) -> None:
+    """SIGKILL a consumer holding a message: a survivor gets it back, the dead one's ack fails."""
+    layout = layout_of(zk_url)
+    queue = Queue("dead", Exchange("dead", "direct"), "dead")
+    url = zk_url + "?session_timeout=2"
+    script = f"""
+import json, sys, time, celery_zk
+from kombu import Connection, Consumer, Exchange, Queue
+c = Connection({url!r})
+q = Queue('dead', Exchange('dead', 'direct'), 'dead')
+def on_message(body, message):
+    print(json.dumps([message.delivery_tag, c.transport.session.node_path]), flush=True)
+with Consumer(c, [q], callbacks=[on_message]):
+    c.drain_events(timeout=20)
+    time.sleep(60)
+"""
+    with Connection(url) as survivor:
+        Producer(survivor.channel()).publish({"x": 1}, exchange=queue.exchange,
+                                             routing_key="dead", declare=[queue])
+        doomed = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                  text=True)
+        try:
+            assert doomed.stdout is not None
+            tag, dead_node = json.loads(doomed.stdout.readline())
+            assert len(zk_client.get_children(layout.owned("dead"))) == 1
+            got: list[Any] = []
+            consumer = Consumer(survivor, [queue], callbacks=[lambda b, m: got.append((b, m))])
+            consumer.consume()
+            doomed.kill()  # no clean close: ZooKeeper notices when the session times out
+            doomed.wait(10)
+            killed = time.monotonic()
+            while not got and time.monotonic() - killed < 15:
+                try:
+                    survivor.drain_events(timeout=0.5)
+                except TimeoutError:
+                    pass
+            recovery = time.monotonic() - killed
+            assert got and got[0][0] == {"x": 1}
+            assert recovery < 2 + 2 + 1  # session timeout + 2 s (+1 s slack for the test)
+            assert got[0][1].delivery_info["redelivered"] is True
+            # The dead owner's late ack must not touch the survivor's claim.
+            assert survivor.transport.store.ack(tag, dead_node) is False
+            assert len(zk_client.get_children(layout.owned("dead"))) == 1
+            got[0][1].ack()
+            assert zk_client.get_children(layout.owned("dead")) == []
+            consumer.cancel()
+        finally:
+            doomed.kill()
+            doomed.wait(10)
+
+
+def test_idle_consumer_sends_no_requests(conn: Connection, zk_url: str) -> None:
+    queue = Queue("idle", Exchange("idle", "direct"), "idle")
+    queue(conn.channel()).declare()
+    client = conn.transport.handle.client
+    calls: list[str] = []
+    for name in ("get_children", "get", "exists", "get_async", "transaction"):
+        original = getattr(client, name)
+
+        def counting(*args: Any, __name: str = name, __orig: Any = original, **kw: Any) -> Any:
+            calls.append(__name)
+            return __orig(*args, **kw)
+        setattr(client, name, counting)
+    got: list[Any] = []
+    with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())]):
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=0.5)  # first look: lists once, arms the watch
+        calls.clear()
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.5)
+        assert calls == []  # idle: nothing but kazoo's own session pings
+        with Connection(zk_url) as other:
+            Producer(other.channel()).publish({"wake": 1}, exchange=queue.exchange,
+                                              routing_key="idle")
+        started = time.monotonic()
+        conn.drain_events(timeout=5)
+        assert got == [{"wake": 1}]
+        assert time.monotonic() - started < 5
+
+
+def test_foreign_and_undecodable_nodes_are_dead_lettered(conn: Connection, zk_url: str,
+                                                        zk_client: KazooClient) -> None:
+    layout = layout_of(zk_url)
+    queue = Queue("junk", Exchange("junk", "direct"), "junk")
+    producer = Producer(conn.channel())
+    producer.publish({"ok": 1}, exchange=queue.exchange, routing_key="junk", declare=[queue])
+    zk_client.create(layout.unowned("junk") + "/something-else", b"hello")
+    zk_client.create(layout.unowned("junk") + "/m0-0123456789abcdef-", b"{not json",
+                     sequence=True)
+    producer.publish({"ok": 2}, exchange=queue.exchange, routing_key="junk")
+    got = [b for b, _ in drain(conn, queue, 2)]
+    assert got == [{"ok": 1}, {"ok": 2}]
+    assert sorted(n.split("-")[0] for n in zk_client.get_children(layout.dead("junk"))) == [
+        "m0", "something"]
+    assert zk_client.get_children(layout.unowned("junk")) == []
+
+
+def test_oversized_message_is_refused_before_writing(conn: Connection, zk_url: str,
+                                                     zk_client: KazooClient) -> None:
+    queue = Queue("big", Exchange("big", "direct"), "big")
+    producer = Producer(conn.channel())
+    producer.publish({"small": 1}, exchange=queue.exchange, routing_key="big", declare=[queue])
+    with pytest.raises(MessageTooLarge, match="max_message_size"):
+        producer.publish({"blob": "x" * 2_000_000}, exchange=queue.exchange, routing_key="big")
+    layout = layout_of(zk_url)
+    assert len(zk_client.get_children(layout.unowned("big"))) == 1
+    producer.publish({"small": 2}, exchange=queue.exchange, routing_key="big")  # still usable
+    assert [b for b, _ in drain(conn, queue, 2)] == [{"small": 1}, {"small": 2}]
+
+
+def test_bad_url_and_unreachable_server_fail_clearly() -> None:
+    with pytest.raises(ZKConfigurationError, match="sesion_timeout"):
+        Connection("zk://127.0.0.1:1/x?sesion_timeout=1").connect()
+    started = time.monotonic()
+    with pytest.raises(Exception, match="Could not connect to ZooKeeper at 127.0.0.1:1 within 1s"):
+        Connection("zk://127.0.0.1:1/x?connect_timeout=1").default_channel
+    assert time.monotonic() - started < 10
+
+
+def test_stored_message_is_plain_json(conn: Connection, zk_url: str,
+                                      zk_client: KazooClient) -> None:
+    """Operators can read what is queued with zkCli."""
+    queue = Queue("plain", Exchange("plain", "direct"), "plain")
+    Producer(conn.channel()).publish({"a": 1}, exchange=queue.exchange, routing_key="plain",
+                                     declare=[queue], priority=4)
+    layout = layout_of(zk_url)
+    (name,) = zk_client.get_children(layout.unowned("plain"))
+    assert name.startswith("m5-")
+    data, _ = zk_client.get(layout.unowned("plain") + "/" + name)
+    assert json.loads(data)["properties"]["priority"] == 4

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import pytest
+
+from celery_zk.config import mask_password, parse_url
+from celery_zk.exceptions import ZKConfigurationError
+
+
+def test_full_url() -> None:
+    s = parse_url("zk://alice:s3cret@h1:2181,h2,[::1]:2183/myapp?session_timeout=5&claim_batch=8")
+    assert s.hosts == "h1:2181,h2:2181,[::1]:2183"
+    assert s.root == "/myapp"
+    assert (s.username, s.password) == ("alice", "s3cret")
+    assert s.options.session_timeout == 5.0 and s.options.claim_batch == 8
+    assert "s3cret" not in repr(s) and "s3cret" not in s.sanitized_url()
+
+
+def test_defaults() -> None:
+    s = parse_url("zk://")
+    assert (s.hosts, s.root, s.username) == ("localhost:2181", "/celery", None)
+
+
+def test_kombu_failover_form_is_one_host_list() -> None:
+    s = parse_url(["zk://h1:2181", "zk://h2:2182/app"])
+    assert s.hosts == "h1:2181,h2:2182" and s.root == "/app"
+    assert parse_url("zk://h1;zk://h2/app").hosts == "h1:2181,h2:2181"
+
+
+def test_url_wins_over_transport_options() -> None:
+    s = parse_url("zk://h/?session_timeout=3", {"session_timeout": 7, "connect_timeout": 2})
+    assert s.options.session_timeout == 3.0 and s.options.connect_timeout == 2.0
+
+
+def test_generic_kombu_options_are_accepted() -> None:
+    parse_url("zk://h/", {"polling_interval": 1, "max_retries": 3})
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("zk://h/?sesion_timeout=3", "Unknown celery_zk option 'sesion_timeout'"),
+    ("zk://h/?session_timeout=abc", "must be a number"),
+    ("zk://h/?session_timeout=-1", "must not be negative"),
+    ("zk://h/?use_ssl=maybe", "true or false"),
+    ("zk://h1,,h2/", "Empty host"),
+    ("zk://h:99999/", "out of range"),
+    ("zk://h:port/", "Malformed host"),
+    ("zk://bob@h/", "user:password"),
+    ("redis://h/", "not celery_zk's"),
+    ("h1:2181", "Not a zk:// URL"),
+    ("zk://h/?visibility_timeout=10", "no visibility timeout"),
+    ("zk://h/?a=1&a=2", "given twice"),
+    ("zk://h1/a;zk://h2/b", "same path"),
+])
+def test_bad_urls_say_what_is_wrong(url: str, fragment: str) -> None:
+    with pytest.raises(ZKConfigurationError, match=fragment.replace("(", r"\(")):
+        parse_url(url)
+
+
+def test_errors_never_show_passwords() -> None:
+    with pytest.raises(ZKConfigurationError) as info:
+        parse_url("zk://bob:hunter2@h1,,h2/")
+    assert "hunter2" not in str(info.value)
+
+
+def test_mask_password() -> None:
+    assert mask_password("zk://u:p@h:1/x") == "zk://u:**@h:1/x"
+    assert mask_password("zk://h:1/x") == "zk://h:1/x"

@@ -134,6 +134,10 @@ class ClientHandle:
                     self._client.add_listener(listener)
             return self._client
 
+    def connect(self) -> KazooClient:
+        """Connect now (the client is otherwise made on first use)."""
+        return self.client
+
     @property
     def started(self) -> bool:
         return self._client is not None and self._pid == os.getpid()

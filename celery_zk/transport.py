@@ -432,7 +432,7 @@ class Transport(virtual.Transport):
         self._wake.set()
 
     def establish_connection(self) -> Any:
-        self.handle.client  # connect now: a bad URL or dead server fails here, clearly
+        self.handle.connect()  # now: a bad URL or dead server fails here, clearly
         return super().establish_connection()
 
     def close_connection(self, connection: Any) -> None:

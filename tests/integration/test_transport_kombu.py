@@ -267,7 +267,7 @@ def test_bad_url_and_unreachable_server_fail_clearly() -> None:
         Connection("zk://127.0.0.1:1/x?sesion_timeout=1").connect()
     started = time.monotonic()
     with pytest.raises(Exception, match="Could not connect to ZooKeeper at 127.0.0.1:1 within 1s"):
-        Connection("zk://127.0.0.1:1/x?connect_timeout=1").default_channel
+        Connection("zk://127.0.0.1:1/x?connect_timeout=1").connect()
     assert time.monotonic() - started < 10
 
 

@@ -69,3 +69,28 @@ def tsum(values: list[int]) -> int:
 def fanout_subtasks(n: int) -> list[str]:
     """Publishes n subtasks from inside a task (in a prefork child: after fork)."""
     return [record.delay(f"sub-{i}").id for i in range(n)]
+
+
+# -- result backend tests (append-only) -----------------------------------------
+@app.task(bind=True, max_retries=3, default_retry_delay=0.1)
+def retry_once(self, value: object) -> object:
+    """Fails its first run with a retry, then returns ``value``."""
+    if self.request.retries == 0:
+        raise self.retry(exc=RuntimeError("first run retries"), countdown=0.1)
+    return value
+
+
+@app.task
+def huge_result(size: int) -> str:
+    return "x" * size
+
+
+@app.task
+def sleep_then(value: object, seconds: float = 0.5) -> object:
+    time.sleep(seconds)
+    return value
+
+
+@app.task
+def whoami(value: object) -> list[object]:
+    return [value, os.getpid()]

@@ -1,0 +1,475 @@
+"""Apache ZooKeeper result backend for Celery.
+
+Features
+========
+* Each task's result meta lives in one *done node*, ``results/{shard}/{task
+  id}``, found from the task id alone (256 shards: a million results is about
+  4,000 nodes per directory).
+* ``AsyncResult.get()``, ``GroupResult.get()/join()`` and ``ResultSet`` wait on
+  ZooKeeper watches, not by polling (see :mod:`celery_zk.result_consumer`).
+* Groups are saved under ``groups/``; chords count their finished header tasks
+  with a native counter (:mod:`celery_zk.chord`), so Celery never runs the
+  polling ``chord_unlock`` task.
+* ``result_expires`` is honoured by :meth:`ZooKeeperBackend.cleanup` (what
+  ``celery beat``'s ``backend_cleanup`` calls) through an index of nodes by the
+  hour they were written: cleanup reads only expired hours, never the done
+  area.
+* A result larger than ``max_message_size`` fails its task with
+  :class:`ResultTooLarge` (a :class:`~celery_zk.exceptions.MessageTooLarge`);
+  results are not chunked.
+
+Connection String
+=================
+The broker's grammar (:mod:`celery_zk.config`)::
+
+    result_backend = 'zk://[user:password@]host[:port][,host[:port]...][/path][?option=value]'
+
+Transport Options
+=================
+``result_backend_transport_options`` takes the broker's options
+(:class:`celery_zk.config.ZKOptions`); those the backend uses:
+
+* ``session_timeout`` (float, 10.0) and ``connect_timeout`` (float, 10.0).
+* ``max_message_size`` (int, 1000000): largest encoded result meta, bytes.
+* ``acl`` / ``read_only_users``, and the TLS options ``use_ssl``, ``ca``,
+  ``certfile``, ``keyfile``, ``keyfile_password``, ``verify_certs``.
+"""
+from __future__ import annotations
+
+import contextvars
+import logging
+import queue
+import time
+from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
+from typing import Any, NamedTuple, Optional
+
+from celery import states
+from celery.backends.asynchronous import AsyncBackendMixin
+from celery.backends.base import BaseKeyValueStoreBackend
+from celery.exceptions import TimeoutError
+from kazoo.client import KazooClient
+from kazoo.exceptions import (
+    BadVersionError,
+    ConnectionLoss,
+    NodeExistsError,
+    NoNodeError,
+    NotEmptyError,
+    OperationTimeoutError,
+    RolledBackError,
+    RuntimeInconsistency,
+    SessionExpiredError,
+)
+from kazoo.protocol.paths import join
+from kazoo.protocol.states import WatchedEvent
+from kazoo.retry import ForceRetryError, RetryFailedError
+from kombu.exceptions import EncodeError
+
+from .chord import ChordCounter
+from .client import ClientHandle
+from .config import mask_password, parse_url
+from .exceptions import MessageTooLarge, ZKConnectionError
+from .layout import Layout
+from .result_consumer import ResultConsumer, read_nodes
+
+__all__ = ["ZooKeeperBackend", "ResultTooLarge", "Key", "expiry_hour", "bucket_expired"]
+
+logger = logging.getLogger(__name__)
+
+RESULT, GROUP, CHORD = "r", "g", "c"  # expiry index kinds
+HOUR = 3600
+
+
+class ResultTooLarge(MessageTooLarge, EncodeError):
+    """A task's result meta does not fit in one znode.
+
+    Also a kombu ``EncodeError``: Celery's tracer then records the task as
+    failed with this error, as it does for a result that cannot be serialized,
+    and the worker carries on.
+    """
+
+
+class Key(NamedTuple):
+    """What Celery's key/value protocol calls a key: a kind and an id."""
+
+    kind: str
+    id: str
+
+
+def expiry_hour(timestamp: float) -> int:
+    """The index bucket a node written at ``timestamp`` goes in."""
+    return int(timestamp // HOUR)
+
+
+def bucket_expired(hour: int, cutoff: float) -> bool:
+    """True when everything written in ``hour`` is older than ``cutoff``."""
+    return (hour + 1) * HOUR <= cutoff
+
+
+# The header task whose return is being counted, for incr() (see on_chord_part_return).
+_chord_part: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(  # noqa: UP045
+    "celery_zk_chord_part", default=None)
+
+
+class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
+    """Task results in ZooKeeper; waits on watches (see module docstring)."""
+
+    ResultConsumer = ResultConsumer
+
+    supports_native_join = True
+    supports_autoexpire = False  # beat's backend_cleanup calls cleanup()
+    supports_result_compression = True  # node data is stored as raw bytes
+    implements_incr = True
+
+    #: Exceptions after which a result operation may be retried
+    #: (with ``result_backend_always_retry``).
+    connection_errors = (ConnectionLoss, SessionExpiredError, OperationTimeoutError,
+                         RetryFailedError, ZKConnectionError)
+
+    def __init__(self, url: str | None = None, **kwargs: Any) -> None:
+        super().__init__(url=url, **kwargs)
+        conf = self.app.conf
+        if not url:
+            configured = conf.result_backend
+            url = configured if isinstance(configured, str) and "://" in configured else "zk://"
+        self.url = url
+        self.settings = parse_url(url, conf.get("result_backend_transport_options"))
+        self.layout = Layout(self.settings.root)
+        self.max_size = self.settings.options.max_message_size
+        #: Seconds since the epoch; the expiry index and cleanup() read it.
+        self.clock: Callable[[], float] = time.time
+        self._handle = ClientHandle(self.settings)
+        self.result_consumer = self.ResultConsumer(
+            self, self.app, self.accept, self._pending_results, self._pending_messages)
+
+    def __reduce__(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+                   ) -> Any:
+        return super().__reduce__(args, dict(kwargs or {}, url=self.url,
+                                             expires=self.expires))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}: {self.settings.sanitized_url()}>"
+
+    def as_uri(self, include_password: bool = False) -> str:
+        return self.url if include_password else mask_password(self.url)
+
+    @property
+    def client(self) -> KazooClient:
+        return self._handle.client
+
+    def close(self) -> None:
+        """Stop waiting and end this process's ZooKeeper session."""
+        self.result_consumer.stop()
+        self._handle.close()
+
+    def exception_safe_to_retry(self, exc: BaseException) -> bool:
+        return isinstance(exc, self.connection_errors)
+
+    # -- keys -----------------------------------------------------------------
+    def get_key_for_task(self, task_id: str, key: str = "") -> Key:
+        if not task_id:
+            raise ValueError(f"task_id must not be empty. Got {task_id} instead.")
+        return Key(RESULT, str(task_id) + key)
+
+    def get_key_for_group(self, group_id: str, key: str = "") -> Key:
+        if not group_id:
+            raise ValueError(f"group_id must not be empty. Got {group_id} instead.")
+        return Key(GROUP, str(group_id) + key)
+
+    def get_key_for_chord(self, group_id: str, key: str = "") -> Key:
+        if not group_id:
+            raise ValueError(f"group_id must not be empty. Got {group_id} instead.")
+        return Key(CHORD, str(group_id) + key)
+
+    def path(self, key: Key) -> str:
+        if key.kind == RESULT:
+            return self.layout.result(key.id)
+        if key.kind == GROUP:
+            return self.layout.group(key.id)
+        if key.kind == CHORD:
+            return self.layout.chord(key.id)
+        raise ValueError(f"unknown key kind {key.kind!r}")
+
+    def result_path(self, task_id: str) -> str:
+        return self.layout.result(str(task_id))
+
+    # -- key/value primitives -------------------------------------------------
+    def get(self, key: Key) -> bytes | None:
+        return self.mget([key])[0]
+
+    def mget(self, keys: Iterable[Key]) -> list[bytes | None]:
+        return read_nodes(self.client, [self.path(k) for k in keys])
+
+    def set(self, key: Key, value: bytes) -> None:
+        self._write(key, value, keep_success=False)
+
+    def delete(self, key: Key) -> None:
+        self._retry(self._delete, self.path(key))
+
+    def _delete(self, path: str) -> None:
+        try:
+            self.client.delete(path)
+        except NoNodeError:
+            pass
+        except NotEmptyError:  # a chord counter and its parts
+            self.client.delete(path, recursive=True)
+
+    def expire(self, key: Key, value: Any) -> None:
+        """Per-key lifetimes are not kept: cleanup() applies ``result_expires``."""
+
+    def incr(self, key: Key) -> int:
+        """Count one finished chord part; a part counted before returns 0."""
+        part = _chord_part.get()
+        counter = ChordCounter(self.client, self.layout, key.id,
+                               create=lambda: self._write(key, b"0", create_only=True))
+        if part is None:  # called outside on_chord_part_return: count the call
+            part = f"call-{time.monotonic_ns()}"
+        counted = counter.increment(part)
+        if counted is None:
+            logger.warning("celery_zk: chord %s part %s was already counted; ignoring "
+                           "the duplicate", key.id, part)
+            return 0
+        return counted
+
+    # -- writes ---------------------------------------------------------------
+    def _store_result(self, task_id: str, result: Any, state: str,
+                      traceback: str | None = None, request: Any = None,
+                      **kwargs: Any) -> Any:
+        meta = self._get_result_meta(result=result, state=state,
+                                     traceback=traceback, request=request)
+        meta["task_id"] = str(task_id)
+        data = self.encode(meta)
+        self.check_size(task_id, data)
+        self._write(self.get_key_for_task(task_id), data, keep_success=True)
+        return result
+
+    def check_size(self, task_id: str, data: bytes | str) -> None:
+        size = len(data)
+        if size > self.max_size:
+            raise ResultTooLarge(
+                f"Result of task {task_id} is {size} bytes; ZooKeeper nodes hold at "
+                f"most {self.max_size} (option max_message_size, server "
+                "jute.maxbuffer). Store large results elsewhere and return a reference.")
+
+    def _write(self, key: Key, value: bytes | str, keep_success: bool = False,
+               create_only: bool = False) -> bool:
+        """Create or replace a node and index it for expiry, atomically.
+
+        With ``keep_success`` a stored SUCCESS is never replaced (the same rule
+        as Celery's ``_store_result``, here a compare-and-set on the node
+        version instead of a racy read-then-write); with ``create_only`` an
+        existing node is left alone. False when the node was left alone.
+        """
+        data = value.encode() if isinstance(value, str) else value
+        return self._retry(self._inner_write, key, data, keep_success, create_only)
+
+    def _retry(self, func: Callable[..., Any], *args: Any) -> Any:
+        return self.client.retry(func, *args)
+
+    def _inner_write(self, key: Key, data: bytes, keep_success: bool,
+                     create_only: bool) -> bool:
+        client = self.client
+        path = self.path(key)
+        entry = self.layout.expiry_entry(expiry_hour(self.clock()), key.kind, key.id)
+        current = client.get_async(path)
+        indexed = client.exists_async(entry)
+        try:
+            old, stat = current.get()
+        except NoNodeError:
+            old, stat = None, None
+        if stat is not None and (create_only or keep_success and self._is_success(old)):
+            return False
+        # Without the transaction, a crash between the two would leave a
+        # result cleanup() never finds, or an index entry for nothing.
+        tx = client.transaction()
+        if stat is None:
+            tx.create(path, data)
+        else:
+            tx.set_data(path, data, version=stat.version)
+        if indexed.get() is None:
+            tx.create(entry)
+        self._check_commit(tx.commit(), [path, entry])
+        return True
+
+    def _check_commit(self, results: list[Any], paths: list[str]) -> None:
+        errors = [r for r in results if isinstance(r, Exception)]
+        if not errors:
+            return
+        if any(isinstance(r, NoNodeError) for r in errors):
+            # The first write to a shard or an hour: make the directories, retry.
+            for path in paths:
+                self.client.ensure_path(path.rsplit("/", 1)[0])
+            raise ForceRetryError()
+        if any(isinstance(r, (BadVersionError, NodeExistsError)) for r in errors):
+            raise ForceRetryError()  # a concurrent writer: read again
+        raise next(e for e in errors if not _is_rollback(e))
+
+    def _is_success(self, data: bytes) -> bool:
+        try:
+            return bool(self.decode(data)["status"] == states.SUCCESS)
+        except Exception:  # an undecodable node is not a result to protect
+            return False
+
+    # -- groups and chords ----------------------------------------------------
+    def _apply_chord_incr(self, header_result_args: Any, body: Any, **kwargs: Any) -> Any:
+        super()._apply_chord_incr(header_result_args, body, **kwargs)
+        header_id = header_result_args[0]
+        # Made up front so it is indexed for expiry even if the chord never ends.
+        self._write(self.get_key_for_chord(header_id), b"0", create_only=True)
+
+    def on_chord_part_return(self, request: Any, state: str, result: Any,
+                             **kwargs: Any) -> Any:
+        token = _chord_part.set(str(request.id))
+        try:
+            return super().on_chord_part_return(request, state, result, **kwargs)
+        finally:
+            _chord_part.reset(token)
+
+    # -- reading --------------------------------------------------------------
+    def forget(self, task_id: str) -> None:
+        super().forget(task_id)
+        self.result_consumer.cancel_for(task_id)
+
+    def get_many(self, task_ids: Iterable[str], timeout: float | None = None,
+                 interval: float = 0.5, no_ack: bool = True,
+                 on_message: Callable[[dict[str, Any]], None] | None = None,
+                 on_interval: Callable[[], None] | None = None,
+                 max_iterations: int | None = None,
+                 READY_STATES: frozenset[str] = states.READY_STATES,
+                 ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Yield ``(task id, meta)`` as each result is ready, woken by watches.
+
+        One pipelined read for all ids, then one per woken id; ``interval``
+        only paces ``on_interval``, it never triggers a re-read.
+        """
+        ids = {str(t) for t in task_ids}
+        for task_id in list(ids):
+            cached = self._cache.get(task_id)
+            if cached is not None and cached["status"] in READY_STATES:
+                ids.discard(task_id)
+                yield task_id, cached
+        woken: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        by_path = {self.result_path(t): t for t in ids}
+
+        def on_watch(event: WatchedEvent) -> None:  # kazoo's thread: just queue
+            woken.put(by_path.get(event.path) if event.path else None)
+
+        watch = on_watch if max_iterations != 1 else None
+        to_read: AbstractSet[str] = frozenset(ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        iterations = 0
+        while ids:
+            keys = sorted(to_read & ids)
+            datas = read_nodes(self.client, [self.result_path(t) for t in keys], watch)
+            for task_id, data in zip(keys, datas):
+                if not data:
+                    continue
+                meta = self.decode_result(data)
+                if meta["status"] not in READY_STATES:
+                    continue
+                self._cache[task_id] = meta
+                ids.discard(task_id)
+                if on_message is not None:
+                    on_message(meta)
+                yield task_id, meta
+            iterations += 1
+            if not ids or (max_iterations and iterations >= max_iterations):
+                break
+            to_read = self._wait_woken(woken, ids, deadline, interval, on_interval, timeout)
+
+    def _wait_woken(self, woken: queue.SimpleQueue[str | None], ids: AbstractSet[str],
+                    deadline: float | None, interval: float,
+                    on_interval: Callable[[], None] | None,
+                    timeout: float | None) -> AbstractSet[str]:
+        while True:
+            wait = interval if deadline is None else min(interval, deadline - time.monotonic())
+            if wait <= 0:
+                raise TimeoutError(f"Operation timed out ({timeout})")
+            try:
+                first = woken.get(timeout=wait)
+            except queue.Empty:
+                if on_interval:
+                    on_interval()
+                continue
+            got = {first}
+            while True:
+                try:
+                    got.add(woken.get_nowait())
+                except queue.Empty:
+                    break
+            # None: the connection dropped and kazoo cleared our watches.
+            return set(ids) if None in got else {t for t in got if t is not None}
+
+    # -- expiry ---------------------------------------------------------------
+    def cleanup(self) -> None:
+        """Delete results, groups and chords older than ``result_expires``.
+
+        Only index buckets whose whole hour is past the cutoff are read. A node
+        is deleted only if it was last written before the cutoff: one rewritten
+        since has a newer entry that will expire it later.
+        """
+        if not self.expires:
+            return
+        cutoff = self.clock() - float(self.expires)
+        client = self.client
+        try:
+            buckets = self._retry(client.get_children, self.layout.expiry)
+        except NoNodeError:
+            return
+        removed = 0
+        for name in sorted(buckets):
+            hour = self.layout.parse_expiry_bucket(name)
+            if hour is None or not bucket_expired(hour, cutoff):
+                continue
+            removed += self._cleanup_bucket(hour, cutoff)
+        if removed:
+            logger.info("celery_zk: cleanup removed %d expired results/groups from %s",
+                        removed, self.settings.sanitized_url())
+
+    def _cleanup_bucket(self, hour: int, cutoff: float) -> int:
+        client = self.client
+        bucket = self.layout.expiry_bucket(hour)
+        removed = 0
+        for shard in self._retry(client.get_children, bucket):
+            shard_path = self.layout.expiry_shard(hour, shard)
+            names = self._retry(client.get_children, shard_path)
+            keys = [Key(*parsed) for parsed in map(self.layout.parse_expiry_entry, names)
+                    if parsed is not None]
+            removed += self._retry(self._expire_nodes, keys, cutoff)
+            for name in names:
+                self._delete_quietly(join(shard_path, name))
+            self._delete_quietly(shard_path)
+        self._delete_quietly(bucket)
+        return removed
+
+    def _expire_nodes(self, keys: list[Key], cutoff: float) -> int:
+        client = self.client
+        paths = [self.path(key) for key in keys]
+        stats = [client.exists_async(path) for path in paths]
+        deletes = []
+        for key, path, async_stat in zip(keys, paths, stats):
+            stat = async_stat.get()
+            if stat is None or stat.mtime / 1000.0 >= cutoff:
+                continue
+            if key.kind == CHORD:
+                self.delete(key)  # with its parts
+            else:  # version: a rewrite since the stat wins
+                deletes.append(client.delete_async(path, version=stat.version))
+        removed = 0
+        for async_delete in deletes:
+            try:
+                async_delete.get()
+                removed += 1
+            except (NoNodeError, BadVersionError):
+                pass
+        return removed
+
+    def _delete_quietly(self, path: str) -> None:
+        try:
+            self._retry(self.client.delete, path)
+        except (NoNodeError, NotEmptyError):
+            pass  # gone already, or written to meanwhile: the next cleanup gets it
+
+
+def _is_rollback(exc: Exception) -> bool:
+    return isinstance(exc, (RolledBackError, RuntimeInconsistency))

@@ -1,0 +1,178 @@
+"""Waiting for results on ZooKeeper watches instead of polling.
+
+This plays the part pub/sub plays for Celery's redis backend. For every task
+id a client waits on, the consumer reads the task's done node *and* leaves a
+watch on it in the same round trip (``exists`` with a watch, pipelined with a
+``get``). A result written before the watch was set is therefore seen by that
+read; one written after fires the watch. Watches fire once: a read after a
+wake-up leaves a new one, so a task that goes STARTED -> SUCCESS wakes the
+waiter twice.
+
+Watch callbacks run on kazoo's single event thread and must never block, so
+they only put the task id on an in-process queue. :meth:`drain_events`, run by
+the waiting thread (Celery's ``Drainer``), blocks on that queue with a
+timeout, reads the woken nodes and hands their meta to Celery.
+
+kazoo drops every watch when the connection is lost. A state listener puts a
+marker on the same queue when the connection comes back, and the next drain
+re-reads (and re-watches) every pending task, so results written while we
+were disconnected are not missed either.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from celery import states
+from celery.backends.asynchronous import BaseResultConsumer
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import NoNodeError
+from kazoo.protocol.states import WatchedEvent
+
+__all__ = ["ResultConsumer", "read_nodes"]
+
+logger = logging.getLogger(__name__)
+
+Watch = Callable[[WatchedEvent], None]
+
+#: Queued by the state listener: re-read every pending task.
+_RECONNECTED = None
+
+
+def read_nodes(client: KazooClient, paths: Sequence[str],
+               watch: Watch | None = None) -> list[bytes | None]:
+    """The data of each node (``None`` where missing), in one round trip.
+
+    With ``watch``, each node is also watched for its creation or its next
+    change; the ``exists`` is sent before the ``get`` on the same session, so
+    ZooKeeper orders them and no write can fall between read and watch.
+    """
+    return client.retry(_read_nodes, client, list(paths), watch)
+
+
+def _read_nodes(client: KazooClient, paths: list[str],
+                watch: Watch | None) -> list[bytes | None]:
+    pending = []
+    for path in paths:
+        if watch is not None:
+            client.exists_async(path, watch=watch)
+        pending.append(client.get_async(path))
+    datas: list[bytes | None] = []
+    for async_result in pending:
+        try:
+            data, _ = async_result.get()
+        except NoNodeError:
+            data = None
+        datas.append(data)
+    return datas
+
+
+class ResultConsumer(BaseResultConsumer):
+    """Celery's result consumer interface on top of ZooKeeper data watches."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._reset()
+
+    def _reset(self) -> None:
+        # Plain dict/queue operations only (atomic under the GIL): cancel_for()
+        # runs from AsyncResult.__del__, where taking a lock could deadlock.
+        self._pending: dict[str, str] = {}   # task id -> done node path
+        self._by_path: dict[str, str] = {}   # done node path -> task id
+        self._woken: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._client: KazooClient | None = None
+        self._disconnected = False
+        self._pid = os.getpid()
+
+    # -- kazoo threads: never block -------------------------------------------
+    def _on_watch(self, event: WatchedEvent) -> None:
+        if event.path is None:
+            return  # connection-state event: _on_state re-arms everything
+        task_id = self._by_path.get(event.path)
+        if task_id is not None:
+            self._woken.put(task_id)
+
+    def _on_state(self, state: str) -> None:
+        if state == KazooState.CONNECTED:
+            if self._disconnected:
+                self._disconnected = False
+                self._woken.put(_RECONNECTED)
+        else:
+            self._disconnected = True
+
+    # -- Celery's interface ---------------------------------------------------
+    def start(self, initial_task_id: str, **kwargs: Any) -> None:
+        self.consume_from(initial_task_id)
+
+    def consume_from(self, task_id: str) -> None:
+        self._check_fork()
+        if task_id in self._pending:
+            return
+        path = self.backend.result_path(task_id)
+        self._by_path[path] = task_id
+        self._pending[task_id] = path
+        # The first read happens in drain_events, in the waiting thread; it
+        # both returns a result already written and arms the watch.
+        self._woken.put(task_id)
+
+    def cancel_for(self, task_id: str) -> None:
+        path = self._pending.pop(task_id, None)
+        if path is not None:
+            self._by_path.pop(path, None)
+        # A watch already set stays until it fires; it is then ignored.
+
+    def drain_events(self, timeout: float | None = None) -> None:
+        client = self._ensure_client()
+        try:
+            first = self._woken.get(timeout=timeout)
+        except queue.Empty:
+            return
+        woken = {first}
+        while True:
+            try:
+                woken.add(self._woken.get_nowait())
+            except queue.Empty:
+                break
+        if _RECONNECTED in woken:
+            task_ids = list(self._pending.copy())
+        else:
+            task_ids = [t for t in woken if t is not None and t in self._pending]
+        if not task_ids:
+            return
+        paths = [self.backend.result_path(task_id) for task_id in task_ids]
+        for data in read_nodes(client, paths, self._on_watch):
+            if data:
+                self.on_state_change(self.backend.decode_result(data), None)
+
+    def on_state_change(self, meta: dict[str, Any], message: Any) -> None:
+        super().on_state_change(meta, message)
+        if meta["status"] in states.READY_STATES:
+            self.cancel_for(meta["task_id"])
+
+    def on_after_fork(self) -> None:
+        # The parent's watches, listener and queue belong to its client; the
+        # child gets its own client from ClientHandle and starts empty.
+        self._reset()
+
+    def stop(self) -> None:
+        client, self._client = self._client, None
+        if client is not None and self._pid == os.getpid():
+            client.remove_listener(self._on_state)
+
+    # -- internals ------------------------------------------------------------
+    def _check_fork(self) -> None:
+        if self._pid != os.getpid():
+            self._after_fork()
+
+    def _ensure_client(self) -> KazooClient:
+        self._check_fork()
+        client = self.backend.client
+        if client is not self._client:
+            client.add_listener(self._on_state)
+            if self._client is not None:  # a new session: no watch of ours on it
+                self._woken.put(_RECONNECTED)
+            self._client = client
+        return client

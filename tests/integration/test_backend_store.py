@@ -1,0 +1,196 @@
+"""The zk:// backend against a real ZooKeeper, driven in-process (no worker needed).
+
+Waiting, reconnects and expiry depend on timing a worker would only blur, so
+these tests write results through the backend's own API.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery, states
+from kazoo.protocol.connection import _CONNECTION_DROP
+
+import celery_zk.result_consumer as result_consumer
+from celery_zk.backend import HOUR, ZooKeeperBackend
+
+from .workers import wait_until
+
+
+@pytest.fixture
+def app(zk_url: str) -> Iterator[Celery]:
+    client_app = Celery("store", broker="memory://", backend=zk_url, set_as_current=False)
+    client_app.conf.result_expires = 24 * HOUR
+    yield client_app
+    client_app.backend.close()
+    client_app.close()
+
+
+@pytest.fixture
+def backend(app: Celery) -> ZooKeeperBackend:
+    b = app.backend
+    assert isinstance(b, ZooKeeperBackend)
+    return b
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """Every batch of done nodes the result consumer reads."""
+    calls: list[list[str]] = []
+    real = result_consumer.read_nodes
+
+    def counting(client: Any, paths: Any, watch: Any = None) -> Any:
+        calls.append(list(paths))
+        return real(client, paths, watch)
+
+    monkeypatch.setattr(result_consumer, "read_nodes", counting)
+    return calls
+
+
+def store_later(backend: ZooKeeperBackend, delay: float, task_id: str, value: Any,
+                state: str = states.SUCCESS) -> threading.Timer:
+    timer = threading.Timer(delay, backend.store_result, (task_id, value, state))
+    timer.start()
+    return timer
+
+
+def test_result_written_before_get_is_returned(app: Celery, backend: ZooKeeperBackend) -> None:
+    backend.store_result("early", {"v": 1}, states.SUCCESS)
+    assert app.AsyncResult("early").get(timeout=5) == {"v": 1}
+    assert app.AsyncResult("early").ready()
+
+
+def test_get_is_woken_by_the_watch_without_polling(
+        app: Celery, backend: ZooKeeperBackend, reads: list[list[str]]) -> None:
+    result = app.AsyncResult("late")
+    timer = store_later(backend, 2.0, "late", "done")
+    started = time.monotonic()
+    assert result.get(timeout=10) == "done"
+    waited = time.monotonic() - started
+    timer.join()
+    assert 1.9 < waited < 3.0
+    # Two reads in two seconds: the first (arms the watch), the one the watch woke.
+    assert len(reads) == 2, reads
+
+
+def test_state_changes_re_arm_the_watch(app: Celery, backend: ZooKeeperBackend) -> None:
+    backend.store_result("steps", None, states.STARTED)
+    seen: list[str] = []
+    timers = [store_later(backend, 0.3, "steps", {"p": 1}, states.STARTED),
+              store_later(backend, 0.8, "steps", 7, states.SUCCESS)]
+    assert app.AsyncResult("steps").get(timeout=10, on_message=lambda m: seen.append(
+        m["status"])) == 7
+    for timer in timers:
+        timer.join()
+    assert seen[0] == states.STARTED and seen[-1] == states.SUCCESS
+
+
+def test_success_is_not_overwritten(app: Celery, backend: ZooKeeperBackend) -> None:
+    backend.store_result("once", 1, states.SUCCESS)
+    backend.store_result("once", None, states.STARTED)  # a late duplicate run
+    assert app.AsyncResult("once").get(timeout=5) == 1
+    assert backend.get_task_meta("once", cache=False)["status"] == states.SUCCESS
+
+
+def test_watches_are_re_armed_after_reconnect(
+        app: Celery, backend: ZooKeeperBackend, reads: list[list[str]]) -> None:
+    result = app.AsyncResult("across-reconnect")
+    box: dict[str, Any] = {}
+    waiter = threading.Thread(target=lambda: box.update(value=result.get(timeout=20)))
+    waiter.start()
+    wait_until(lambda: len(reads) >= 1, 5)  # watch armed
+    client = backend.client
+    dropped = threading.Event()
+    client.add_listener(lambda state: dropped.set() if state != "CONNECTED" else None)
+    client._call(_CONNECTION_DROP, None)  # kazoo's own test hook: drops the socket
+    wait_until(dropped.is_set, 5)
+    wait_until(lambda: client.connected, 10)
+    # Written through another session: only a re-armed watch can wake the waiter.
+    other = Celery("writer", broker="memory://", backend=backend.url, set_as_current=False)
+    try:
+        other.backend.store_result("across-reconnect", "still here", states.SUCCESS)
+    finally:
+        other.backend.close()
+    waiter.join(15)
+    assert box.get("value") == "still here"
+
+
+def test_get_many_waits_on_watches(app: Celery, backend: ZooKeeperBackend) -> None:
+    backend.store_result("m0", 0, states.SUCCESS)
+    timers = [store_later(backend, 0.2 * i, f"m{i}", i) for i in range(1, 4)]
+    got = dict(backend.get_many([f"m{i}" for i in range(4)], timeout=10))
+    for timer in timers:
+        timer.join()
+    assert {k: v["result"] for k, v in got.items()} == {f"m{i}": i for i in range(4)}
+    with pytest.raises(Exception, match="timed out"):
+        list(backend.get_many(["never"], timeout=0.3))
+
+
+def test_cleanup_removes_expired_results_and_only_those(
+        app: Celery, backend: ZooKeeperBackend) -> None:
+    now = time.time()
+    expires = 24 * HOUR
+    for task_id in ("old-1", "old-2"):
+        backend.store_result(task_id, task_id, states.SUCCESS)
+    # Same real write time, but indexed two days later: not expired yet then.
+    backend.clock = lambda: now + 2 * expires
+    backend.store_result("new", "new", states.SUCCESS)
+    app.GroupResult("future-group", [app.AsyncResult("new")]).save(backend=backend)
+
+    backend.clock = lambda: now + expires + 2 * HOUR
+    backend.cleanup()
+
+    assert app.AsyncResult("old-1").state == states.PENDING
+    assert app.AsyncResult("old-2").state == states.PENDING
+    assert app.AsyncResult("new").get(timeout=5) == "new"
+    assert backend.restore_group("future-group", cache=False) is not None
+    # Only the not-yet-expired hour is left in the index.
+    assert backend.client.get_children(backend.layout.expiry) == [
+        f"h{int((now + 2 * expires) // HOUR):010d}"]
+
+
+def test_cleanup_keeps_a_node_rewritten_since_its_entry(
+        app: Celery, backend: ZooKeeperBackend) -> None:
+    now = time.time()
+    # Indexed in an hour two days ago, but the node itself was written just now
+    # (as after a rewrite): the stale entry goes, the node stays.
+    backend.clock = lambda: now - 2 * 24 * HOUR
+    backend.store_result("rewritten", "kept", states.SUCCESS)
+    backend.clock = time.time
+    backend.cleanup()
+    assert app.AsyncResult("rewritten").get(timeout=5) == "kept"
+    assert backend.client.get_children(backend.layout.expiry) == []
+
+
+def test_forget_and_group_delete(app: Celery, backend: ZooKeeperBackend) -> None:
+    backend.store_result("f", 1, states.SUCCESS)
+    backend.forget("f")
+    assert app.AsyncResult("f").state == states.PENDING
+    backend.forget("f")  # twice is fine
+    group = app.GroupResult("g1", [app.AsyncResult("f")])
+    group.save(backend=backend)
+    assert backend.restore_group("g1", cache=False).results[0].id == "f"
+    backend.delete_group("g1")
+    assert backend.restore_group("g1", cache=False) is None
+
+
+def test_chord_counter_counts_each_part_once(backend: ZooKeeperBackend) -> None:
+    from celery_zk.chord import ChordCounter
+
+    counter = ChordCounter(backend.client, backend.layout, "chord-1")
+    assert [counter.increment(f"part-{i}") for i in range(3)] == [1, 2, 3]
+    assert counter.increment("part-1") is None  # redelivered header task
+    assert counter.value() == 3
+
+    racing = ChordCounter(backend.client, backend.layout, "chord-2")
+    counts: list[int | None] = []
+    threads = [threading.Thread(target=lambda i=i: counts.append(racing.increment(f"p{i}")))
+               for i in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(c for c in counts if c is not None) == list(range(1, 21))

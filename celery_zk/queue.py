@@ -280,6 +280,18 @@ class QueueStore:
         name = owned.partition("~")[2]
         return self._move_to_dead(owned_path, layout.dead_message(queue, name), reason)
 
+    def discard(self, owned_path: str) -> None:
+        """Delete an owned message without waiting for the reply (no_ack consumers)."""
+        def done(result: Any) -> None:
+            try:
+                result.get()
+            except NoNodeError:
+                pass
+            except Exception:  # the owner's session end requeues it: at-least-once
+                logger.warning("celery_zk: could not delete no-ack message %s", owned_path,
+                               exc_info=True)
+        self.client.delete_async(owned_path).rawlink(done)
+
     def dead_letter_unowned(self, queue: str, name: str, reason: str) -> bool:
         """Move a node we cannot deliver out of the way, so it is not retried forever."""
         return self._move_to_dead(self.layout.unowned_message(queue, name),

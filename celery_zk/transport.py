@@ -136,6 +136,7 @@ class Channel(virtual.Channel):
         super().__init__(connection, **kwargs)
         self.options = connection.settings.options
         self._states: dict[str, _QueueState] = {}
+        self._no_ack_queues: set[str] = set()
 
     # -- consuming ----------------------------------------------------------------
     def consumer_node(self) -> str:
@@ -144,6 +145,8 @@ class Channel(virtual.Channel):
     def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
         # Register before the first claim: an owned message must always name a session.
         self.connection.session.ensure_registered()
+        if no_ack:
+            self._no_ack_queues.add(queue)
         result = super().basic_consume(queue, no_ack, *args, **kwargs)
         self.connection.wake()
         return result
@@ -179,7 +182,16 @@ class Channel(virtual.Channel):
             claimed = state.buffer.popleft()
             payload = self._decode(claimed)
             if payload is not None:
+                if queue in self._no_ack_queues:
+                    # No ack will come (event monitors): delivered means done.
+                    self.connection.store.discard(claimed.owned_path)
                 return payload
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        message = super().basic_get(queue, no_ack, **kwargs)
+        if message is not None and no_ack:
+            self.connection.store.discard(message.delivery_tag)
+        return message
 
     def _decode(self, claimed: Claimed) -> dict[str, Any] | None:
         try:

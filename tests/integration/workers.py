@@ -116,3 +116,24 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.1, message: s
             return
         time.sleep(interval)
     raise AssertionError(message or f"condition not met within {timeout}s")
+
+
+def celery_cli(args: list[str], broker: str, timeout: float = 60,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``celery -A proj.app ARGS`` against ``broker``; returns the finished process."""
+    full_env = dict(os.environ)
+    full_env.update({
+        "CELERY_ZK_TEST_BROKER": broker,
+        "PYTHONPATH": os.pathsep.join([str(HERE), full_env.get("PYTHONPATH", "")]),
+    })
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "celery", "-A", "proj.app", *args],
+                          env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def client_env(broker: str, backend: str | None = None) -> None:
+    """Point this process's ``proj.app`` at the test broker before importing it."""
+    os.environ["CELERY_ZK_TEST_BROKER"] = broker
+    os.environ["CELERY_ZK_TEST_BACKEND"] = backend or ""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))

@@ -1,0 +1,195 @@
+"""The zk:// broker under real ``celery worker`` processes and the celery CLI."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from kazoo.client import KazooClient
+
+from celery_zk.layout import Layout, parse_consumer_name, split_owned_name
+
+from .workers import HERE, celery_cli, executed_values, read_log, wait_until
+
+LAYOUT = Layout("/")  # the zk_client fixture is chrooted at the test's root
+
+
+@pytest.fixture
+def client_app(zk_url: str) -> Iterator[Celery]:
+    """A client-side app: sends tasks by name to the workers' ``proj.app``."""
+    app = Celery("client", broker=zk_url)
+    yield app
+    app.close()
+
+
+def send(app: Celery, name: str, *args: Any, **options: Any) -> Any:
+    return app.send_task(f"proj.app.{name}", args=args, **options)
+
+
+def owned_by(zk_client: KazooClient, queue: str = "celery") -> list[str]:
+    return [split_owned_name(n)[0] for n in zk_client.get_children(LAYOUT.owned(queue))
+            if split_owned_name(n)]
+
+
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_thousand_tasks(pool: str, zk_url: str, client_app: Celery, start_worker: Any,
+                        task_log: Path, zk_client: KazooClient) -> None:
+    for i in range(1000):
+        send(client_app, "record", i)
+    # a task that publishes subtasks itself: in a prefork child, after fork
+    send(client_app, "fanout_subtasks", 20)
+    start_worker(zk_url, log=task_log, pool=pool, concurrency=4 if pool == "threads" else 2)
+    wait_until(lambda: len(read_log(task_log)) >= 1020, 180,
+               message=f"only {len(read_log(task_log))} of 1020 tasks ran")
+    counts = executed_values(task_log)
+    assert {v for v in counts if isinstance(v, int)} == set(range(1000))
+    assert {v for v in counts if isinstance(v, str)} == {f"sub-{i}" for i in range(20)}
+    assert max(counts.values()) == 1  # nobody died: no duplicates either
+    wait_until(lambda: zk_client.get_children(LAYOUT.owned("celery")) == [], 10)
+
+
+@pytest.mark.slow
+def test_sigkill_one_of_two_workers_loses_nothing(zk_url: str, start_worker: Any,
+                                                  task_log: Path, zk_client: KazooClient,
+                                                  record_property: Any) -> None:
+    session_timeout = 2
+    url = f"{zk_url}?session_timeout={session_timeout}"
+    app = Celery("client", broker=url)
+    total = 300
+    for i in range(total):
+        send(app, "slow_record", i, 0.05)  # acks_late: acked only after it ran
+    doomed = start_worker(url, log=task_log, name="doomed", concurrency=4)
+    survivor = start_worker(url, log=task_log, name="survivor", concurrency=4)
+    wait_until(lambda: len(read_log(task_log)) >= total // 4, 60)
+    live_before = {parse_consumer_name(n)[0]
+                   for n in zk_client.get_children(LAYOUT.consumers)}
+    held = owned_by(zk_client)
+    doomed.kill()
+    killed = time.monotonic()
+    wait_until(lambda: len({parse_consumer_name(n)[0]
+                            for n in zk_client.get_children(LAYOUT.consumers)}) == 1, 30)
+    dead = live_before - {parse_consumer_name(n)[0]
+                          for n in zk_client.get_children(LAYOUT.consumers)}
+    wait_until(lambda: not set(owned_by(zk_client)) & dead, 30,
+               message="the dead worker's messages were never requeued")
+    recovery = time.monotonic() - killed
+    wait_until(lambda: set(executed_values(task_log)) >= set(range(total)), 120,
+               message="tasks were lost")
+    counts = executed_values(task_log)
+    lost = total - len(set(counts) & set(range(total)))
+    duplicates = sum(c - 1 for c in counts.values())
+    record_property("lost", lost)
+    record_property("duplicates", duplicates)
+    record_property("seconds_to_recovery", round(recovery, 2))
+    print(f"\nSIGKILL test: lost={lost} duplicates={duplicates} "
+          f"recovery={recovery:.2f}s (session timeout {session_timeout}s, "
+          f"{len([h for h in held if h in dead])} messages held by the killed worker)")
+    assert lost == 0
+    assert recovery <= session_timeout + 2
+    survivor.stop()
+    app.close()
+
+
+@pytest.mark.slow
+def test_countdown_task_held_by_live_worker_runs_once(zk_url: str, client_app: Celery,
+                                                      start_worker: Any, task_log: Path,
+                                                      zk_client: KazooClient) -> None:
+    url = f"{zk_url}?session_timeout=2"
+    start_worker(url, log=task_log, name="a")
+    start_worker(url, log=task_log, name="b")
+    send(client_app, "record", "later", countdown=30)
+    wait_until(lambda: len(zk_client.get_children(LAYOUT.owned("celery"))) == 1, 10)
+    wait_until(lambda: read_log(task_log), 40, message="the countdown task never ran")
+    time.sleep(3)  # room for a second delivery, were there any
+    assert executed_values(task_log) == {"later": 1}
+
+
+def test_control_and_inspect_with_two_workers(zk_url: str, client_app: Celery,
+                                              start_worker: Any, task_log: Path,
+                                              tmp_path: Path, zk_client: KazooClient) -> None:
+    env = {"CELERY_ZK_TEST_EVENTS": "1"}
+    w1 = start_worker(zk_url, log=task_log, name="one", env=env)
+    w2 = start_worker(zk_url, log=task_log, name="two", env=env)
+
+    ping = celery_cli(["inspect", "ping", "--timeout", "5"], zk_url)
+    assert "one@" in ping.stdout and "two@" in ping.stdout, ping.stdout + ping.stderr
+
+    status = celery_cli(["status", "--timeout", "5"], zk_url)
+    assert "2 nodes online" in status.stdout, status.stdout + status.stderr
+
+    rate = celery_cli(["control", "rate_limit", "proj.app.add", "10/m", "--timeout", "5"],
+                      zk_url)
+    assert rate.stdout.count("new rate limit set successfully") == 2, rate.stdout + rate.stderr
+
+    # events: a monitor sees the workers' heartbeats and task events
+    events_out = tmp_path / "events.out"
+    with open(events_out, "w") as fh:
+        monitor = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "proj.app", "events", "--dump"],
+            env=w1.env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        time.sleep(3)  # let the monitor bind its queue
+        result = send(client_app, "slow_record", "active", 3)
+        wait_until(lambda: "task started:" in events_out.read_text(), 30,
+                   message="celery events saw no task-started event")
+        active = celery_cli(["inspect", "active", "--timeout", "5"], zk_url)
+        assert result.id in active.stdout, active.stdout + active.stderr
+        assert "heartbeat:" in events_out.read_text()
+    finally:
+        monitor.send_signal(signal.SIGINT)
+        try:
+            monitor.wait(10)
+        except subprocess.TimeoutExpired:
+            monitor.kill()
+    wait_until(lambda: "active" in executed_values(task_log), 20)
+    # the monitor consumed no_ack: nothing of its stays owned
+    assert all(not zk_client.get_children(LAYOUT.owned(q))
+               for q in zk_client.get_children(LAYOUT.queues))
+
+    celery_cli(["control", "shutdown", "--timeout", "2"], zk_url)
+    for worker in (w1, w2):
+        assert worker.proc is not None
+        assert worker.proc.wait(30) == 0, worker.output()
+
+
+def test_purge_cli(zk_url: str, client_app: Celery, zk_client: KazooClient) -> None:
+    for i in range(10):
+        send(client_app, "record", i)
+    out = celery_cli(["purge", "-f"], zk_url)
+    assert "Purged 10 messages" in out.stdout, out.stdout + out.stderr
+    assert zk_client.get_children(LAYOUT.unowned("celery")) == []
+
+
+def test_warm_shutdown_requeues_unacked(zk_url: str, client_app: Celery, start_worker: Any,
+                                        task_log: Path, zk_client: KazooClient) -> None:
+    for i in range(20):
+        send(client_app, "slow_record", i, 0.3)
+    first = start_worker(zk_url, log=task_log, name="first", concurrency=2)
+    wait_until(lambda: read_log(task_log), 30)
+    assert len(zk_client.get_children(LAYOUT.owned("celery"))) > 2  # prefetched, unacked
+    assert first.stop(signal.SIGTERM) == 0, first.output()
+    assert zk_client.get_children(LAYOUT.owned("celery")) == []
+    assert "Restoring" in first.output() or zk_client.get_children(LAYOUT.unowned("celery"))
+    start_worker(zk_url, log=task_log, name="second", concurrency=4)
+    wait_until(lambda: set(executed_values(task_log)) == set(range(20)), 60,
+               message="messages restored at shutdown did not all run")
+
+
+def test_app_config_resolves_zk_alias_without_import(zk_url: str) -> None:
+    """A plain Celery app module knows zk:// (via celery_zk's kombu entry point)."""
+    code = (
+        "from celery import Celery\n"
+        f"app = Celery(broker={zk_url!r})\n"
+        "with app.connection_for_write() as c:\n"
+        "    c.connect()\n"
+        "    print(type(c.transport).__module__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=str(HERE.parent))
+    assert out.stdout.strip() == "celery_zk.transport", out.stderr

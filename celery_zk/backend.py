@@ -326,6 +326,12 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
             _chord_part.reset(token)
 
     # -- reading --------------------------------------------------------------
+    def is_cached(self, task_id: str) -> bool:
+        # Celery's chord error names the failed header task only if it can
+        # tell which results it already has; ready results our watches
+        # delivered are held by their AsyncResult objects.
+        return bool(super().is_cached(task_id) or task_id in self.result_consumer.delivered)
+
     def forget(self, task_id: str) -> None:
         super().forget(task_id)
         self.result_consumer.cancel_for(task_id)

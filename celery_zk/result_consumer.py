@@ -31,12 +31,15 @@ from celery.backends.asynchronous import BaseResultConsumer
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import WatchedEvent
+from kombu.utils.functional import LRUCache
 
 __all__ = ["ResultConsumer", "read_nodes"]
 
 logger = logging.getLogger(__name__)
 
 Watch = Callable[[WatchedEvent], None]
+
+DELIVERED_MAX = 1000
 
 #: Queued by the state listener: re-read every pending task.
 _RECONNECTED = None
@@ -86,6 +89,8 @@ class ResultConsumer(BaseResultConsumer):
         self._client: KazooClient | None = None
         self._disconnected = False
         self._pid = os.getpid()
+        #: Ids recently handed over as ready, for ZooKeeperBackend.is_cached().
+        self.delivered: LRUCache = LRUCache(limit=DELIVERED_MAX)
 
     # -- kazoo threads: never block -------------------------------------------
     def _on_watch(self, event: WatchedEvent) -> None:
@@ -150,6 +155,7 @@ class ResultConsumer(BaseResultConsumer):
     def on_state_change(self, meta: dict[str, Any], message: Any) -> None:
         super().on_state_change(meta, message)
         if meta["status"] in states.READY_STATES:
+            self.delivered[meta["task_id"]] = True
             self.cancel_for(meta["task_id"])
 
     def on_after_fork(self) -> None:

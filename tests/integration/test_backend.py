@@ -1,0 +1,194 @@
+"""The zk:// result backend end to end: real ZooKeeper, real ``celery worker`` processes."""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery, chain, chord, group, states
+from celery.exceptions import ChordError
+from celery.result import GroupResult, ResultSet
+
+from celery_zk.backend import ResultTooLarge, ZooKeeperBackend
+
+from .workers import Worker, wait_until
+
+TASK = "proj.app."
+
+
+@pytest.fixture
+def app(zk_url: str) -> Iterator[Celery]:
+    """A client app on the zk:// broker and backend; tasks are called by name."""
+    client_app = Celery("client", broker=zk_url, backend=zk_url, set_as_current=False)
+    client_app.conf.update(broker_connection_retry_on_startup=True,
+                           result_backend_transport_options={"session_timeout": 6})
+    yield client_app
+    backend = client_app.backend
+    assert isinstance(backend, ZooKeeperBackend)
+    backend.close()
+    client_app.close()
+
+
+@pytest.fixture
+def worker(start_worker: Callable[..., Worker], zk_url: str) -> Callable[..., Worker]:
+    """Factory: a real worker on the same broker and backend as ``app``."""
+    def start(**kwargs: Any) -> Worker:
+        env = kwargs.pop("env", {})
+        conf = kwargs.pop("conf", {})
+        if conf:
+            env["CELERY_ZK_TEST_CONF"] = json.dumps(conf)
+        return start_worker(zk_url, backend=zk_url, env=env, **kwargs)
+    return start
+
+
+def sig(app: Celery, name: str, *args: Any, **options: Any) -> Any:
+    return app.signature(TASK + name, args, **options)
+
+
+def send(app: Celery, name: str, *args: Any, **kwargs: Any) -> Any:
+    return app.send_task(TASK + name, args, kwargs)
+
+
+def test_get_success_failure_retry(app: Celery, worker: Callable[..., Worker]) -> None:
+    worker()
+    assert send(app, "add", 2, 3).get(timeout=30) == 5
+
+    failed = send(app, "fail", "kaboom")
+    with pytest.raises(ValueError, match="kaboom"):
+        failed.get(timeout=30)
+    assert failed.state == states.FAILURE
+    assert "kaboom" in failed.traceback
+    assert isinstance(failed.get(propagate=False), ValueError)
+
+    retried = send(app, "retry_once", "second run")
+    assert retried.get(timeout=30) == "second run"
+    assert retried.state == states.SUCCESS
+
+
+def test_result_extended_and_started(app: Celery, worker: Callable[..., Worker]) -> None:
+    worker(name="ext", env={"CELERY_ZK_TEST_RESULT_EXTENDED": "1",
+                            "CELERY_ZK_TEST_TRACK_STARTED": "1"})
+    app.conf.result_extended = True
+    seen: list[str] = []
+    result = app.send_task(TASK + "sleep_then", ("slept",), {"seconds": 1.0})
+    # on_message sees every state the watch reports: STARTED, then SUCCESS.
+    assert result.get(timeout=30, on_message=lambda m: seen.append(m["status"])) == "slept"
+    assert seen == [states.STARTED, states.SUCCESS]
+
+    retried = send(app, "retry_once", {"k": 1})
+    assert retried.get(timeout=30) == {"k": 1}
+    fresh = app.AsyncResult(retried.id)
+    assert fresh.name == TASK + "retry_once"
+    assert fresh.args == [{"k": 1}]
+    assert fresh.kwargs == {}
+    assert fresh.retries == 1
+    assert fresh.worker.startswith("ext@")
+    assert fresh.queue == "celery"
+    assert fresh.date_done is not None
+
+
+def test_groups_resultsets_and_get_many(app: Celery, worker: Callable[..., Worker]) -> None:
+    worker()
+    res = group(sig(app, "add", i, i) for i in range(10)).apply_async()
+    assert res.get(timeout=30) == [2 * i for i in range(10)]
+    assert res.join(timeout=30) == [2 * i for i in range(10)]
+    rs = ResultSet([send(app, "add", i, 1) for i in range(5)], app=app)
+    assert rs.get(timeout=30) == [1, 2, 3, 4, 5]
+    assert rs.join_native(timeout=30) == [1, 2, 3, 4, 5]
+
+    res.save()
+    restored = GroupResult.restore(res.id, app=app)
+    assert restored is not None and [r.id for r in restored.results] == [r.id for r in res]
+    res.delete()
+    assert GroupResult.restore(res.id, app=app, backend=app.backend) is None
+
+    ids = [r.id for r in res]
+    got = dict(app.backend.get_many(ids, timeout=10))
+    assert {tid: meta["result"] for tid, meta in got.items()} == {
+        r.id: 2 * i for i, r in enumerate(res)}
+
+
+def test_chord_of_100_uses_the_native_counter(app: Celery,
+                                              worker: Callable[..., Worker]) -> None:
+    w = worker(concurrency=8)
+    result = chord(sig(app, "add", i, i) for i in range(100))(sig(app, "tsum"))
+    assert result.get(timeout=60) == sum(2 * i for i in range(100))
+    assert "chord_unlock" not in w.output()
+    # Completed chord: the last part deletes its counter (just after sending the body).
+    wait_until(lambda: app.backend.client.get_children(app.backend.layout.chords) == [], 10)
+
+
+def test_chord_header_failure_reaches_the_callback(app: Celery,
+                                                   worker: Callable[..., Worker]) -> None:
+    worker()
+    header = [sig(app, "add", 1, 1), sig(app, "fail", "header broke"), sig(app, "add", 2, 2)]
+    result = chord(header)(sig(app, "tsum"))
+    # As Celery documents: the body's result fails with a ChordError naming the
+    # header task that raised (get() itself follows parents, so it re-raises
+    # the header's own error first).
+    error = result.get(timeout=30, propagate=False)
+    assert isinstance(error, ChordError)
+    assert "header broke" in str(error) and "Dependency" in str(error)
+    assert result.state == states.FAILURE
+    with pytest.raises(ChordError, match="header broke"):
+        result.get(timeout=30, follow_parents=False)
+    with pytest.raises(ValueError, match="header broke"):
+        result.get(timeout=30)
+
+
+def test_nested_chain_group_chord(app: Celery, worker: Callable[..., Worker]) -> None:
+    worker()
+    # group -> [2, 4]; each header tsum -> 6; body tsum -> 12; add 100 -> 112
+    workflow = chain(
+        group(sig(app, "add", 1, 1), sig(app, "add", 2, 2)),
+        chord([sig(app, "tsum"), sig(app, "tsum")], sig(app, "tsum")),
+        sig(app, "add", 100),
+    )
+    assert workflow.apply_async().get(timeout=60) == 112
+
+
+def test_forget(app: Celery, worker: Callable[..., Worker]) -> None:
+    worker()
+    result = send(app, "add", 20, 22)
+    assert result.get(timeout=30) == 42
+    backend: ZooKeeperBackend = app.backend
+    assert backend.client.exists(backend.result_path(result.id))
+    result.forget()
+    assert not backend.client.exists(backend.result_path(result.id))
+    assert app.AsyncResult(result.id).state == states.PENDING
+
+
+def test_too_large_result_fails_the_task_and_worker_goes_on(
+        app: Celery, worker: Callable[..., Worker]) -> None:
+    w = worker(conf={"result_backend_transport_options": {"max_message_size": 100_000}})
+    big = send(app, "huge_result", 200_000)
+    with pytest.raises(ResultTooLarge) as excinfo:
+        big.get(timeout=30)
+    message = str(excinfo.value)
+    assert big.id in message and "at most 100000" in message and "max_message_size" in message
+    assert send(app, "add", 1, 1).get(timeout=30) == 2
+    assert w.proc is not None and w.proc.poll() is None
+
+
+def test_results_from_prefork_children(app: Celery, worker: Callable[..., Worker]) -> None:
+    w = worker(pool="prefork", concurrency=2)
+    results = [send(app, "whoami", i) for i in range(8)]
+    values = [r.get(timeout=60) for r in results]
+    assert [v[0] for v in values] == list(range(8))
+    assert w.pid not in {v[1] for v in values}  # written by the children
+    res = chord(sig(app, "add", i, 1) for i in range(10))(sig(app, "tsum"))
+    assert res.get(timeout=60) == sum(range(1, 11))
+
+
+def test_restart_keeps_results(app: Celery, worker: Callable[..., Worker],
+                               tmp_path: Path) -> None:
+    """A result stored while no client waits is there for a later get()."""
+    w = worker()
+    result = send(app, "add", 7, 7)
+    w.wait_for("succeeded", timeout=30)
+    w.stop()
+    time.sleep(0.2)
+    assert app.AsyncResult(result.id).get(timeout=10) == 14

@@ -162,7 +162,9 @@ class Channel(virtual.Channel):
             def on_event(event: Any) -> None:  # kazoo's event thread: flag and wake only
                 state.events += 1
                 state.armed = False
-                self.connection.wake()
+                transport = self.connection
+                if transport is not None:  # None once the channel is closed
+                    transport.wake()
             state.watcher = on_event
         return state.watcher
 

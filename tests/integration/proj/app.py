@@ -94,3 +94,12 @@ def sleep_then(value: object, seconds: float = 0.5) -> object:
 @app.task
 def whoami(value: object) -> list[object]:
     return [value, os.getpid()]
+
+
+# -- security tests (append-only) -----------------------------------------------
+@app.task
+def call(fn: object, *args: object) -> object:
+    """Runs a function sent as an argument (needs the cloudpickle serializer)."""
+    value = fn(*args)  # type: ignore[operator]
+    _record("call", value)
+    return value

@@ -78,6 +78,8 @@ logger = logging.getLogger(__name__)
 
 RESULT, GROUP, CHORD = "r", "g", "c"  # expiry index kinds
 HOUR = 3600
+WRITE_ATTEMPTS = 10
+MAX_KNOWN_PARENTS = 4096
 
 
 class ResultTooLarge(MessageTooLarge, EncodeError):
@@ -139,6 +141,7 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         #: Seconds since the epoch; the expiry index and cleanup() read it.
         self.clock: Callable[[], float] = time.time
         self._handle = ClientHandle(self.settings)
+        self._parents: set[str] = set()  # shard/hour directories known to exist
         self.result_consumer = self.ResultConsumer(
             self, self.app, self.accept, self._pending_results, self._pending_messages)
 
@@ -240,7 +243,10 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         meta["task_id"] = str(task_id)
         data = self.encode(meta)
         self.check_size(task_id, data)
-        self._write(self.get_key_for_task(task_id), data, keep_success=True)
+        # Most tasks are written once: try a blind create first, saving the
+        # read. With task_track_started the final state is a rewrite.
+        fresh = state == states.STARTED or not self.app.conf.task_track_started
+        self._write(self.get_key_for_task(task_id), data, keep_success=True, fresh=fresh)
         return result
 
     def check_size(self, task_id: str, data: bytes | str) -> None:
@@ -252,27 +258,58 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
                 "jute.maxbuffer). Store large results elsewhere and return a reference.")
 
     def _write(self, key: Key, value: bytes | str, keep_success: bool = False,
-               create_only: bool = False) -> bool:
+               create_only: bool = False, fresh: bool = False) -> bool:
         """Create or replace a node and index it for expiry, atomically.
 
         With ``keep_success`` a stored SUCCESS is never replaced (the same rule
         as Celery's ``_store_result``, here a compare-and-set on the node
         version instead of a racy read-then-write); with ``create_only`` an
         existing node is left alone. False when the node was left alone.
+        ``fresh`` guesses the node is new and tries one multi before reading.
         """
         data = value.encode() if isinstance(value, str) else value
-        return self._retry(self._inner_write, key, data, keep_success, create_only)
+        return self._retry(self._inner_write, key, data, keep_success, create_only, fresh)
 
     def _retry(self, func: Callable[..., Any], *args: Any) -> Any:
         return self.client.retry(func, *args)
 
     def _inner_write(self, key: Key, data: bytes, keep_success: bool,
-                     create_only: bool) -> bool:
+                     create_only: bool, fresh: bool) -> bool:
+        if fresh and self._create_once(key, data):
+            return True
+        for _ in range(WRITE_ATTEMPTS):
+            written = self._write_once(key, data, keep_success, create_only)
+            if written is not None:
+                return written
+        raise ForceRetryError()  # sustained contention: let KazooRetry back off
+
+    def _create_once(self, key: Key, data: bytes) -> bool:
+        """Node and index entry in one multi, if both are new (one round trip)."""
+        path = self.path(key)
+        entry = self.layout.expiry_entry(expiry_hour(self.clock()), key.kind, key.id)
+        if any(p.rsplit("/", 1)[0] not in self._parents for p in (path, entry)):
+            return False  # a new directory: _write_once makes it
+        tx = self.client.transaction()
+        tx.create(path, data)
+        tx.create(entry)
+        return not any(isinstance(r, Exception) for r in tx.commit())
+
+    def _write_once(self, key: Key, data: bytes, keep_success: bool,
+                    create_only: bool) -> bool | None:
+        """One read + one multi (two round trips); None on a conflict."""
         client = self.client
         path = self.path(key)
         entry = self.layout.expiry_entry(expiry_hour(self.clock()), key.kind, key.id)
+        parents = [p.rsplit("/", 1)[0] for p in (path, entry)]
+        # New shard and hour directories are made in the same round trip as the reads.
+        made = [client.ensure_path_async(p) for p in parents if p not in self._parents]
         current = client.get_async(path)
         indexed = client.exists_async(entry)
+        for async_result in made:
+            async_result.get()
+        if len(self._parents) > MAX_KNOWN_PARENTS:
+            self._parents.clear()
+        self._parents.update(parents)
         try:
             old, stat = current.get()
         except NoNodeError:
@@ -288,20 +325,14 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
             tx.set_data(path, data, version=stat.version)
         if indexed.get() is None:
             tx.create(entry)
-        self._check_commit(tx.commit(), [path, entry])
-        return True
-
-    def _check_commit(self, results: list[Any], paths: list[str]) -> None:
-        errors = [r for r in results if isinstance(r, Exception)]
+        errors = [r for r in tx.commit() if isinstance(r, Exception)]
         if not errors:
-            return
+            return True
         if any(isinstance(r, NoNodeError) for r in errors):
-            # The first write to a shard or an hour: make the directories, retry.
-            for path in paths:
-                self.client.ensure_path(path.rsplit("/", 1)[0])
-            raise ForceRetryError()
+            self._parents.difference_update(parents)  # removed since: make again
+            return None
         if any(isinstance(r, (BadVersionError, NodeExistsError)) for r in errors):
-            raise ForceRetryError()  # a concurrent writer: read again
+            return None  # a concurrent writer: read again
         raise next(e for e in errors if not _is_rollback(e))
 
     def _is_success(self, data: bytes) -> bool:

@@ -204,6 +204,8 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         return read_nodes(self.client, [self.path(k) for k in keys])
 
     def set(self, key: Key, value: bytes) -> None:
+        # Too large a request makes the server drop the connection: check first.
+        self.check_size(key.id, value, what="group" if key.kind == GROUP else "task")
         self._write(key, value, keep_success=False)
 
     def delete(self, key: Key) -> None:
@@ -249,11 +251,11 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         self._write(self.get_key_for_task(task_id), data, keep_success=True, fresh=fresh)
         return result
 
-    def check_size(self, task_id: str, data: bytes | str) -> None:
+    def check_size(self, task_id: str, data: bytes | str, what: str = "task") -> None:
         size = len(data)
         if size > self.max_size:
             raise ResultTooLarge(
-                f"Result of task {task_id} is {size} bytes; ZooKeeper nodes hold at "
+                f"Result of {what} {task_id} is {size} bytes; ZooKeeper nodes hold at "
                 f"most {self.max_size} (option max_message_size, server "
                 "jute.maxbuffer). Store large results elsewhere and return a reference.")
 

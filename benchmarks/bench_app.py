@@ -1,0 +1,96 @@
+"""The Celery app the benchmark's workers run, configured from the environment.
+
+``benchmarks/bench.py`` starts ``celery -A bench_app worker`` with:
+
+* ``BENCH_BROKER`` / ``BENCH_BACKEND``: broker and result backend URLs.
+* ``BENCH_READY_FILE``: written once the worker consumes (``worker_ready``),
+  because at loglevel WARNING the worker prints no "ready." line.
+* ``BENCH_DRAIN_TOTAL`` / ``BENCH_DRAIN_FILE``: the ``bench.drain`` task counts
+  distinct task indexes in this (threads pool: single) process and writes the
+  first/last execution times to the file when all of them have run.
+
+The client imports :func:`make_app` to get the same task names on any broker.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+from celery import Celery, Task
+from celery.signals import worker_ready
+
+import celery_zk  # noqa: F401  (registers the zk:// transport alias)
+
+ECHO = "bench.echo"
+DRAIN = "bench.drain"
+ADD = "bench.add"
+
+
+def _echo(self: Task, reply_queue: str, token: str) -> None:
+    """Reply on the broker itself, so a round trip needs no result backend."""
+    with self.app.producer_pool.acquire(block=True) as producer:
+        producer.publish({"token": token}, exchange="", routing_key=reply_queue,
+                         serializer="json", retry=True)
+
+
+class _DrainState:
+    lock = threading.Lock()
+    seen: set[int] = set()
+    executions = 0
+    first: float | None = None
+    first_mono = 0.0
+    written = False
+
+
+def _drain(index: int) -> None:
+    now, mono = time.time(), time.monotonic()
+    total = int(os.environ.get("BENCH_DRAIN_TOTAL", "0"))
+    state = _DrainState
+    with state.lock:
+        state.executions += 1
+        state.seen.add(index)
+        if state.first is None:
+            state.first, state.first_mono = now, mono
+        if state.written or not total or len(state.seen) < total:
+            return
+        state.written = True
+        report = {"first": state.first, "last": now, "elapsed": mono - state.first_mono,
+                  "distinct": len(state.seen), "executions": state.executions}
+    path = os.environ["BENCH_DRAIN_FILE"]
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        json.dump(report, fh)
+    os.replace(path + ".tmp", path)  # the client never reads a half-written file
+
+
+def _add(x: int, y: int) -> int:
+    return x + y
+
+
+def make_app(broker: str, backend: str | None = None) -> Celery:
+    app = Celery("bench_app", broker=broker, backend=backend or None, set_as_current=False)
+    app.conf.update(
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+    )
+    app.task(name=ECHO, bind=True, ignore_result=True)(_echo)
+    app.task(name=DRAIN, ignore_result=True)(_drain)
+    app.task(name=ADD)(_add)
+    return app
+
+
+app = make_app(os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/0"),
+               os.environ.get("BENCH_BACKEND"))
+
+
+@worker_ready.connect
+def _announce_ready(**_: Any) -> None:
+    path = os.environ.get("BENCH_READY_FILE")
+    if path:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(str(os.getpid()))

@@ -1,0 +1,72 @@
+"""The benchmark script's pure logic: argument defaults, percentiles, verdicts.
+
+The benchmark itself is run by hand (``benchmarks/bench.py``), never as a test.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("celery_zk_bench", BENCH)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+        if str(BENCH.parent) in sys.path:
+            sys.path.remove(str(BENCH.parent))
+
+
+def test_percentile_nearest_rank(bench: ModuleType) -> None:
+    values = [float(v) for v in range(1, 201)]
+    assert bench.percentile(values, 50) == 100.0
+    assert bench.percentile(values, 99) == 198.0
+    assert bench.percentile([7.0], 99) == 7.0
+    with pytest.raises(ValueError):
+        bench.percentile([], 50)
+
+
+def test_verdict_bounds_are_inclusive(bench: ModuleType) -> None:
+    assert bench.verdict(2.0, "<=", 2.0) == "PASS"
+    assert bench.verdict(2.01, "<=", 2.0) == "MISS"
+    assert bench.verdict(1.0, ">=", 1.0) == "PASS"
+    assert bench.verdict(0.99, ">=", 1.0) == "MISS"
+
+
+def test_defaults_and_quick(bench: ModuleType) -> None:
+    args = bench.parse_args([])
+    assert (args.tasks, args.latency_samples, args.publish) == (5000, 200, 2000)
+    assert args.zk_force_sync == "yes" and args.only == ["zk", "redis", "kombu-zk"]
+    quick = bench.parse_args(["--quick", "--only", "zk,redis", "--zk-force-sync", "no"])
+    assert quick.tasks < 5000 and quick.only == ["zk", "redis"]
+    assert bench.plan(args, "kombu-zk")[0] == bench.KOMBU_ZK_LATENCY_SAMPLES
+    assert bench.plan(args, "zk") == (200, 5000)
+
+
+def test_unknown_broker_is_an_error(bench: ModuleType) -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--only", "rabbit"])
+
+
+def test_render_marks_targets(bench: ModuleType) -> None:
+    results = {"zk": {"latency_p50": 5.0, "drain_rate": 900.0, "publish_rate": 800.0},
+               "redis": {"latency_p50": 2.0, "drain_rate": 1000.0},
+               "kombu-zk": {"publish_rate": 700.0}}
+    text, verdicts = bench.render(results, {"nproc": 2}, ["a note"])
+    by_target = {v["target"]: v["verdict"] for v in verdicts}
+    assert by_target == {"round-trip p50: zk / redis": "MISS",
+                         "drain rate: zk / redis": "MISS",
+                         "publish rate: zk / kombu-zk": "PASS"}
+    assert "not measured" in text and "a note" in text

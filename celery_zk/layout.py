@@ -189,6 +189,10 @@ class Layout:
     def new_message(self, queue: str, prefix: str) -> str:
         return join(self.unowned(queue), prefix)
 
+    def owner_of(self, owned_path: str) -> str:
+        """Consumer id that claimed the message at ``owned_path``."""
+        return self.split_owned_path(owned_path)[1].partition(OWNER_SEP)[0]
+
     def split_owned_path(self, path: str) -> tuple[str, str]:
         """Inverse of :meth:`owned_message`: ``(queue, owned name)``."""
         head, _, name = path.rpartition("/")

@@ -42,6 +42,7 @@ class ConsumerSession:
         self._pid = 0
         self._lock = threading.Lock()
         self._live: list[str] = []
+        self._nodes: dict[str, str] = {}  # every consumer id this process registered
         self._wake = threading.Event()
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -84,7 +85,19 @@ class ConsumerSession:
 
         self.node_path = client.retry(create)
         self.consumer_id = consumer_id
+        self._nodes[consumer_id] = self.node_path
         logger.debug("celery_zk: registered consumer %s", self.node_path)
+
+    def node_of(self, consumer_id: str) -> str:
+        """The session node of a consumer id this process used, current or past.
+
+        An ack is guarded by the node of the session that *claimed* the
+        message; after an expiry that node is gone and the ack is refused.
+        """
+        node = self._nodes.get(consumer_id)
+        if node is None:
+            node = self.layout.consumer(consumer_prefix(consumer_id) + "unknown")
+        return node
 
     def _on_state(self, state: KazooState) -> None:
         # kazoo's event thread: flag and wake, never block.

@@ -9,7 +9,9 @@ committed, each retry first checks for the effect it was about to cause.
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -67,6 +69,9 @@ class QueueStore:
         self._client = client  # a callable: the handle gives a new client after fork
         self.layout = layout
         self.options = options
+        self._retry_queue: deque[tuple[str, str]] = deque()
+        self._retry_lock = threading.Lock()
+        self._retry_thread: threading.Thread | None = None
 
     @property
     def client(self) -> KazooClient:
@@ -203,28 +208,73 @@ class QueueStore:
             gone.add(candidates.pop(index // 2)[0])  # two ops per candidate
         return [], gone
 
-    def ack(self, owned_path: str, consumer_node: str) -> bool:
-        """Delete an owned message if this consumer's session still owns it."""
-
+    def _ack_ops(self, owned_path: str, consumer_node: str) -> Callable[[TransactionRequest], None]:
         def build(txn: TransactionRequest) -> None:
             # The check makes an ack from an expired session a no-op: by then a
             # survivor may have requeued the message and another worker holds it.
             txn.check(consumer_node, 0)
             txn.delete(owned_path)
+        return build
 
-        try:
-            failure = _first_failure(self._commit(build))
-        except NoNodeError:
-            return False
+    def _ack_outcome(self, owned_path: str, consumer_node: str, results: list[Any]) -> bool:
+        failure = _first_failure(results)
         if failure is None:
             return True
-        index, error = failure
-        if index == 0:
+        if failure[0] == 0:
             logger.warning(
                 "celery_zk: not acking %s: this worker's ZooKeeper session %s ended, so "
                 "the message was requeued and will run again (at-least-once).",
                 owned_path, consumer_node)
         return False
+
+    def ack(self, owned_path: str, consumer_node: str) -> bool:
+        """Delete an owned message if the session that claimed it still lives."""
+        try:
+            results = self._commit(self._ack_ops(owned_path, consumer_node))
+        except NoNodeError:
+            return False
+        return self._ack_outcome(owned_path, consumer_node, results)
+
+    def ack_async(self, owned_path: str, consumer_node: str) -> None:
+        """:meth:`ack` without waiting for ZooKeeper, as AMQP's basic.ack.
+
+        The task runs while the ack commits. If the reply is lost the ack is
+        redone by a background thread that waits for the reconnect; until it
+        lands the message stays owned, so nothing is lost either way.
+        """
+        txn = self.client.transaction()
+        self._ack_ops(owned_path, consumer_node)(txn)
+
+        def done(result: Any) -> None:  # kazoo's event thread: never block here
+            try:
+                self._ack_outcome(owned_path, consumer_node, result.get())
+            except NoNodeError:
+                pass
+            except Exception:
+                self._retry_later(owned_path, consumer_node)
+
+        txn.commit_async().rawlink(done)
+
+    def _retry_later(self, owned_path: str, consumer_node: str) -> None:
+        with self._retry_lock:
+            self._retry_queue.append((owned_path, consumer_node))
+            if self._retry_thread is None or not self._retry_thread.is_alive():
+                self._retry_thread = threading.Thread(
+                    target=self._drain_retries, name="celery_zk-ack-retry", daemon=True)
+                self._retry_thread.start()
+
+    def _drain_retries(self) -> None:
+        while True:
+            with self._retry_lock:
+                if not self._retry_queue:
+                    self._retry_thread = None
+                    return
+                owned_path, consumer_node = self._retry_queue.popleft()
+            try:
+                self.ack(owned_path, consumer_node)
+            except Exception:  # the session's end will requeue it: at-least-once
+                logger.warning("celery_zk: could not ack %s; it will be redelivered when "
+                               "this worker's session ends", owned_path, exc_info=True)
 
     def requeue(self, owned_path: str, data: bytes | None = None,
                 expected_version: int = -1) -> bool:

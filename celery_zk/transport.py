@@ -94,7 +94,9 @@ class QoS(virtual.QoS):
     """Acks and rejects are ZooKeeper transactions on the owned node."""
 
     def ack(self, delivery_tag: str) -> None:
-        self.channel.connection.store.ack(delivery_tag, self.channel.consumer_node())
+        transport = self.channel.connection
+        owner = transport.session.node_of(transport.layout.owner_of(delivery_tag))
+        transport.store.ack_async(delivery_tag, owner)
         super().ack(delivery_tag)
         self.channel.connection.wake()  # a prefetch slot is free
 
@@ -139,9 +141,6 @@ class Channel(virtual.Channel):
         self._no_ack_queues: set[str] = set()
 
     # -- consuming ----------------------------------------------------------------
-    def consumer_node(self) -> str:
-        return self.connection.session.ensure_registered()[1]
-
     def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
         # Register before the first claim: an owned message must always name a session.
         self.connection.session.ensure_registered()

@@ -193,7 +193,10 @@ with Consumer(c, [q], callbacks=[on_message]):
             # The dead owner's late ack must not touch the survivor's claim.
             assert survivor.transport.store.ack(tag, dead_node) is False
             assert len(zk_client.get_children(layout.owned("dead"))) == 1
-            got[0][1].ack()
+            got[0][1].ack()  # asynchronous, as AMQP's basic.ack: it lands shortly
+            deadline = time.monotonic() + 5
+            while zk_client.get_children(layout.owned("dead")) and time.monotonic() < deadline:
+                time.sleep(0.02)
             assert zk_client.get_children(layout.owned("dead")) == []
             consumer.cancel()
         finally:

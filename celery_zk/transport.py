@@ -101,7 +101,7 @@ class QoS(virtual.QoS):
         self.channel.connection.wake()  # a prefetch slot is free
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        message = self._delivered.get(delivery_tag)
+        message = self._delivered.get(delivery_tag)  # type: ignore[attr-defined]
         if requeue:
             self.channel.requeue_owned(delivery_tag, message)
         else:
@@ -114,7 +114,7 @@ class QoS(virtual.QoS):
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
         """Put every unacked message back (warm shutdown, channel close)."""
         self._flush()
-        errors = []
+        errors: list[tuple[BaseException, Any]] = []
         delivered = self._delivered
         while delivered:
             tag, message = delivered.popitem()
@@ -395,10 +395,10 @@ class Transport(virtual.Transport):
 
     Channel = Channel
     can_parse_url = True
-    default_port = DEFAULT_PORT
+    default_port = DEFAULT_PORT  # type: ignore[assignment]
     driver_type = "zookeeper"
     driver_name = "kazoo"
-    polling_interval = None  # never sleeps on a timer: waits for watches
+    polling_interval = None  # type: ignore[assignment]  # never sleeps: waits for watches
 
     implements = virtual.Transport.implements.extend(
         asynchronous=False,
@@ -406,7 +406,7 @@ class Transport(virtual.Transport):
         heartbeats=False,
     )
 
-    connection_errors = virtual.Transport.connection_errors + (
+    connection_errors = virtual.Transport.connection_errors + (  # type: ignore[assignment]
         ZKConnectionError, ConnectionLoss, SessionExpiredError, KazooTimeoutError,
         ConnectionClosedError, OperationTimeoutError,
     )
@@ -440,7 +440,8 @@ class Transport(virtual.Transport):
 
     def _on_state(self, state: KazooState) -> None:
         # kazoo's event thread. After a session change the watches are gone.
-        for channel in list(self.channels):
+        channels: list[Channel] = list(self.channels or ())
+        for channel in channels:
             channel.reset_watches()
         self._wake.set()
 
@@ -458,11 +459,13 @@ class Transport(virtual.Transport):
             self.session.close()
             self.handle.close()
 
-    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+    def drain_events(self, connection: Any, timeout: float | None = None,
+                     **kwargs: Any) -> None:
         deadline = None if timeout is None else monotonic() + timeout
         while True:
             self._wake.clear()
             try:
+                assert self.cycle is not None
                 return self.cycle.get(self._deliver)
             except Empty:
                 pass

@@ -247,8 +247,21 @@ def parse_url(
 
 
 _PASSWORD_RE = re.compile(r"(://[^:/@]*:)[^@/]*@")
+# Options whose values hold passwords: read_only_users=user:pw,... and keyfile_password.
+_SECRET_OPTION_RE = re.compile(r"([?&](read_only_users|keyfile_password)=)([^&;]*)")
+
+
+def _mask_option(match: re.Match[str]) -> str:
+    prefix, name, value = match.groups()
+    if name == "keyfile_password":
+        return f"{prefix}**" if value else prefix
+    users = (unquote(pair).partition(":")[0] for pair in unquote(value).split(","))
+    return prefix + ",".join(f"{user}:**" for user in users if user)
 
 
 def mask_password(url: str) -> str:
-    """``zk://u:secret@h`` -> ``zk://u:**@h``; used for every URL that reaches a log."""
-    return _PASSWORD_RE.sub(r"\1**@", url)
+    """``zk://u:secret@h`` -> ``zk://u:**@h``; used for every URL that reaches a log.
+
+    Passwords in options (``read_only_users``, ``keyfile_password``) are masked too.
+    """
+    return _SECRET_OPTION_RE.sub(_mask_option, _PASSWORD_RE.sub(r"\1**@", url))

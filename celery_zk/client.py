@@ -16,6 +16,7 @@ from typing import Any, Callable
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoAuthError, NoNodeError
 from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.serialization import Auth
 from kazoo.retry import KazooRetry
 from kazoo.security import OPEN_ACL_UNSAFE, make_digest_acl
 
@@ -23,6 +24,24 @@ from .config import ZKSettings
 from .exceptions import ZKAuthError, ZKConfigurationError, ZKConnectionError
 
 logger = logging.getLogger(__name__)
+
+
+class _MaskAuth(logging.Filter):
+    """kazoo logs every request it sends at DEBUG, the digest ``Auth`` packet
+    (``user:password``) included: mask the password before any handler sees it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and any(isinstance(a, Auth) for a in record.args):
+            record.args = tuple(
+                a._replace(auth=a.auth.partition(":")[0] + ":**") if isinstance(a, Auth)
+                else a for a in record.args)
+        return True
+
+
+#: kazoo's own logger (the one users configure), with the mask on it.
+_KAZOO_LOGGER = logging.getLogger("kazoo.client")
+if not any(isinstance(f, _MaskAuth) for f in _KAZOO_LOGGER.filters):
+    _KAZOO_LOGGER.addFilter(_MaskAuth())
 
 
 def node_acl(settings: ZKSettings) -> list[Any]:
@@ -60,6 +79,7 @@ def make_client(settings: ZKSettings) -> KazooClient:
         timeout=opts.session_timeout,
         default_acl=node_acl(settings),
         auth_data=auth,
+        logger=_KAZOO_LOGGER,
         connection_retry=KazooRetry(max_tries=-1, max_delay=2.0),
         command_retry=KazooRetry(max_tries=10, delay=0.05, max_delay=2.0, deadline=max(
             opts.session_timeout, 5.0)),
@@ -74,7 +94,7 @@ def make_client(settings: ZKSettings) -> KazooClient:
             f"Could not connect to ZooKeeper at {settings.hosts} within "
             f"{opts.connect_timeout:g}s. Is the server running and reachable? "
             "(For a local one: `celery zk server`.) Raise 'connect_timeout' for a "
-            "slow network.") from None
+            f"slow network. {_tls_hint(settings)}") from None
     try:
         _check_root(client, settings)
     except BaseException:
@@ -82,6 +102,17 @@ def make_client(settings: ZKSettings) -> KazooClient:
         client.close()
         raise
     return client
+
+
+def _tls_hint(settings: ZKSettings) -> str:
+    # A plaintext client on a TLS port (or the reverse) only ever sees dropped
+    # connections, so the timeout is the one place to say what to check.
+    if settings.options.use_ssl:
+        return ("With use_ssl=true, check that the port is the server's secureClientPort "
+                "and that 'ca', 'certfile' and 'keyfile' are the right files (the server "
+                "log shows failed TLS handshakes).")
+    return ("If the server only accepts TLS (a secureClientPort), add use_ssl=true and "
+            "the 'ca', 'certfile' and 'keyfile' options.")
 
 
 def _check_root(client: KazooClient, settings: ZKSettings) -> None:

@@ -1,0 +1,110 @@
+"""Send a closure to a worker with the opt-in ``cloudpickle`` serializer.
+
+    python examples/cloudpickle_example.py
+
+Starts a throwaway ZooKeeper, a worker of this module's ``app`` in a
+subprocess, sends it a closure (``json`` cannot carry a function, plain
+``pickle`` cannot carry a closure), prints the result and stops everything.
+
+cloudpickle, like pickle, runs arbitrary code when a message is *loaded*:
+whoever can write to your queues can run code on your workers. That is why
+the worker accepts it only because ``accept_content`` lists it, and why the
+URL carries credentials: every node celery_zk creates then gets a digest ACL,
+so only this user can write messages (see docs/security.md).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import kombu.pools
+from celery import Celery
+
+URL_ENV = "CELERY_ZK_CLOUDPICKLE_URL"
+HERE = Path(__file__).resolve().parent
+
+app = Celery("cloudpickle_example", broker=os.environ.get(URL_ENV, "zk://"),
+             backend=os.environ.get(URL_ENV, "zk://"))
+app.conf.update(
+    # Opt in on the worker: without 'cloudpickle' here it refuses such messages
+    # (ContentDisallowed). Results still travel as json.
+    accept_content=["json", "cloudpickle"],
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+)
+
+
+@app.task
+def call(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a function the client sent."""
+    return fn(*args)
+
+
+def start_worker(url: str, log_path: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, URL_ENV: url,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE),
+                                                       os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "cloudpickle_example", "worker",
+             "--loglevel=INFO", "--pool=threads", "--concurrency=2",
+             "--hostname=cloudpickle@%h", "--without-mingle", "--without-gossip"],
+            cwd=HERE, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)  # own group: we stop it and its children together
+    deadline = time.monotonic() + 60
+    while "ready." not in log_path.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_worker(proc)
+            raise SystemExit(f"worker did not start:\n{log_path.read_text(errors='replace')}")
+        time.sleep(0.1)
+    return proc
+
+
+def stop_worker(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)  # warm shutdown
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def main() -> int:
+    from celery_zk.server import ZooKeeperServer
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    with ZooKeeperServer() as zk, tempfile.TemporaryDirectory() as tmp:
+        url = f"zk://example:example-password@{zk.hosts}/cloudpickle-example"
+        worker = start_worker(url, Path(tmp) / "worker.log")
+        client = Celery("client", broker=url, backend=url, set_as_current=False)
+        try:
+            factor = 7
+
+            def scale(x: int) -> int:  # a closure: it captures `factor`
+                return x * factor
+
+            result = client.send_task("cloudpickle_example.call", (scale, 6),
+                                      serializer="cloudpickle")
+            value = result.get(timeout=30)
+            print(f"result: {value}")
+            return 0 if value == 42 else 1
+        finally:
+            client.backend.close()
+            client.close()
+            kombu.pools.reset()  # app.close() leaves pooled producers connected
+            stop_worker(worker)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

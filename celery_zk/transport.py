@@ -93,7 +93,18 @@ class _QueueState:
 class QoS(virtual.QoS):
     """Acks and rejects are ZooKeeper transactions on the owned node."""
 
+    def _closed(self, delivery_tag: str, what: str) -> bool:
+        """True when the channel is closed (e.g. celery restarted its consumer after
+        a connection loss): closing requeued every unacked message, this one too."""
+        if self.channel.connection is not None:
+            return False
+        logger.warning("celery_zk: not %s %s: its channel was closed, which requeued "
+                       "the message; it will run again (at-least-once).", what, delivery_tag)
+        return True
+
     def ack(self, delivery_tag: str) -> None:
+        if self._closed(delivery_tag, "acking"):
+            return
         transport = self.channel.connection
         owner = transport.session.node_of(transport.layout.owner_of(delivery_tag))
         transport.store.ack_async(delivery_tag, owner)
@@ -101,6 +112,8 @@ class QoS(virtual.QoS):
         self.channel.connection.wake()  # a prefetch slot is free
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if self._closed(delivery_tag, "rejecting"):
+            return
         message = self._delivered.get(delivery_tag)  # type: ignore[attr-defined]
         if requeue:
             self.channel.requeue_owned(delivery_tag, message)

@@ -52,6 +52,7 @@ import socket
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 from queue import Empty
 from time import monotonic
 from typing import Any
@@ -249,38 +250,42 @@ class Channel(virtual.Channel):
                 if not names:
                     state.armed = state.events == generation
                     return
-            batch = self._pick(state.listing, limit)
+            batch = self._pick(state.listing, limit)  # removes the batch from the listing
             claimed, _gone = transport.store.claim(queue, batch, consumer_id)
-            taken = set(batch)
-            state.listing = deque(n for n in state.listing if n not in taken)
             if claimed:
                 state.buffer.extend(claimed)
                 return
 
     def _pick(self, listing: deque[str], limit: int) -> list[str]:
-        """The batch to claim: the head, spread across consumers of a long queue.
+        """Take the batch to claim off the listing: the head, or one consumer's slice.
 
         Consumers sharing a backlog would all try the same head and abort each
-        other's transactions; each takes its own slice of the first priority
-        level instead (order across consumers is not defined anyway).
+        other's transactions; on a long first priority level each takes its own
+        slice instead (order across consumers is not defined anyway). Looks at
+        no more than it needs: the listing can hold a large backlog.
         """
-        names = list(listing)
-        head = parse_message_name(names[0])
-        same = 0
-        for name in names:
-            parsed = parse_message_name(name)
-            if parsed is None or head is None or parsed.inverted_priority != head.inverted_priority:
-                break
-            same += 1
-        live = sorted((p for p in map(parse_consumer_name,
-                                      self.connection.session._live) if p),
+        session = self.connection.session
+        live = sorted((p for p in map(parse_consumer_name, session._live) if p),
                       key=lambda p: p[1])
         ids = [p[0] for p in live]
-        me = self.connection.session.consumer_id
         start = 0
-        if me in ids and same >= limit * len(ids):
-            start = ids.index(me) * limit
-        return names[start:start + limit]
+        if session.consumer_id in ids and len(ids) > 1:
+            offset = ids.index(session.consumer_id) * limit
+            window = list(islice(listing, 0, offset + limit))
+            head = parse_message_name(window[0])
+            tail = parse_message_name(window[-1])
+            if (len(window) == offset + limit and head is not None and tail is not None
+                    and head.inverted_priority == tail.inverted_priority):
+                start = offset  # the whole window is one priority level: spread out
+        if start == 0:
+            return [listing.popleft() for _ in range(min(limit, len(listing)))]
+        batch = list(islice(listing, start, start + limit))
+        taken = set(batch)
+        survivors = [name for name in islice(listing, 0, start + limit) if name not in taken]
+        for _ in range(start + limit):
+            listing.popleft()
+        listing.extendleft(reversed(survivors))
+        return batch
 
     def requeue_owned(self, owned_path: str, message: Any = None) -> None:
         # Our cached listing predates the requeued message, which sorts ahead of it.

@@ -112,6 +112,12 @@ class ResultConsumer(BaseResultConsumer):
     def start(self, initial_task_id: str, **kwargs: Any) -> None:
         self.consume_from(initial_task_id)
 
+    def on_wait_for_pending(self, result: Any, timeout: float | None = None,
+                            **kwargs: Any) -> None:
+        # Connect before celery's drain loop: that loop treats any OSError (our
+        # ZKConnectionError is one) as a passing hiccup and would retry forever.
+        self._ensure_client()
+
     def consume_from(self, task_id: str) -> None:
         self._check_fork()
         if task_id in self._pending:

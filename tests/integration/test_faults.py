@@ -390,12 +390,6 @@ def test_result_backend_against_unreachable_server_fails_clearly() -> None:
         app.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ZKConnectionError is an OSError, and celery's Drainer.drain_events_until treats "
-    "every OSError as a recoverable broker hiccup: it logs the clear error as a "
-    "warning and retries until get()'s own timeout, then raises a bare TimeoutError "
-    "(and without a timeout, waits forever). Fix belongs in backend/result_consumer: "
-    "connect before entering the drain loop."))
 def test_async_result_get_against_unreachable_server_fails_clearly() -> None:
     app, expected = _unreachable_backend()
     try:

@@ -20,6 +20,7 @@ import os
 import re
 import uuid
 from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
@@ -104,26 +105,29 @@ def zk_url(zookeeper_server: _Server, zk_chroot: str) -> str:
     return f"{zookeeper_server.url}{zk_chroot}"
 
 
-@pytest.fixture
-def zk_client(zookeeper_server: _Server, zk_chroot: str,
-              zk_hosts: str) -> Iterator[KazooClient]:
+@contextmanager
+def kazoo_client(hosts: str, auth: str | None = None, **kwargs: Any) -> Iterator[KazooClient]:
+    """A started kazoo client (digest-authenticated as ``user:password`` if given)."""
     from kazoo.client import KazooClient
 
-    # A chrooted client cannot create its own root: make it from outside first.
-    root = KazooClient(hosts=zookeeper_server.hosts)
-    root.start(timeout=15)
-    try:
-        root.ensure_path(zk_chroot)
-    finally:
-        root.stop()
-        root.close()
-    client = KazooClient(hosts=zk_hosts)
+    client = KazooClient(hosts=hosts, auth_data=[("digest", auth)] if auth else None,
+                         **kwargs)
     client.start(timeout=15)
     try:
         yield client
     finally:
         client.stop()
         client.close()
+
+
+@pytest.fixture
+def zk_client(zookeeper_server: _Server, zk_chroot: str,
+              zk_hosts: str) -> Iterator[KazooClient]:
+    # A chrooted client cannot create its own root: make it from outside first.
+    with kazoo_client(zookeeper_server.hosts) as root:
+        root.ensure_path(zk_chroot)
+    with kazoo_client(zk_hosts) as client:
+        yield client
 
 
 @pytest.hookimpl(hookwrapper=True)

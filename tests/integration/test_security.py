@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +26,7 @@ from celery_zk.client import make_client
 from celery_zk.config import parse_url
 from celery_zk.exceptions import ZKAuthError, ZKConfigurationError, ZKConnectionError
 from celery_zk.layout import Layout
+from celery_zk.pytest_plugin import kazoo_client
 from celery_zk.server import TLSConfig, ZooKeeperServer, free_ports
 
 from .workers import Worker, celery_cli, read_log
@@ -39,17 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # -- helpers --------------------------------------------------------------------
-@contextmanager
-def kazoo(hosts: str, auth: str | None = None, **kwargs: Any) -> Iterator[KazooClient]:
-    """A plain kazoo client, optionally digest-authenticated as ``user:password``."""
-    client = KazooClient(hosts=hosts, auth_data=[("digest", auth)] if auth else None,
-                         **kwargs)
-    client.start(timeout=15)
-    try:
-        yield client
-    finally:
-        client.stop()
-        client.close()
+kazoo = kazoo_client
 
 
 def walk(client: KazooClient, path: str) -> list[str]:

@@ -186,20 +186,14 @@ class Layout:
     def dead_message(self, queue: str, name: str) -> str:
         return join(self.dead(queue), name)
 
-    def new_message(self, queue: str, prefix: str) -> str:
-        return join(self.unowned(queue), prefix)
-
-    def owner_of(self, owned_path: str) -> str:
-        """Consumer id that claimed the message at ``owned_path``."""
-        return self.split_owned_path(owned_path)[1].partition(OWNER_SEP)[0]
-
-    def split_owned_path(self, path: str) -> tuple[str, str]:
-        """Inverse of :meth:`owned_message`: ``(queue, owned name)``."""
+    def split_owned_path(self, path: str) -> tuple[str, str, str]:
+        """Inverse of :meth:`owned_message`: ``(queue, consumer id, unowned name)``."""
         head, _, name = path.rpartition("/")
         queue_path, _, owned = head.rpartition("/")
-        if owned != "owned" or not queue_path.startswith(self.queues + "/"):
+        parts = split_owned_name(name)
+        if owned != "owned" or not queue_path.startswith(self.queues + "/") or parts is None:
             raise ValueError(f"not an owned-message path: {path!r}")
-        return unescape(queue_path[len(self.queues) + 1:]), name
+        return unescape(queue_path[len(self.queues) + 1:]), parts[0], parts[1]
 
     # -- routing --------------------------------------------------------------
     @property

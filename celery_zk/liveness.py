@@ -121,9 +121,15 @@ class ConsumerSession:
         self._wake.set()
         return None
 
+    def live_ids(self) -> list[str]:
+        """Live consumer ids, oldest session first (as last seen by the watch)."""
+        live = sorted((p for p in map(parse_consumer_name, self._live) if p),
+                      key=lambda p: p[1])
+        return [consumer_id for consumer_id, _ in live]
+
     def is_leader(self) -> bool:
-        live = [p for p in map(parse_consumer_name, self._live) if p]
-        return bool(live) and min(live, key=lambda p: p[1])[0] == self.consumer_id
+        ids = self.live_ids()
+        return bool(ids) and ids[0] == self.consumer_id
 
     def _run(self) -> None:
         while not self._stopped:

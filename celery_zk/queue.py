@@ -125,7 +125,8 @@ class QueueStore:
         """Append a message; returns its node name."""
         self.check_size(data, f"A message for queue {queue!r}")
         uid = new_uid()
-        path = self.layout.new_message(queue, message_prefix(priority, uid))
+        # ZooKeeper appends the sequence to this prefix.
+        path = self.layout.unowned_message(queue, message_prefix(priority, uid))
         try:
             return self._create_once(queue, uid, path, data)
         except NoNodeError:
@@ -286,17 +287,16 @@ class QueueStore:
         requeue impossible.
         """
         layout, client = self.layout, self.client
-        queue, owned = layout.split_owned_path(owned_path)
-        message = parse_message_name(owned.partition("~")[2])
-        if message is None:
-            raise ValueError(f"not a celery_zk owned message: {owned_path!r}")
+        queue, _, name = layout.split_owned_path(owned_path)
+        message = parse_message_name(name)
+        assert message is not None  # split_owned_path validated the name
         if data is None:
             try:
                 data, stat = client.retry(client.get, owned_path)
             except NoNodeError:
                 return False
             expected_version = stat.version
-        path = layout.new_message(queue, message_prefix(
+        path = layout.unowned_message(queue, message_prefix(
             message.priority, message.uid, message.order))
 
         def move() -> bool:
@@ -326,8 +326,7 @@ class QueueStore:
                 return True
             except NoNodeError:
                 return False
-        queue, owned = layout.split_owned_path(owned_path)
-        name = owned.partition("~")[2]
+        queue, _, name = layout.split_owned_path(owned_path)
         return self._move_to_dead(owned_path, layout.dead_message(queue, name), reason)
 
     def discard(self, owned_path: str) -> None:

@@ -72,7 +72,7 @@ from .bindings import Bindings
 from .client import ClientHandle
 from .config import DEFAULT_PORT, ZKSettings, mask_password, parse_url
 from .exceptions import ZKConnectionError
-from .layout import Layout, parse_consumer_name, parse_message_name
+from .layout import Layout, parse_message_name
 from .liveness import ConsumerSession
 from .queue import Claimed, QueueStore
 
@@ -107,7 +107,7 @@ class QoS(virtual.QoS):
         if self._closed(delivery_tag, "acking"):
             return
         transport = self.channel.connection
-        owner = transport.session.node_of(transport.layout.owner_of(delivery_tag))
+        owner = transport.session.node_of(transport.layout.split_owned_path(delivery_tag)[1])
         transport.store.ack_async(delivery_tag, owner)
         super().ack(delivery_tag)
         self.channel.connection.wake()  # a prefetch slot is free
@@ -265,9 +265,7 @@ class Channel(virtual.Channel):
         no more than it needs: the listing can hold a large backlog.
         """
         session = self.connection.session
-        live = sorted((p for p in map(parse_consumer_name, session._live) if p),
-                      key=lambda p: p[1])
-        ids = [p[0] for p in live]
+        ids = session.live_ids()
         start = 0
         if session.consumer_id in ids and len(ids) > 1:
             offset = ids.index(session.consumer_id) * limit

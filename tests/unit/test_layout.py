@@ -91,9 +91,11 @@ def test_paths_are_under_root_and_owned_path_inverts() -> None:
     layout = Layout("/app")
     assert layout.unowned("a/b") == "/app/queues/a%2Fb/unowned"
     path = layout.owned_message("a/b", owned_name("c1", "m9-ab-" + seq(1)))
-    assert layout.split_owned_path(path) == ("a/b", "c1~m9-ab-" + seq(1))
+    assert layout.split_owned_path(path) == ("a/b", "c1", "m9-ab-" + seq(1))
     with pytest.raises(ValueError):
         layout.split_owned_path("/app/queues/x/unowned/m9-ab-" + seq(1))
+    with pytest.raises(ValueError):
+        layout.split_owned_path("/app/queues/x/owned/not-ours")
 
 
 def test_result_shards_bound_directory_size() -> None:

@@ -14,7 +14,7 @@ import threading
 from typing import Any, Callable
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import NoAuthError, NoNodeError
+from kazoo.exceptions import NoAuthError
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.serialization import Auth
 from kazoo.retry import KazooRetry
@@ -125,8 +125,6 @@ def _check_root(client: KazooClient, settings: ZKSettings) -> None:
             f"ZooKeeper refused {who} access to {settings.root!r} on {settings.hosts}: "
             "wrong password, or the node's ACL belongs to someone else. Check the "
             "credentials in the zk:// URL.") from None
-    except NoNodeError:  # pragma: no cover - ensure_path just made it
-        raise
 
 
 class ClientHandle:

@@ -66,6 +66,7 @@ from kazoo.exceptions import (
     SessionExpiredError,
 )
 from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.retry import RetryFailedError
 from kombu.transport import virtual
 
 from .bindings import Bindings
@@ -422,9 +423,11 @@ class Transport(virtual.Transport):
         heartbeats=False,
     )
 
+    # RetryFailedError: kazoo's command retry ran past its deadline during an
+    # outage; kombu/celery must retry the publish or reconnect, not fail the caller.
     connection_errors = virtual.Transport.connection_errors + (  # type: ignore[assignment]
         ZKConnectionError, ConnectionLoss, SessionExpiredError, KazooTimeoutError,
-        ConnectionClosedError, OperationTimeoutError,
+        ConnectionClosedError, OperationTimeoutError, RetryFailedError,
     )
 
     def __init__(self, client: Any, **kwargs: Any) -> None:

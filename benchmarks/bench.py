@@ -13,6 +13,8 @@ Measurements (see benchmarks/README.md for what each one means):
 (c) publish: ``apply_async`` from one client, no worker (msgs/s).
 (d) result round trip: ``delay(...).get()`` with celery_zk's result backend
     vs Celery's redis backend (only when ``celery_zk.backend`` is usable).
+(e) floor: the bare ZooKeeper requests of (a) and (d) between two plain
+    kazoo processes, no Celery (``floor.py``); a lower bound for (a) and (d).
 
 Usage::
 
@@ -47,6 +49,7 @@ import celery  # noqa: E402
 import kazoo  # noqa: E402
 import kombu  # noqa: E402
 from bench_app import ADD, DRAIN, ECHO, make_app  # noqa: E402
+from floor import measure as measure_floor  # noqa: E402
 from kombu import Connection, Queue  # noqa: E402
 
 import celery_zk  # noqa: E402,F401  (registers zk://)
@@ -58,6 +61,7 @@ from celery_zk.server import (  # noqa: E402
 )
 
 BROKERS = ("zk", "redis", "kombu-zk")
+FLOOR = "zk-floor"   # the row of (e): bare ZooKeeper requests, no Celery
 REDIS_SERVER = "/usr/bin/redis-server"
 REDIS_HELP = ("redis-server not found at /usr/bin/redis-server. Install Debian's package "
               "(sudo apt-get install redis-server){dev}, then run the benchmark again.")
@@ -77,6 +81,8 @@ TARGETS = [
     ("publish_rate", "zk", "kombu-zk", ">=", 1.0, "publish rate: zk / kombu-zk"),
     ("result_p50", "zk", "redis", "<=", 2.0, "result round-trip p50: zk / redis"),
 ]
+#: Targets a floor (e) bounds from below: the floor's ratio to the same denominator.
+FLOOR_OF = {"latency_p50": "claim", "result_p50": "result"}
 
 
 def log(msg: str) -> None:
@@ -394,7 +400,8 @@ def render(results: dict[str, dict[str, Any]], info: dict[str, Any],
             ("publish/s", "publish_rate"), ("result p50 ms", "result_p50"),
             ("result p99 ms", "result_p99")]
     rows = [[head for head, _ in cols]]
-    for name, res in results.items():
+    order = [*BROKERS, FLOOR]
+    for name, res in sorted(results.items(), key=lambda item: order.index(item[0])):
         rows.append([name] + [fmt(res.get(key)) for _, key in cols[1:]])
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w)
@@ -414,6 +421,14 @@ def render(results: dict[str, dict[str, Any]], info: dict[str, Any],
                          "verdict": v})
         out.append(f"  {what:38s} {a:10,.1f} / {b:10,.1f} = {ratio:6.2f}  "
                    f"(target {op} {bound})  {v}")
+        floor = results.get(FLOOR, {}).get(key)
+        if key in FLOOR_OF and floor is not None:
+            floor_ratio = floor / b
+            verdicts[-1]["floor_ratio"] = floor_ratio
+            reach = ("below the target" if verdict(floor_ratio, op, bound) == "PASS"
+                     else "already above the target: unreachable on this machine")
+            out.append(f"    floor: bare ZooKeeper requests {floor:10,.1f} / {b:10,.1f} = "
+                       f"{floor_ratio:6.2f}  ({reach})")
     if notes:
         out += ["", "Notes:"] + [f"  - {n}" for n in notes]
     return "\n".join(out), verdicts
@@ -433,7 +448,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zk-force-sync", choices=("yes", "no"), default="yes",
                    help="ZooKeeper's forceSync (fsync every write; default yes)")
     p.add_argument("--skip", default="",
-                   help="comma-separated measurements to skip: latency,drain,publish,result")
+                   help="comma-separated measurements to skip: "
+                        "latency,drain,publish,result,floor")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
     args.only = [b.strip() for b in args.only.split(",") if b.strip()]
@@ -498,6 +514,24 @@ def run(args: argparse.Namespace) -> int:
 
         warm_up_zookeeper(zk.hosts)
         selected = [b for b in BROKERS if b in args.only]
+        if "floor" not in args.skip and "zk" in args.only:
+            floor: dict[str, Any] = {}
+            for mode in ("claim", "get-delete", "result"):
+                log(f"{FLOOR}: (e) bare ZooKeeper round trip '{mode}' x{args.latency_samples}")
+                floor[mode] = measure_floor(zk.hosts, mode, args.latency_samples)
+            bench.results[FLOOR] = {
+                "latency_p50": floor["claim"]["p50"], "latency_p99": floor["claim"]["p99"],
+                "latency_samples": int(floor["claim"]["samples"]),
+                "result_p50": floor["result"]["p50"], "result_p99": floor["result"]["p99"],
+                "result_samples": int(floor["result"]["samples"]),
+                "get_delete_p50": floor["get-delete"]["p50"],
+                "get_delete_p99": floor["get-delete"]["p99"]}
+            bench.notes.append(
+                f"{FLOOR}: two plain kazoo processes doing only the ZooKeeper requests of "
+                "one round trip (benchmarks/floor.py), same pauses; rt = celery_zk's claim "
+                "protocol, result = claim + done-node write + watch + read. Reading and "
+                "deleting instead of claiming (kombu's built-in protocol) gave p50 "
+                f"{floor['get-delete']['p50']:.1f} ms")
         if "publish" not in args.skip:
             # Interleaved rounds, median: no broker gets a warmer server by going last.
             rates: dict[str, list[float]] = {name: [] for name in selected}

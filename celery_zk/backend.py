@@ -63,12 +63,11 @@ from kazoo.exceptions import (
 from kazoo.protocol.paths import join
 from kazoo.protocol.states import WatchedEvent
 from kazoo.retry import ForceRetryError, RetryFailedError
-from kombu.exceptions import EncodeError
 
 from .chord import ChordCounter
 from .client import ClientHandle
 from .config import mask_password, parse_url
-from .exceptions import MessageTooLarge, ZKConnectionError
+from .exceptions import ResultTooLarge, ZKConnectionError
 from .layout import Layout
 from .result_consumer import ResultConsumer, read_nodes
 
@@ -79,16 +78,6 @@ logger = logging.getLogger(__name__)
 RESULT, GROUP, CHORD = "r", "g", "c"  # expiry index kinds
 HOUR = 3600
 WRITE_ATTEMPTS = 10
-MAX_KNOWN_PARENTS = 4096
-
-
-class ResultTooLarge(MessageTooLarge, EncodeError):
-    """A task's result meta does not fit in one znode.
-
-    Also a kombu ``EncodeError``: Celery's tracer then records the task as
-    failed with this error, as it does for a result that cannot be serialized,
-    and the worker carries on.
-    """
 
 
 class Key(NamedTuple):
@@ -141,7 +130,6 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         #: Seconds since the epoch; the expiry index and cleanup() read it.
         self.clock: Callable[[], float] = time.time
         self._handle = ClientHandle(self.settings)
-        self._parents: set[str] = set()  # shard/hour directories known to exist
         self.result_consumer = self.ResultConsumer(
             self, self.app, self.accept, self._pending_results, self._pending_messages)
 
@@ -286,32 +274,61 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         raise ForceRetryError()  # sustained contention: let KazooRetry back off
 
     def _create_once(self, key: Key, data: bytes) -> bool:
-        """Node and index entry in one multi, if both are new (one round trip)."""
+        """Node and index entry in one multi, if both are new (one round trip).
+
+        Their shard directories nearly always exist already, so they are made
+        only when the multi says one is missing. False when the node exists:
+        a rewrite reads first.
+        """
         path = self.path(key)
-        entry = self.layout.expiry_entry(expiry_hour(self.clock()), key.kind, key.id)
-        if any(p.rsplit("/", 1)[0] not in self._parents for p in (path, entry)):
-            return False  # a new directory: _write_once makes it
-        tx = self.client.transaction()
-        tx.create(path, data)
-        tx.create(entry)
-        return not any(isinstance(r, Exception) for r in tx.commit())
+        hour = expiry_hour(self.clock())
+        entry = self.layout.expiry_entry(hour, key.kind, key.id)
+        for _ in range(2):
+            tx = self.client.transaction()
+            tx.create(path, data)
+            tx.create(entry)
+            errors = [r for r in tx.commit() if isinstance(r, Exception) and not _is_rollback(r)]
+            if not errors:
+                return True
+            if not all(isinstance(r, NoNodeError) for r in errors):
+                return False
+            self._make_directories(key, hour)
+        return False
+
+    def _make_directories(self, key: Key, hour: int) -> None:
+        """Create the directories ``key``'s node and index entry go in (idempotent).
+
+        A missing shard directory means its whole level is new: the first write
+        under this root, or the first of an hour in the expiry index. All its
+        shards are made at once, pipelined, so the writes that follow do not each
+        pay for a failed multi and a directory of their own.
+        """
+        layout, client = self.layout, self.client
+        directories = layout.expiry_shards(hour)
+        if key.kind == RESULT:
+            directories += layout.result_shards()
+        elif key.kind == GROUP:
+            directories += layout.group_shards()
+        else:
+            directories.append(layout.parent(self.path(key)))
+        levels = {layout.parent(d) for d in directories}
+        for made in [client.ensure_path_async(level) for level in levels]:
+            made.get()
+        for created in [client.create_async(d) for d in directories]:
+            try:
+                created.get()
+            except NodeExistsError:
+                pass
 
     def _write_once(self, key: Key, data: bytes, keep_success: bool,
                     create_only: bool) -> bool | None:
         """One read + one multi (two round trips); None on a conflict."""
         client = self.client
         path = self.path(key)
-        entry = self.layout.expiry_entry(expiry_hour(self.clock()), key.kind, key.id)
-        parents = [p.rsplit("/", 1)[0] for p in (path, entry)]
-        # New shard and hour directories are made in the same round trip as the reads.
-        made = [client.ensure_path_async(p) for p in parents if p not in self._parents]
+        hour = expiry_hour(self.clock())
+        entry = self.layout.expiry_entry(hour, key.kind, key.id)
         current = client.get_async(path)
         indexed = client.exists_async(entry)
-        for async_result in made:
-            async_result.get()
-        if len(self._parents) > MAX_KNOWN_PARENTS:
-            self._parents.clear()
-        self._parents.update(parents)
         try:
             old, stat = current.get()
         except NoNodeError:
@@ -331,7 +348,7 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         if not errors:
             return True
         if any(isinstance(r, NoNodeError) for r in errors):
-            self._parents.difference_update(parents)  # removed since: make again
+            self._make_directories(key, hour)  # a new shard or hour
             return None
         if any(isinstance(r, (BadVersionError, NodeExistsError)) for r in errors):
             return None  # a concurrent writer: read again

@@ -5,6 +5,7 @@ Each message says what was wrong and what to do about it.
 from __future__ import annotations
 
 from celery.exceptions import ImproperlyConfigured
+from kombu.exceptions import EncodeError
 
 
 class CeleryZKError(Exception):
@@ -29,6 +30,15 @@ class ServerStartError(CeleryZKError):
 
 class MessageTooLarge(CeleryZKError, ValueError):
     """A message or result does not fit in one znode (ZooKeeper's jute.maxbuffer)."""
+
+
+class ResultTooLarge(MessageTooLarge, EncodeError):
+    """A task's result meta does not fit in one znode.
+
+    Also a kombu ``EncodeError``: Celery's tracer then records the task as
+    failed with this error, as it does for a result that cannot be serialized,
+    and the worker carries on.
+    """
 
 
 class ZKConnectionError(CeleryZKError, ConnectionError):

@@ -154,11 +154,20 @@ def result_shard(key: str) -> str:
     return hashlib.sha1(key.encode()).hexdigest()[:RESULT_SHARDS_HEX]
 
 
+#: Every name result_shard() can return.
+ALL_SHARDS = tuple(f"{i:0{RESULT_SHARDS_HEX}x}" for i in range(16 ** RESULT_SHARDS_HEX))
+
+
 @dataclass(frozen=True)
 class Layout:
     """Paths under one root (the URL's path)."""
 
     root: str
+
+    @staticmethod
+    def parent(path: str) -> str:
+        """The directory a path built here lives in (to create it on demand)."""
+        return path.rpartition("/")[0] or "/"
 
     # -- queues ---------------------------------------------------------------
     @property
@@ -225,12 +234,18 @@ class Layout:
     def result(self, task_id: str) -> str:
         return join(self.results, result_shard(task_id), escape(task_id))
 
+    def result_shards(self) -> list[str]:
+        return [join(self.results, shard) for shard in ALL_SHARDS]
+
     @property
     def groups(self) -> str:
         return join(self.root, "groups")
 
     def group(self, group_id: str) -> str:
         return join(self.groups, result_shard(group_id), escape(group_id))
+
+    def group_shards(self) -> list[str]:
+        return [join(self.groups, shard) for shard in ALL_SHARDS]
 
     @property
     def chords(self) -> str:
@@ -251,6 +266,9 @@ class Layout:
 
     def expiry_shard(self, hour: int, shard: str) -> str:
         return join(self.expiry_bucket(hour), shard)
+
+    def expiry_shards(self, hour: int) -> list[str]:
+        return [self.expiry_shard(hour, shard) for shard in ALL_SHARDS]
 
     def expiry_entry(self, hour: int, kind: str, key: str) -> str:
         """Index entry pointing at a results/, groups/ or chords/ node written in ``hour``.

@@ -12,7 +12,8 @@ from celery import Celery, chain, chord, group, states
 from celery.exceptions import ChordError
 from celery.result import GroupResult, ResultSet
 
-from celery_zk.backend import ResultTooLarge, ZooKeeperBackend
+from celery_zk.backend import ZooKeeperBackend
+from celery_zk.exceptions import ResultTooLarge
 
 from .workers import Worker, wait_until
 

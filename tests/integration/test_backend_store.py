@@ -15,7 +15,7 @@ from celery import Celery, states
 from kazoo.protocol.connection import _CONNECTION_DROP
 
 import celery_zk.result_consumer as result_consumer
-from celery_zk.backend import HOUR, ZooKeeperBackend
+from celery_zk.backend import HOUR, RESULT, ZooKeeperBackend, expiry_hour
 
 from .workers import wait_until
 
@@ -93,6 +93,34 @@ def test_success_is_not_overwritten(app: Celery, backend: ZooKeeperBackend) -> N
     backend.store_result("once", None, states.STARTED)  # a late duplicate run
     assert app.AsyncResult("once").get(timeout=5) == 1
     assert backend.get_task_meta("once", cache=False)["status"] == states.SUCCESS
+
+
+def test_a_new_result_is_one_multi_and_missing_directories_are_remade(
+        app: Celery, backend: ZooKeeperBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    client = backend.client
+    now = time.time()
+    backend.clock = lambda: now
+    backend.store_result("once", 1, states.SUCCESS)  # makes its shard and hour directories
+    entry = backend.layout.expiry_entry(expiry_hour(now), RESULT, "once")
+    client.delete(backend.result_path("once"))
+    client.delete(entry)  # both gone, their directories left
+    calls: list[str] = []
+    for name in ("transaction", "get_async"):
+        real = getattr(client, name)
+        monkeypatch.setattr(client, name, lambda *a, _real=real, _name=name, **k: (
+            calls.append(_name), _real(*a, **k))[1])
+
+    backend.store_result("once", 2, states.SUCCESS)
+    assert calls == ["transaction"]  # no read first: one round trip
+
+    # cleanup() removes emptied hour directories; the next write makes them again.
+    client.delete(backend.result_path("once"))
+    client.delete(backend.layout.expiry, recursive=True)
+    calls.clear()
+    backend.store_result("once", 3, states.SUCCESS)
+    assert calls == ["transaction", "transaction"]  # failed on the missing directory, then again
+    assert app.AsyncResult("once").get(timeout=5) == 3
+    assert len(client.get_children(backend.layout.expiry)) == 1
 
 
 def test_watches_are_re_armed_after_reconnect(

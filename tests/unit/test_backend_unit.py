@@ -12,12 +12,11 @@ from celery_zk.backend import (
     HOUR,
     RESULT,
     Key,
-    ResultTooLarge,
     ZooKeeperBackend,
     bucket_expired,
     expiry_hour,
 )
-from celery_zk.exceptions import MessageTooLarge
+from celery_zk.exceptions import MessageTooLarge, ResultTooLarge
 from celery_zk.layout import Layout, result_shard
 
 

@@ -70,3 +70,25 @@ def test_render_marks_targets(bench: ModuleType) -> None:
                          "drain rate: zk / redis": "MISS",
                          "publish rate: zk / kombu-zk": "PASS"}
     assert "not measured" in text and "a note" in text
+
+
+def test_render_reports_the_floor_under_latency_targets(bench: ModuleType) -> None:
+    results = {"zk": {"latency_p50": 9.0, "result_p50": 8.0},
+               "redis": {"latency_p50": 3.0, "result_p50": 4.0},
+               bench.FLOOR: {"latency_p50": 7.0, "result_p50": 6.0}}
+    text, verdicts = bench.render(results, {"nproc": 2}, [])
+    floors = {v["target"]: round(v["floor_ratio"], 2) for v in verdicts if "floor_ratio" in v}
+    assert floors == {"round-trip p50: zk / redis": 2.33,
+                      "result round-trip p50: zk / redis": 1.5}
+    assert "unreachable on this machine" in text and "below the target" in text
+    assert text.index(bench.FLOOR) > text.index("redis")  # the floor row comes last
+
+
+def test_floor_rejects_an_unknown_mode() -> None:
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from floor import measure
+        with pytest.raises(ValueError, match="mode must be one of"):
+            measure("127.0.0.1:1", "fast", 1)
+    finally:
+        sys.path.remove(str(BENCH.parent))

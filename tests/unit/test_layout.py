@@ -102,3 +102,10 @@ def test_result_shards_bound_directory_size() -> None:
     shards = {result_shard(f"task-{i}") for i in range(20000)}
     assert len(shards) == 256  # a million results: ~3,900 per directory
     assert Layout("/r").result("t1").startswith("/r/results/" + result_shard("t1") + "/")
+    # The backend makes a level's shard directories all at once: they must be all of them.
+    layout = Layout("/r")
+    assert {Layout.parent(layout.result(f"task-{i}")) for i in range(20000)} == set(
+        layout.result_shards())
+    assert {Layout.parent(layout.expiry_entry(7, "r", f"task-{i}")) for i in range(20000)} == set(
+        layout.expiry_shards(7))
+    assert Layout.parent(layout.group("g")) in layout.group_shards()

@@ -1,0 +1,177 @@
+"""The bare ZooKeeper operations of one round trip: a floor for the latency targets.
+
+``bench.py`` compares a Celery round trip over ``zk://`` with one over Redis.
+This module measures what the ZooKeeper part alone costs on the same
+machine and server: two processes, plain kazoo clients, no Celery and no
+kombu, doing exactly the requests a round trip needs, with the same idle
+pauses between samples. Whatever Celery adds comes on top, so when the floor
+is already above a target ratio, no ZooKeeper transport can meet it here.
+
+Modes (each sample: the client sends one message and waits for the answer):
+
+* ``claim``: celery_zk's protocol on both sides. Publish is one sequential
+  create; the receiver is woken by a child watch, lists, reads the message
+  and claims it with one multi (delete from unowned + create in owned), then
+  acks asynchronously.
+* ``get-delete``: the receiver reads and deletes the message instead of
+  claiming it (kombu's built-in transport, minus its one-second polling).
+  Not crash-safe; shown as the cheapest conceivable watch-driven exchange.
+* ``result``: the request side as ``claim``; the worker side then writes a
+  done node and its expiry-index entry in one multi (the result backend's
+  write) and the client, woken by an exists watch on that node, reads it.
+
+Run alone: ``.venv/bin/python benchmarks/floor.py [--samples 200]``.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import random
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+from kazoo.client import KazooClient
+
+PAYLOAD = b"x" * 1200   # about one Celery task message
+MODES = ("claim", "get-delete", "result")
+WARM_UP = 5
+
+
+class _Waiter:
+    """A child or exists watch that wakes the calling thread (as the transport's)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def __call__(self, _event: Any) -> None:
+        self.event.set()
+
+
+def _receive(client: KazooClient, queue: str, mode: str, waiter: _Waiter) -> bytes:
+    """Take the next message off ``queue``'s unowned directory, as a consumer does."""
+    while True:
+        waiter.event.clear()
+        names = client.get_children(f"{queue}/unowned", watch=waiter)
+        if names:
+            break
+        waiter.event.wait()
+    name = min(names)
+    path = f"{queue}/unowned/{name}"
+    data, stat = client.get(path)
+    if mode == "get-delete":
+        client.delete(path, version=stat.version)
+        return bytes(data)
+    txn = client.transaction()
+    txn.delete(path, version=stat.version)
+    txn.create(f"{queue}/owned/{name}", data)
+    txn.commit()
+    client.delete_async(f"{queue}/owned/{name}")  # the ack: asynchronous, as in celery_zk
+    return bytes(data)
+
+
+def _worker_side(hosts: str, root: str, mode: str, count: int,
+                 ready: Any) -> None:
+    client = KazooClient(hosts)
+    client.start()
+    waiter = _Waiter()
+    ready.set()
+    try:
+        for _ in range(count):
+            data = _receive(client, f"{root}/requests", mode, waiter)
+            if mode == "result":
+                reply_id = data[:32].decode()
+                txn = client.transaction()
+                txn.create(f"{root}/done/{reply_id}", PAYLOAD[:200])
+                txn.create(f"{root}/expiry/{reply_id}")
+                txn.commit()
+            else:
+                client.create(f"{root}/replies/unowned/m-", PAYLOAD, sequence=True)
+    finally:
+        client.stop()
+        client.close()
+
+
+def measure(hosts: str, mode: str, samples: int, seed: int = 1) -> dict[str, float]:
+    """p50/p99/mean in ms of ``samples`` round trips (after a few warm-ups)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    root = f"/floor-{mode}-{random.getrandbits(32):08x}"
+    client = KazooClient(hosts)
+    client.start()
+    for path in ("requests/unowned", "requests/owned", "replies/unowned", "replies/owned",
+                 "done", "expiry"):
+        client.ensure_path(f"{root}/{path}")
+    total = samples + WARM_UP
+    context = multiprocessing.get_context("spawn")  # no kazoo client crosses a fork
+    ready = context.Event()
+    worker = context.Process(target=_worker_side, args=(hosts, root, mode, total, ready),
+                             daemon=True)
+    worker.start()
+    pauses = random.Random(seed)
+    waiter = _Waiter()
+    values: list[float] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.wait(0.1):
+            if not worker.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"floor: the worker-side process did not start "
+                                   f"(exit code {worker.exitcode}); its error is above")
+        time.sleep(0.3)  # let it arm its watch
+        for index in range(total):
+            time.sleep(pauses.uniform(0.020, 0.050))
+            reply_id = f"{index:032d}"
+            start = time.perf_counter()
+            client.create(f"{root}/requests/unowned/m-", reply_id.encode() + PAYLOAD,
+                          sequence=True)
+            if mode == "result":
+                done = f"{root}/done/{reply_id}"
+                while True:
+                    waiter.event.clear()
+                    if client.exists(done, watch=waiter) is not None:
+                        break
+                    waiter.event.wait()
+                client.get(done)
+            else:
+                _receive(client, f"{root}/replies", mode, waiter)
+            if index >= WARM_UP:
+                values.append((time.perf_counter() - start) * 1000)
+        worker.join(30)
+    finally:
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+        client.delete(root, recursive=True)
+        client.stop()
+        client.close()
+    ordered = sorted(values)
+    return {"p50": statistics.median(values),
+            "p99": ordered[max(0, -(-len(ordered) * 99 // 100) - 1)],
+            "mean": statistics.fmean(values), "samples": float(len(values))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=200)
+    parser.add_argument("--zk-force-sync", choices=("yes", "no"), default="yes")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, __file__.rpartition("/")[0])
+    from bench import warm_up_zookeeper
+
+    from celery_zk.server import SERVER_JVM_FLAGS, ZooKeeperServer
+
+    with ZooKeeperServer(extra_config={"forceSync": args.zk_force_sync},
+                         jvm_flags=SERVER_JVM_FLAGS, tick_time=2000) as zk:
+        zk.start()
+        warm_up_zookeeper(zk.hosts)
+        for mode in MODES:
+            res = measure(zk.hosts, mode, args.samples)
+            print(f"{mode:10s} p50 {res['p50']:6.2f} ms  p99 {res['p99']:6.2f} ms  "
+                  f"mean {res['mean']:6.2f} ms  (n={int(res['samples'])})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

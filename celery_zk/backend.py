@@ -42,7 +42,7 @@ import queue
 import time
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 from celery import states
 from celery.backends.asynchronous import AsyncBackendMixin
@@ -60,7 +60,6 @@ from kazoo.exceptions import (
     RuntimeInconsistency,
     SessionExpiredError,
 )
-from kazoo.protocol.paths import join
 from kazoo.protocol.states import WatchedEvent
 from kazoo.retry import ForceRetryError, RetryFailedError
 
@@ -68,33 +67,16 @@ from .chord import ChordCounter
 from .client import ClientHandle
 from .config import mask_password, parse_url
 from .exceptions import ResultTooLarge, ZKConnectionError
+from .expiry import CHORD, GROUP, HOUR, RESULT, ExpiryIndex, Key, bucket_expired, expiry_hour
 from .layout import Layout
 from .result_consumer import ResultConsumer, read_nodes
 
-__all__ = ["ZooKeeperBackend", "ResultTooLarge", "Key", "expiry_hour", "bucket_expired"]
+__all__ = ["ZooKeeperBackend", "ResultTooLarge", "Key", "expiry_hour", "bucket_expired",
+           "HOUR", "RESULT", "GROUP", "CHORD"]
 
 logger = logging.getLogger(__name__)
 
-RESULT, GROUP, CHORD = "r", "g", "c"  # expiry index kinds
-HOUR = 3600
 WRITE_ATTEMPTS = 10
-
-
-class Key(NamedTuple):
-    """What Celery's key/value protocol calls a key: a kind and an id."""
-
-    kind: str
-    id: str
-
-
-def expiry_hour(timestamp: float) -> int:
-    """The index bucket a node written at ``timestamp`` goes in."""
-    return int(timestamp // HOUR)
-
-
-def bucket_expired(hour: int, cutoff: float) -> bool:
-    """True when everything written in ``hour`` is older than ``cutoff``."""
-    return (hour + 1) * HOUR <= cutoff
 
 
 # The header task whose return is being counted, for incr() (see on_chord_part_return).
@@ -130,6 +112,7 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         #: Seconds since the epoch; the expiry index and cleanup() read it.
         self.clock: Callable[[], float] = time.time
         self._handle = ClientHandle(self.settings)
+        self._expiry = ExpiryIndex(lambda: self.client, self.layout, self.path, self.delete)
         self.result_consumer = self.ResultConsumer(
             self, self.app, self.accept, self._pending_results, self._pending_messages)
 
@@ -460,71 +443,14 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
     def cleanup(self) -> None:
         """Delete results, groups and chords older than ``result_expires``.
 
-        Only index buckets whose whole hour is past the cutoff are read. A node
-        is deleted only if it was last written before the cutoff: one rewritten
-        since has a newer entry that will expire it later.
+        Reads only the expired hours of the expiry index (:mod:`celery_zk.expiry`).
         """
         if not self.expires:
             return
-        cutoff = self.clock() - float(self.expires)
-        client = self.client
-        try:
-            buckets = self._retry(client.get_children, self.layout.expiry)
-        except NoNodeError:
-            return
-        removed = 0
-        for name in sorted(buckets):
-            hour = self.layout.parse_expiry_bucket(name)
-            if hour is None or not bucket_expired(hour, cutoff):
-                continue
-            removed += self._cleanup_bucket(hour, cutoff)
+        removed = self._expiry.cleanup(self.clock() - float(self.expires))
         if removed:
             logger.info("celery_zk: cleanup removed %d expired results/groups from %s",
                         removed, self.settings.sanitized_url())
-
-    def _cleanup_bucket(self, hour: int, cutoff: float) -> int:
-        client = self.client
-        bucket = self.layout.expiry_bucket(hour)
-        removed = 0
-        for shard in self._retry(client.get_children, bucket):
-            shard_path = self.layout.expiry_shard(hour, shard)
-            names = self._retry(client.get_children, shard_path)
-            keys = [Key(*parsed) for parsed in map(self.layout.parse_expiry_entry, names)
-                    if parsed is not None]
-            removed += self._retry(self._expire_nodes, keys, cutoff)
-            for name in names:
-                self._delete_quietly(join(shard_path, name))
-            self._delete_quietly(shard_path)
-        self._delete_quietly(bucket)
-        return removed
-
-    def _expire_nodes(self, keys: list[Key], cutoff: float) -> int:
-        client = self.client
-        paths = [self.path(key) for key in keys]
-        stats = [client.exists_async(path) for path in paths]
-        deletes = []
-        for key, path, async_stat in zip(keys, paths, stats):
-            stat = async_stat.get()
-            if stat is None or stat.mtime / 1000.0 >= cutoff:
-                continue
-            if key.kind == CHORD:
-                self.delete(key)  # with its parts
-            else:  # version: a rewrite since the stat wins
-                deletes.append(client.delete_async(path, version=stat.version))
-        removed = 0
-        for async_delete in deletes:
-            try:
-                async_delete.get()
-                removed += 1
-            except (NoNodeError, BadVersionError):
-                pass
-        return removed
-
-    def _delete_quietly(self, path: str) -> None:
-        try:
-            self._retry(self.client.delete, path)
-        except (NoNodeError, NotEmptyError):
-            pass  # gone already, or written to meanwhile: the next cleanup gets it
 
 
 def _is_rollback(exc: Exception) -> bool:

@@ -15,7 +15,8 @@ from celery import Celery, states
 from kazoo.protocol.connection import _CONNECTION_DROP
 
 import celery_zk.result_consumer as result_consumer
-from celery_zk.backend import HOUR, RESULT, ZooKeeperBackend, expiry_hour
+from celery_zk.backend import ZooKeeperBackend
+from celery_zk.expiry import HOUR, RESULT, expiry_hour
 
 from .workers import wait_until
 

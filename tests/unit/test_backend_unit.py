@@ -8,15 +8,9 @@ import pytest
 from celery import Celery
 from kombu.exceptions import EncodeError
 
-from celery_zk.backend import (
-    HOUR,
-    RESULT,
-    Key,
-    ZooKeeperBackend,
-    bucket_expired,
-    expiry_hour,
-)
+from celery_zk.backend import ZooKeeperBackend
 from celery_zk.exceptions import MessageTooLarge, ResultTooLarge
+from celery_zk.expiry import HOUR, RESULT, Key, bucket_expired, expiry_hour
 from celery_zk.layout import Layout, result_shard
 
 

@@ -11,7 +11,8 @@ import re
 import time
 
 from .exceptions import ServerStartError
-from .server import Launched, Peer, ZooKeeperServer, find_zookeeper, four_letter_word, free_ports
+from .install import find_zookeeper
+from .server import Launched, Peer, ZooKeeperServer, four_letter_word, free_ports
 
 __all__ = ["ZooKeeperEnsemble"]
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from celery_zk import server
+from celery_zk import install
 from celery_zk.exceptions import ZooKeeperNotInstalled
-from celery_zk.server import Peer, TLSConfig, ZooKeeperServer, find_zookeeper, render_config
+from celery_zk.install import find_zookeeper
+from celery_zk.server import Peer, TLSConfig, ZooKeeperServer, render_config
 
 
 def parse(text: str) -> dict[str, str]:
@@ -112,13 +113,13 @@ def test_find_zookeeper_home(tmp_path: Path) -> None:
     assert str(home / "conf") in found.classpath
     cmd = found.command("/x/zoo.cfg")
     assert cmd[0] == found.java
-    assert cmd[-2:] == [server.MAIN_CLASS, "/x/zoo.cfg"]
+    assert cmd[-2:] == [install.MAIN_CLASS, "/x/zoo.cfg"]
 
 
 def test_find_zookeeper_debian_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for jar in ("zookeeper.jar", "slf4j-simple.jar", "netty-codec.jar"):
         (tmp_path / jar).write_bytes(b"")
-    monkeypatch.setattr(server, "SEARCH_PATHS", [str(tmp_path / "zookeeper.jar")])
+    monkeypatch.setattr(install, "SEARCH_PATHS", [str(tmp_path / "zookeeper.jar")])
     found = find_zookeeper(fake_java(tmp_path))
     # netty-resolver.jar is absent here, so it must not be on the classpath.
     assert found.classpath == (str(tmp_path / "zookeeper.jar"),
@@ -136,7 +137,7 @@ def test_empty_zookeeper_home_is_an_error(tmp_path: Path) -> None:
 
 
 def test_nothing_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server, "SEARCH_PATHS", [str(tmp_path / "zookeeper.jar"),
+    monkeypatch.setattr(install, "SEARCH_PATHS", [str(tmp_path / "zookeeper.jar"),
                                                  str(tmp_path / "libexec")])
     with pytest.raises(ZooKeeperNotInstalled) as err:
         find_zookeeper(fake_java(tmp_path))
@@ -148,6 +149,6 @@ def test_nothing_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_java_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "zookeeper.jar").write_bytes(b"")
-    monkeypatch.setattr(server, "SEARCH_PATHS", [str(tmp_path / "zookeeper.jar")])
+    monkeypatch.setattr(install, "SEARCH_PATHS", [str(tmp_path / "zookeeper.jar")])
     with pytest.raises(ZooKeeperNotInstalled, match="JAVA_HOME"):
         find_zookeeper({"PATH": str(tmp_path)})

@@ -10,7 +10,10 @@ ago by another process is never missed.
 
 Bindings of auto-delete queues (pidbox, reply and event queues) are ephemeral:
 they vanish with the session that made them, so nothing is routed to a queue
-whose consumer is gone. They are re-created after a session expiry.
+whose consumer is gone. After a session expiry the consuming connection
+re-creates them as soon as it is connected again (from its drain loop, see
+:meth:`Bindings.restore_ephemeral`), so ``celery inspect`` and broadcast
+control commands reach a worker again without waiting for it to publish.
 """
 from __future__ import annotations
 
@@ -84,7 +87,7 @@ class Bindings:
         self._tables.pop(exchange, None)
 
     def bind(self, exchange: str, queue: str, routing_key: str, ephemeral: bool) -> None:
-        self._maybe_rebind()
+        self.restore_ephemeral()
         client = self.client
         path = self.layout.binding(exchange, queue, routing_key)
         try:
@@ -106,7 +109,7 @@ class Bindings:
 
     def table(self, exchange: str, fresh: bool = False) -> list[tuple[str, str]]:
         """``[(routing key, queue), ...]`` bound to ``exchange``."""
-        self._maybe_rebind()
+        self.restore_ephemeral()
         if not fresh:
             cached = self._tables.get(exchange)
             if cached is not None:
@@ -145,14 +148,18 @@ class Bindings:
             self._tables.clear()  # watches died with the session
             self._rebind = bool(self._ephemeral)
 
-    def _maybe_rebind(self) -> None:
-        """Re-create ephemeral bindings a session expiry removed."""
-        if not self._rebind:
+    def restore_ephemeral(self) -> None:
+        """Re-create the ephemeral bindings a session expiry removed.
+
+        A no-op unless a session was lost, and until the client is connected
+        again (so a caller's loop never blocks on it while the server is away).
+        Called by the transport's drain loop and before every bind and lookup.
+        """
+        if not self._rebind or self.handle.client.state != KazooState.CONNECTED:
             return
         with self._lock:
             if not self._rebind:
                 return
-            self._rebind = False
             client = self.client
             for exchange, queue, routing_key in list(self._ephemeral):
                 try:
@@ -160,5 +167,6 @@ class Bindings:
                                  ephemeral=True, makepath=True)
                 except NodeExistsError:
                     pass
+            self._rebind = False  # only now: a failure above leaves it to the next call
             logger.info("celery_zk: re-created %d ephemeral binding(s) after session expiry",
                         len(self._ephemeral))

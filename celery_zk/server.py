@@ -2,8 +2,9 @@
 
 The launcher uses a ZooKeeper that is already installed (Debian package,
 Homebrew, or an Apache release unpacked under ``ZOOKEEPER_HOME``) and a Java
-runtime, found by :mod:`celery_zk.install`; it never downloads anything. Each server runs ``QuorumPeerMain`` in
-its own process group, logs to a file, and is ready once it answers ``ruok``.
+runtime, found by :mod:`celery_zk.install`; it never downloads anything. Each
+server runs ``QuorumPeerMain`` in its own process group, logs to a file, and
+is ready once it answers ``ruok``.
 :class:`celery_zk.ensemble.ZooKeeperEnsemble` builds a quorum out of these.
 """
 from __future__ import annotations

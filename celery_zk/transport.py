@@ -483,6 +483,7 @@ class Transport(virtual.Transport):
         deadline = None if timeout is None else monotonic() + timeout
         while True:
             self._wake.clear()
+            self.bindings.restore_ephemeral()  # after a session expiry; else a no-op
             try:
                 assert self.cycle is not None
                 return self.cycle.get(self._deliver)

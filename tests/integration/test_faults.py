@@ -26,7 +26,7 @@ from celery_zk.layout import Layout, parse_consumer_name, split_owned_name
 from celery_zk.server import ZooKeeperServer, free_ports
 
 from .tcpproxy import TCPProxy
-from .workers import Worker, executed_values, read_log, wait_until
+from .workers import Worker, celery_cli, executed_values, read_log, wait_until
 
 ROOT = "/faults"
 LAYOUT = Layout(ROOT)
@@ -306,6 +306,11 @@ def _expire_live_worker(make_url: Any, start_worker: Any,
     submitted += fresh
     wait_all_ran(task_log, submitted, 60)
     a_new = {v for v in ran_in(task_log, a.pid) - before_new if isinstance(v, str)}
+
+    # A's pidbox binding was ephemeral and went with the old session: it must be
+    # back, or `celery inspect`/`control` would never reach A again.
+    ping = celery_cli(["inspect", "ping", "--timeout", "5"], url_b)
+    assert "a@" in ping.stdout and "b@" in ping.stdout, ping.stdout + ping.stderr
 
     lost, duplicates = tally(task_log, submitted)
     refused = a.output().count("not acking")

@@ -515,23 +515,25 @@ def run(args: argparse.Namespace) -> int:
         warm_up_zookeeper(zk.hosts)
         selected = [b for b in BROKERS if b in args.only]
         if "floor" not in args.skip and "zk" in args.only:
-            floor: dict[str, Any] = {}
+            floor: dict[str, list[float]] = {}
             for mode in ("claim", "get-delete", "result"):
                 log(f"{FLOOR}: (e) bare ZooKeeper round trip '{mode}' x{args.latency_samples}")
                 floor[mode] = measure_floor(zk.hosts, mode, args.latency_samples)
             bench.results[FLOOR] = {
-                "latency_p50": floor["claim"]["p50"], "latency_p99": floor["claim"]["p99"],
-                "latency_samples": int(floor["claim"]["samples"]),
-                "result_p50": floor["result"]["p50"], "result_p99": floor["result"]["p99"],
-                "result_samples": int(floor["result"]["samples"]),
-                "get_delete_p50": floor["get-delete"]["p50"],
-                "get_delete_p99": floor["get-delete"]["p99"]}
+                "latency_p50": percentile(floor["claim"], 50),
+                "latency_p99": percentile(floor["claim"], 99),
+                "latency_samples": len(floor["claim"]),
+                "result_p50": percentile(floor["result"], 50),
+                "result_p99": percentile(floor["result"], 99),
+                "result_samples": len(floor["result"]),
+                "get_delete_p50": percentile(floor["get-delete"], 50),
+                "get_delete_p99": percentile(floor["get-delete"], 99)}
             bench.notes.append(
                 f"{FLOOR}: two plain kazoo processes doing only the ZooKeeper requests of "
                 "one round trip (benchmarks/floor.py), same pauses; rt = celery_zk's claim "
                 "protocol, result = claim + done-node write + watch + read. Reading and "
                 "deleting instead of claiming (kombu's built-in protocol) gave p50 "
-                f"{floor['get-delete']['p50']:.1f} ms")
+                f"{percentile(floor['get-delete'], 50):.1f} ms")
         if "publish" not in args.skip:
             # Interleaved rounds, median: no broker gets a warmer server by going last.
             rates: dict[str, list[float]] = {name: [] for name in selected}

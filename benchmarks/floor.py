@@ -94,8 +94,8 @@ def _worker_side(hosts: str, root: str, mode: str, count: int,
         client.close()
 
 
-def measure(hosts: str, mode: str, samples: int, seed: int = 1) -> dict[str, float]:
-    """p50/p99/mean in ms of ``samples`` round trips (after a few warm-ups)."""
+def measure(hosts: str, mode: str, samples: int, seed: int = 1) -> list[float]:
+    """Milliseconds of each of ``samples`` round trips (after a few warm-ups)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     root = f"/floor-{mode}-{random.getrandbits(32):08x}"
@@ -146,10 +146,7 @@ def measure(hosts: str, mode: str, samples: int, seed: int = 1) -> dict[str, flo
         client.delete(root, recursive=True)
         client.stop()
         client.close()
-    ordered = sorted(values)
-    return {"p50": statistics.median(values),
-            "p99": ordered[max(0, -(-len(ordered) * 99 // 100) - 1)],
-            "mean": statistics.fmean(values), "samples": float(len(values))}
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zk-force-sync", choices=("yes", "no"), default="yes")
     args = parser.parse_args(argv)
     sys.path.insert(0, __file__.rpartition("/")[0])
-    from bench import warm_up_zookeeper
+    from bench import percentile, warm_up_zookeeper
 
     from celery_zk.server import SERVER_JVM_FLAGS, ZooKeeperServer
 
@@ -167,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         zk.start()
         warm_up_zookeeper(zk.hosts)
         for mode in MODES:
-            res = measure(zk.hosts, mode, args.samples)
-            print(f"{mode:10s} p50 {res['p50']:6.2f} ms  p99 {res['p99']:6.2f} ms  "
-                  f"mean {res['mean']:6.2f} ms  (n={int(res['samples'])})", flush=True)
+            values = measure(zk.hosts, mode, args.samples)
+            print(f"{mode:10s} p50 {percentile(values, 50):6.2f} ms  "
+                  f"p99 {percentile(values, 99):6.2f} ms  "
+                  f"mean {statistics.fmean(values):6.2f} ms  (n={len(values)})", flush=True)
     return 0
 
 

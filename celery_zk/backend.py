@@ -287,11 +287,11 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         pay for a failed multi and a directory of their own.
         """
         layout, client = self.layout, self.client
-        directories = layout.expiry_shards(hour)
+        directories = layout.shards(layout.expiry_bucket(hour))
         if key.kind == RESULT:
-            directories += layout.result_shards()
+            directories += layout.shards(layout.results)
         elif key.kind == GROUP:
-            directories += layout.group_shards()
+            directories += layout.shards(layout.groups)
         else:
             directories.append(layout.parent(self.path(key)))
         levels = {layout.parent(d) for d in directories}

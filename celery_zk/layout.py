@@ -169,6 +169,11 @@ class Layout:
         """The directory a path built here lives in (to create it on demand)."""
         return path.rpartition("/")[0] or "/"
 
+    @staticmethod
+    def shards(sharded: str) -> list[str]:
+        """Every shard directory of a sharded level: results/, groups/ or an expiry bucket."""
+        return [join(sharded, shard) for shard in ALL_SHARDS]
+
     # -- queues ---------------------------------------------------------------
     @property
     def queues(self) -> str:
@@ -234,18 +239,12 @@ class Layout:
     def result(self, task_id: str) -> str:
         return join(self.results, result_shard(task_id), escape(task_id))
 
-    def result_shards(self) -> list[str]:
-        return [join(self.results, shard) for shard in ALL_SHARDS]
-
     @property
     def groups(self) -> str:
         return join(self.root, "groups")
 
     def group(self, group_id: str) -> str:
         return join(self.groups, result_shard(group_id), escape(group_id))
-
-    def group_shards(self) -> list[str]:
-        return [join(self.groups, shard) for shard in ALL_SHARDS]
 
     @property
     def chords(self) -> str:
@@ -266,9 +265,6 @@ class Layout:
 
     def expiry_shard(self, hour: int, shard: str) -> str:
         return join(self.expiry_bucket(hour), shard)
-
-    def expiry_shards(self, hour: int) -> list[str]:
-        return [self.expiry_shard(hour, shard) for shard in ALL_SHARDS]
 
     def expiry_entry(self, hour: int, kind: str, key: str) -> str:
         """Index entry pointing at a results/, groups/ or chords/ node written in ``hour``.

@@ -106,10 +106,17 @@ def test_a_new_result_is_one_multi_and_missing_directories_are_remade(
     client.delete(backend.result_path("once"))
     client.delete(entry)  # both gone, their directories left
     calls: list[str] = []
-    for name in ("transaction", "get_async"):
+
+    def counted(name: str) -> Any:
         real = getattr(client, name)
-        monkeypatch.setattr(client, name, lambda *a, _real=real, _name=name, **k: (
-            calls.append(_name), _real(*a, **k))[1])
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("transaction", "get_async"):
+        monkeypatch.setattr(client, name, counted(name))
 
     backend.store_result("once", 2, states.SUCCESS)
     assert calls == ["transaction"]  # no read first: one round trip

@@ -16,9 +16,9 @@ def test_floor_round_trips_complete_and_clean_up(zk_client: KazooClient, zk_host
     sys.path.insert(0, str(BENCHMARKS))  # the spawned side imports floor too
     try:
         from floor import measure
-        result = measure(zk_hosts, mode, samples=3)
+        values = measure(zk_hosts, mode, samples=3)
     finally:
         sys.path.remove(str(BENCHMARKS))
-    assert result["samples"] == 3
-    assert 0 < result["p50"] <= result["p99"]
+    assert len(values) == 3
+    assert min(values) > 0
     assert zk_client.get_children("/") == []  # its nodes are gone

@@ -105,7 +105,7 @@ def test_result_shards_bound_directory_size() -> None:
     # The backend makes a level's shard directories all at once: they must be all of them.
     layout = Layout("/r")
     assert {Layout.parent(layout.result(f"task-{i}")) for i in range(20000)} == set(
-        layout.result_shards())
+        layout.shards(layout.results))
     assert {Layout.parent(layout.expiry_entry(7, "r", f"task-{i}")) for i in range(20000)} == set(
-        layout.expiry_shards(7))
-    assert Layout.parent(layout.group("g")) in layout.group_shards()
+        layout.shards(layout.expiry_bucket(7)))
+    assert Layout.parent(layout.group("g")) in layout.shards(layout.groups)

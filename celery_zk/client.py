@@ -104,6 +104,28 @@ def make_client(settings: ZKSettings) -> KazooClient:
     return client
 
 
+def create_once(client: KazooClient, create: Callable[[], str],
+                find: Callable[[], str | None]) -> str:
+    """Run ``create`` under the client's retry, making one node at most.
+
+    A create whose reply was lost (ConnectionLoss) may have happened; every
+    retry first asks ``find`` for the node it would have made (recognised by
+    a unique part of its name) and returns that instead of making a second.
+    """
+    attempts = 0
+
+    def attempt() -> str:
+        nonlocal attempts
+        attempts += 1
+        if attempts > 1:
+            found = find()
+            if found:
+                return found
+        return create()
+
+    return client.retry(attempt)
+
+
 def _tls_hint(settings: ZKSettings) -> str:
     # A plaintext client on a TLS port (or the reverse) only ever sees dropped
     # connections, so the timeout is the one place to say what to check.

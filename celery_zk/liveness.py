@@ -22,7 +22,7 @@ from kazoo.client import KazooState
 from kazoo.exceptions import NoNodeError
 from kazoo.recipe.watchers import ChildrenWatch
 
-from .client import ClientHandle
+from .client import ClientHandle, create_once
 from .layout import Layout, consumer_prefix, parse_consumer_name, split_owned_name
 from .queue import QueueStore
 
@@ -70,20 +70,17 @@ class ConsumerSession:
         consumer_id = "c" + uuid.uuid4().hex[:12]
         data = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
         client.retry(client.ensure_path, self.layout.consumers)
-        attempts = 0
 
-        def create() -> str:
-            nonlocal attempts
-            attempts += 1
-            if attempts > 1:  # a lost reply may hide a node we already made
-                for name in client.get_children(self.layout.consumers):
-                    parsed = parse_consumer_name(name)
-                    if parsed and parsed[0] == consumer_id:
-                        return self.layout.consumer(name)
-            return client.create(self.layout.consumer(consumer_prefix(consumer_id)), data,
-                                 ephemeral=True, sequence=True)
+        def find() -> str | None:  # a lost reply may hide a node we already made
+            for name in client.get_children(self.layout.consumers):
+                parsed = parse_consumer_name(name)
+                if parsed and parsed[0] == consumer_id:
+                    return self.layout.consumer(name)
+            return None
 
-        self.node_path = client.retry(create)
+        self.node_path = create_once(
+            client, lambda: client.create(self.layout.consumer(consumer_prefix(consumer_id)),
+                                          data, ephemeral=True, sequence=True), find)
         self.consumer_id = consumer_id
         self._nodes[consumer_id] = self.node_path
         logger.debug("celery_zk: registered consumer %s", self.node_path)

@@ -26,6 +26,7 @@ from kazoo.exceptions import (
     RolledBackError,
 )
 
+from .client import create_once
 from .config import ZKOptions
 from .exceptions import MessageTooLarge
 from .layout import (
@@ -135,18 +136,9 @@ class QueueStore:
 
     def _create_once(self, queue: str, uid: str, path: str, data: bytes) -> str:
         client = self.client
-        attempts = 0
-
-        def create() -> str:
-            nonlocal attempts
-            attempts += 1
-            if attempts > 1:  # the lost reply may hide a create that happened
-                found = self._find_uid(queue, uid)
-                if found:
-                    return found
-            return client.create(path, data, sequence=True).rpartition("/")[2]
-
-        return client.retry(create)
+        return create_once(
+            client, lambda: client.create(path, data, sequence=True).rpartition("/")[2],
+            lambda: self._find_uid(queue, uid))
 
     def _find_uid(self, queue: str, uid: str) -> str | None:
         for name in self.client.get_children(self.layout.unowned(queue)):

@@ -285,3 +285,32 @@ def test_stored_message_is_plain_json(conn: Connection, zk_url: str,
     assert name.startswith("m5-")
     data, _ = zk_client.get(layout.unowned("plain") + "/" + name)
     assert json.loads(data)["properties"]["priority"] == 4
+
+
+def test_creates_whose_reply_was_lost_are_not_repeated(
+        conn: Connection, zk_client: KazooClient, zk_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A create that happened but lost its reply is found on the retry, not made twice."""
+    from kazoo.exceptions import ConnectionLoss
+
+    transport = conn.transport
+    client = transport.handle.client
+    real_create = client.create
+    lost: list[str] = []
+
+    def create_then_lose_reply(path: str, *args: Any, **kwargs: Any) -> str:
+        made = real_create(path, *args, **kwargs)
+        if len(lost) < 2:  # the first publish's and the registration's first attempt
+            lost.append(made)
+            raise ConnectionLoss()
+        return made
+
+    monkeypatch.setattr(client, "create", create_then_lose_reply)
+    layout = layout_of(zk_url)
+    transport.store.declare("lossy")
+    name = transport.store.put("lossy", b"{}", None)
+    assert zk_client.get_children(layout.unowned("lossy")) == [name]
+    consumer_id, node = transport.session.ensure_registered()
+    assert zk_client.get_children(layout.consumers) == [node.rpartition("/")[2]]
+    assert len(lost) == 2 and lost[0].endswith(name) and lost[1] == node
+    assert consumer_id in node

@@ -56,15 +56,13 @@ from kazoo.exceptions import (
     NoNodeError,
     NotEmptyError,
     OperationTimeoutError,
-    RolledBackError,
-    RuntimeInconsistency,
     SessionExpiredError,
 )
 from kazoo.protocol.states import WatchedEvent
 from kazoo.retry import ForceRetryError, RetryFailedError
 
 from .chord import ChordCounter
-from .client import ClientHandle
+from .client import ClientHandle, multi_failure
 from .config import mask_password, parse_url
 from .exceptions import ResultTooLarge, ZKConnectionError
 from .expiry import CHORD, GROUP, HOUR, RESULT, ExpiryIndex, Key, bucket_expired, expiry_hour
@@ -270,10 +268,10 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
             tx = self.client.transaction()
             tx.create(path, data)
             tx.create(entry)
-            errors = [r for r in tx.commit() if isinstance(r, Exception) and not _is_rollback(r)]
-            if not errors:
+            failure = multi_failure(tx.commit())
+            if failure is None:
                 return True
-            if not all(isinstance(r, NoNodeError) for r in errors):
+            if not isinstance(failure[1], NoNodeError):
                 return False
             self._make_directories(key, hour)
         return False
@@ -327,15 +325,15 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
             tx.set_data(path, data, version=stat.version)
         if indexed.get() is None:
             tx.create(entry)
-        errors = [r for r in tx.commit() if isinstance(r, Exception)]
-        if not errors:
+        failure = multi_failure(tx.commit())
+        if failure is None:
             return True
-        if any(isinstance(r, NoNodeError) for r in errors):
+        if isinstance(failure[1], NoNodeError):
             self._make_directories(key, hour)  # a new shard or hour
             return None
-        if any(isinstance(r, (BadVersionError, NodeExistsError)) for r in errors):
+        if isinstance(failure[1], (BadVersionError, NodeExistsError)):
             return None  # a concurrent writer: read again
-        raise next(e for e in errors if not _is_rollback(e))
+        raise failure[1]
 
     def _is_success(self, data: bytes) -> bool:
         try:
@@ -451,7 +449,3 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         if removed:
             logger.info("celery_zk: cleanup removed %d expired results/groups from %s",
                         removed, self.settings.sanitized_url())
-
-
-def _is_rollback(exc: Exception) -> bool:
-    return isinstance(exc, (RolledBackError, RuntimeInconsistency))

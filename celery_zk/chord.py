@@ -19,11 +19,10 @@ from kazoo.exceptions import (
     BadVersionError,
     NodeExistsError,
     NoNodeError,
-    RolledBackError,
-    RuntimeInconsistency,
 )
 from kazoo.retry import ForceRetryError
 
+from .client import multi_failure
 from .layout import Layout
 
 __all__ = ["ChordCounter"]
@@ -75,19 +74,17 @@ class ChordCounter:
         tx = self.client.transaction()
         tx.create(part_path, f"{count}:{token}".encode())
         tx.set_data(self.path, str(count).encode(), version=stat.version)
-        part_result, count_result = tx.commit()
-        if isinstance(count_result, BadVersionError):
+        failure = multi_failure(tx.commit())
+        if failure is None:
+            return count
+        error = failure[1]
+        if isinstance(error, BadVersionError):
             raise ForceRetryError()  # another part was counted meanwhile
-        if isinstance(part_result, NodeExistsError):
+        if isinstance(error, NodeExistsError):
             return self._already_counted(part_path, token)
-        for result in (part_result, count_result):
-            if isinstance(result, (RolledBackError, RuntimeInconsistency)):
-                continue  # the other operation is the one that failed
-            if isinstance(result, NoNodeError):  # counter deleted: chord completed
-                return None
-            if isinstance(result, Exception):
-                raise result
-        return count
+        if isinstance(error, NoNodeError):  # counter deleted: chord completed
+            return None
+        raise error
 
     def _already_counted(self, part_path: str, token: str) -> int | None:
         try:

@@ -14,7 +14,7 @@ import threading
 from typing import Any, Callable
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import NoAuthError
+from kazoo.exceptions import NoAuthError, RolledBackError, RuntimeInconsistency
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.serialization import Auth
 from kazoo.retry import KazooRetry
@@ -102,6 +102,19 @@ def make_client(settings: ZKSettings) -> KazooClient:
         client.close()
         raise
     return client
+
+
+def multi_failure(results: list[Any]) -> tuple[int, Exception] | None:
+    """Index and error of the op that made a multi transaction fail, or None.
+
+    The ops before it report RolledBackError and those after it
+    RuntimeInconsistency; neither says what went wrong.
+    """
+    for index, result in enumerate(results):
+        if isinstance(result, Exception) and not isinstance(
+                result, (RolledBackError, RuntimeInconsistency)):
+            return index, result
+    return None
 
 
 def create_once(client: KazooClient, create: Callable[[], str],

@@ -23,10 +23,9 @@ from kazoo.exceptions import (
     NodeExistsError,
     NoNodeError,
     NotEmptyError,
-    RolledBackError,
 )
 
-from .client import create_once
+from .client import create_once, multi_failure
 from .config import ZKOptions
 from .exceptions import MessageTooLarge
 from .layout import (
@@ -48,14 +47,6 @@ class Claimed:
     name: str          # unowned name it had
     owned_path: str    # where it lives while owned (the delivery tag)
     data: bytes
-
-
-def _first_failure(results: list[Any]) -> tuple[int, Exception] | None:
-    """Index and error of the op that made a multi transaction fail."""
-    for index, result in enumerate(results):
-        if isinstance(result, Exception) and not isinstance(result, RolledBackError):
-            return index, result
-    return None
 
 
 def new_uid() -> str:
@@ -100,7 +91,7 @@ class QueueStore:
             for path in (layout.unowned(queue), layout.owned(queue), layout.dead(queue)):
                 txn.create(path)
 
-        failure = _first_failure(self._commit(build))
+        failure = multi_failure(self._commit(build))
         if failure and not isinstance(failure[1], NodeExistsError):
             raise failure[1]
 
@@ -190,7 +181,7 @@ class QueueStore:
                 if client.retry(client.exists, first) is None:
                     continue
                 results = []
-            failure = _first_failure(results)
+            failure = multi_failure(results)
             if failure is None:
                 return [Claimed(queue, name, layout.owned_message(
                     queue, owned_name(consumer_id, name)), data)
@@ -210,7 +201,7 @@ class QueueStore:
         return build
 
     def _ack_outcome(self, owned_path: str, consumer_node: str, results: list[Any]) -> bool:
-        failure = _first_failure(results)
+        failure = multi_failure(results)
         if failure is None:
             return True
         if failure[0] == 0:
@@ -296,7 +287,7 @@ class QueueStore:
             txn.delete(owned_path, version=expected_version)
             txn.create(path, data, sequence=True)
             try:
-                failure = _first_failure(txn.commit())
+                failure = multi_failure(txn.commit())
             except ConnectionLoss:
                 if client.retry(client.exists, owned_path) is None:
                     return True  # it committed (or another survivor moved it)
@@ -349,7 +340,7 @@ class QueueStore:
             txn.delete(source, version=stat.version)
             txn.create(target, data)
 
-        failure = _first_failure(self._commit(build))
+        failure = multi_failure(self._commit(build))
         if failure is None:
             logger.error("celery_zk: moved %s to %s: %s", source, target, reason)
             return True

@@ -14,10 +14,18 @@ import threading
 from typing import Any, Callable
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import NoAuthError, RolledBackError, RuntimeInconsistency
+from kazoo.exceptions import (
+    ConnectionClosedError,
+    ConnectionLoss,
+    NoAuthError,
+    OperationTimeoutError,
+    RolledBackError,
+    RuntimeInconsistency,
+    SessionExpiredError,
+)
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.serialization import Auth
-from kazoo.retry import KazooRetry
+from kazoo.retry import KazooRetry, RetryFailedError
 from kazoo.security import OPEN_ACL_UNSAFE, make_digest_acl
 
 from .config import ZKSettings
@@ -102,6 +110,25 @@ def make_client(settings: ZKSettings) -> KazooClient:
         client.close()
         raise
     return client
+
+
+#: What a request raises when ZooKeeper could not be reached or this client was
+#: closed. RetryFailedError: kazoo's command retry ran past its deadline.
+CONNECTION_ERRORS: tuple[type[Exception], ...] = (
+    ZKConnectionError, ConnectionLoss, SessionExpiredError, KazooTimeoutError,
+    ConnectionClosedError, OperationTimeoutError, RetryFailedError,
+)
+
+
+def log_failure(log: logging.Logger, exc: BaseException, message: str, *args: Any,
+                level: int = logging.WARNING) -> None:
+    """Log a failed background request: a lost or closed connection is expected
+    (an outage, a session expiry, celery reconnecting) and gets a plain warning
+    naming it; anything else is logged at ``level`` with its traceback."""
+    if isinstance(exc, CONNECTION_ERRORS):
+        log.warning(message + " (%s: %s)", *args, type(exc).__name__, exc)
+    else:
+        log.log(level, message, *args, exc_info=exc)
 
 
 def multi_failure(results: list[Any]) -> tuple[int, Exception] | None:

@@ -22,7 +22,7 @@ from kazoo.client import KazooState
 from kazoo.exceptions import NoNodeError
 from kazoo.recipe.watchers import ChildrenWatch
 
-from .client import ClientHandle, create_once
+from .client import ClientHandle, create_once, log_failure
 from .layout import Layout, consumer_prefix, parse_consumer_name, split_owned_name
 from .queue import QueueStore
 
@@ -138,9 +138,9 @@ class ConsumerSession:
                 self.ensure_registered()
                 if self.is_leader():
                     self.recover_dead_owners()
-            except Exception:  # keep the thread alive; the next change retries
-                logger.exception("celery_zk: recovery pass failed; will retry on the "
-                                 "next membership change")
+            except Exception as exc:  # keep the thread alive; retried below
+                log_failure(logger, exc, "celery_zk: recovery pass failed; will retry in 1 s",
+                            level=logging.ERROR)
                 self._wake.wait(1.0)
                 self._wake.set()
 

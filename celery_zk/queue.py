@@ -25,7 +25,7 @@ from kazoo.exceptions import (
     NotEmptyError,
 )
 
-from .client import create_once, multi_failure
+from .client import create_once, log_failure, multi_failure
 from .config import ZKOptions
 from .exceptions import MessageTooLarge
 from .layout import (
@@ -256,9 +256,9 @@ class QueueStore:
                 owned_path, consumer_node = self._retry_queue.popleft()
             try:
                 self.ack(owned_path, consumer_node)
-            except Exception:  # the session's end will requeue it: at-least-once
-                logger.warning("celery_zk: could not ack %s; it will be redelivered when "
-                               "this worker's session ends", owned_path, exc_info=True)
+            except Exception as exc:  # the session's end will requeue it: at-least-once
+                log_failure(logger, exc, "celery_zk: could not ack %s; it will be redelivered "
+                            "when this worker's session ends", owned_path)
 
     def requeue(self, owned_path: str, data: bytes | None = None,
                 expected_version: int = -1) -> bool:
@@ -319,9 +319,9 @@ class QueueStore:
                 result.get()
             except NoNodeError:
                 pass
-            except Exception:  # the owner's session end requeues it: at-least-once
-                logger.warning("celery_zk: could not delete no-ack message %s", owned_path,
-                               exc_info=True)
+            except Exception as exc:  # the owner's session end requeues it: at-least-once
+                log_failure(logger, exc, "celery_zk: could not delete no-ack message %s",
+                            owned_path)
         self.client.delete_async(owned_path).rawlink(done)
 
     def dead_letter_unowned(self, queue: str, name: str, reason: str) -> bool:

@@ -59,20 +59,11 @@ from typing import Any
 
 import kazoo
 from kazoo.client import KazooState
-from kazoo.exceptions import (
-    ConnectionClosedError,
-    ConnectionLoss,
-    OperationTimeoutError,
-    SessionExpiredError,
-)
-from kazoo.handlers.threading import KazooTimeoutError
-from kazoo.retry import RetryFailedError
 from kombu.transport import virtual
 
 from .bindings import Bindings
-from .client import ClientHandle
+from .client import CONNECTION_ERRORS, ClientHandle
 from .config import DEFAULT_PORT, ZKSettings, mask_password, parse_url
-from .exceptions import ZKConnectionError
 from .layout import Layout, parse_message_name
 from .liveness import ConsumerSession
 from .queue import Claimed, QueueStore
@@ -423,12 +414,8 @@ class Transport(virtual.Transport):
         heartbeats=False,
     )
 
-    # RetryFailedError: kazoo's command retry ran past its deadline during an
-    # outage; kombu/celery must retry the publish or reconnect, not fail the caller.
-    connection_errors = virtual.Transport.connection_errors + (  # type: ignore[assignment]
-        ZKConnectionError, ConnectionLoss, SessionExpiredError, KazooTimeoutError,
-        ConnectionClosedError, OperationTimeoutError, RetryFailedError,
-    )
+    # kombu/celery retry the publish or reconnect on these, not fail the caller.
+    connection_errors = virtual.Transport.connection_errors + CONNECTION_ERRORS
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from typing import Any, Callable
 
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
-from .client import ClientHandle
+from .client import AfterExpiry, ClientHandle
 from .layout import Layout, parse_binding_name, unescape
 
 logger = logging.getLogger(__name__)
@@ -41,9 +40,9 @@ class Bindings:
         self._types: dict[str, str] = {}
         self._watchers: dict[str, Callable[[Any], None]] = {}
         self._ephemeral: set[tuple[str, str, str]] = set()
-        self._lock = threading.Lock()
-        self._rebind = False
         handle.add_listener(self._on_state)
+        #: Call from any thread but kazoo's: re-creates ephemeral bindings after an expiry.
+        self.restore_ephemeral = AfterExpiry(handle, self._recreate)
 
     @property
     def client(self) -> KazooClient:
@@ -146,27 +145,14 @@ class Bindings:
     def _on_state(self, state: KazooState) -> None:
         if state == KazooState.LOST:
             self._tables.clear()  # watches died with the session
-            self._rebind = bool(self._ephemeral)
 
-    def restore_ephemeral(self) -> None:
-        """Re-create the ephemeral bindings a session expiry removed.
-
-        A no-op unless a session was lost, and until the client is connected
-        again (so a caller's loop never blocks on it while the server is away).
-        Called by the transport's drain loop and before every bind and lookup.
-        """
-        if not self._rebind or self.handle.client.state != KazooState.CONNECTED:
-            return
-        with self._lock:
-            if not self._rebind:
-                return
-            client = self.client
-            for exchange, queue, routing_key in list(self._ephemeral):
-                try:
-                    client.retry(client.create, self.layout.binding(exchange, queue, routing_key),
-                                 ephemeral=True, makepath=True)
-                except NodeExistsError:
-                    pass
-            self._rebind = False  # only now: a failure above leaves it to the next call
+    def _recreate(self, client: KazooClient) -> None:
+        for exchange, queue, routing_key in list(self._ephemeral):
+            try:
+                client.retry(client.create, self.layout.binding(exchange, queue, routing_key),
+                             ephemeral=True, makepath=True)
+            except NodeExistsError:
+                pass
+        if self._ephemeral:
             logger.info("celery_zk: re-created %d ephemeral binding(s) after session expiry",
                         len(self._ephemeral))

@@ -189,6 +189,36 @@ def _check_root(client: KazooClient, settings: ZKSettings) -> None:
             "credentials in the zk:// URL.") from None
 
 
+class AfterExpiry:
+    """Re-creates what a session expiry removed (ephemeral nodes), once connected again.
+
+    kazoo reports the expiry on its event thread, which must not block, so
+    the listener only raises a flag; the owner calls this object from its own
+    thread (the transport's drain loop, or before a request) and ``restore``
+    runs there. A no-op until the client is connected, so the caller never
+    blocks on a server that is away; a failed restore is retried next call.
+    """
+
+    def __init__(self, handle: ClientHandle, restore: Callable[[KazooClient], None]) -> None:
+        self.handle = handle
+        self._restore = restore
+        self._pending = False
+        self._lock = threading.Lock()
+        handle.add_listener(self._on_state)
+
+    def _on_state(self, state: KazooState) -> None:
+        if state == KazooState.LOST:
+            self._pending = True
+
+    def __call__(self) -> None:
+        if not self._pending or self.handle.client.state != KazooState.CONNECTED:
+            return
+        with self._lock:
+            if self._pending:
+                self._restore(self.handle.client)
+                self._pending = False  # only now: a failure above leaves it to the next call
+
+
 class ClientHandle:
     """Lazily started, per-process kazoo client for one set of settings."""
 

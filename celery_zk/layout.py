@@ -8,6 +8,8 @@
         unowned/m{P}-{uid}-r{orig}-{seq}   requeued message, keeps its first seq
         owned/{consumer}~{unowned name}   claimed by a live consumer
         dead/{unowned name}           dead-lettered (rejected / undecodable)
+        holders/s{session}            auto-delete queues only: ephemeral, one per
+                                      session that declared it; none left = deleted
       exchanges/{exchange}/           data: {"type": ...}
         bindings/{queue},{routing key}    ephemeral for auto-delete queues
       consumers/{consumer}-{seq}      ephemeral: one per live ZooKeeper session
@@ -139,6 +141,11 @@ def parse_consumer_name(name: str) -> tuple[str, int] | None:
     return (match.group(1), int(match.group(2))) if match else None
 
 
+def holder_name(session_id: int) -> str:
+    """An auto-delete queue's holder: named by the session, whose end removes it."""
+    return f"s{session_id:016x}"
+
+
 def binding_name(queue: str, routing_key: str) -> str:
     return f"{escape(queue)}{BINDING_SEP}{escape(routing_key)}"
 
@@ -190,6 +197,13 @@ class Layout:
 
     def dead(self, queue: str) -> str:
         return join(self.queue(queue), "dead")
+
+    def holders(self, queue: str) -> str:
+        """Exists only for auto-delete queues: the sessions that declared it."""
+        return join(self.queue(queue), "holders")
+
+    def holder(self, queue: str, session_id: int) -> str:
+        return join(self.holders(queue), holder_name(session_id))
 
     def unowned_message(self, queue: str, name: str) -> str:
         return join(self.unowned(queue), name)

@@ -8,6 +8,8 @@ survivor, and the one with the lowest sequence (the leader, an election that
 needs no extra nodes) moves the dead owner's messages back to unowned. Each
 move deletes the owned node in the same transaction that recreates the
 unowned one, so two survivors racing can never requeue a message twice.
+The leader then runs its other duties (``leader_duties``: the transport's
+sweep of auto-delete queues nobody holds any more).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import os
 import socket
 import threading
 import uuid
+from collections.abc import Callable, Sequence
 
 from kazoo.client import KazooState
 from kazoo.exceptions import NoNodeError
@@ -32,8 +35,10 @@ logger = logging.getLogger(__name__)
 class ConsumerSession:
     """This connection's identity as a consumer, and its share of recovery duty."""
 
-    def __init__(self, handle: ClientHandle, layout: Layout, store: QueueStore) -> None:
+    def __init__(self, handle: ClientHandle, layout: Layout, store: QueueStore,
+                 leader_duties: Sequence[Callable[[], object]] = ()) -> None:
         self.handle = handle
+        self.leader_duties = list(leader_duties)  # run by the leader after each recovery
         self.layout = layout
         self.store = store
         self.consumer_id: str | None = None
@@ -138,6 +143,8 @@ class ConsumerSession:
                 self.ensure_registered()
                 if self.is_leader():
                     self.recover_dead_owners()
+                    for duty in self.leader_duties:
+                        duty()
             except Exception as exc:  # keep the thread alive; retried below
                 log_failure(logger, exc, "celery_zk: recovery pass failed; will retry in 1 s",
                             level=logging.ERROR)

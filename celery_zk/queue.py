@@ -81,8 +81,14 @@ class QueueStore:
         return client.retry(attempt)
 
     # -- declaration ------------------------------------------------------------
-    def declare(self, queue: str, meta: bytes = b"{}") -> None:
-        """Create the queue's directories; a no-op when they exist (idempotent)."""
+    def declare(self, queue: str, meta: bytes = b"{}", holder: str | None = None) -> bool:
+        """Create the queue's directories; a no-op when they exist (idempotent).
+
+        ``holder`` (auto-delete queues) is the declaring session's ephemeral
+        node under ``holders/``, created in the same transaction, so the queue
+        is never without a holder a sweeper could mistake for dead. Returns
+        False when the queue already existed (nothing was created).
+        """
         layout, client = self.layout, self.client
         client.retry(client.ensure_path, layout.queues)
 
@@ -90,10 +96,14 @@ class QueueStore:
             txn.create(layout.queue(queue), meta)
             for path in (layout.unowned(queue), layout.owned(queue), layout.dead(queue)):
                 txn.create(path)
+            if holder is not None:
+                txn.create(layout.holders(queue))
+                txn.create(holder, ephemeral=True)
 
         failure = multi_failure(self._commit(build))
         if failure and not isinstance(failure[1], NodeExistsError):
             raise failure[1]
+        return failure is None
 
     def exists(self, queue: str) -> bool:
         return self.client.retry(self.client.exists, self.layout.unowned(queue)) is not None
@@ -143,11 +153,17 @@ class QueueStore:
                 ) -> tuple[list[str], list[str]]:
         """(messages in delivery order, foreign node names) of a queue."""
         client = self.client
-        try:
-            names = client.retry(client.get_children, self.layout.unowned(queue), watch=watch)
-        except NoNodeError:
-            return [], []
-        return sort_messages(names)
+        path = self.layout.unowned(queue)
+        while True:
+            try:
+                names = client.retry(client.get_children, path, watch=watch)
+            except NoNodeError:
+                # No listing watch on a missing node: watch for its creation instead
+                # (a deleted auto-delete queue its owner re-declares after an expiry).
+                if watch is None or client.retry(client.exists, path, watch=watch) is None:
+                    return [], []
+                continue  # created meanwhile: list it
+            return sort_messages(names)
 
     def claim(self, queue: str, names: list[str], consumer_id: str
               ) -> tuple[list[Claimed], set[str]]:

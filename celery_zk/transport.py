@@ -61,6 +61,7 @@ import kazoo
 from kazoo.client import KazooState
 from kombu.transport import virtual
 
+from .autodelete import AutoDeleteQueues
 from .bindings import Bindings
 from .client import CONNECTION_ERRORS, ClientHandle
 from .config import DEFAULT_PORT, ZKSettings, mask_password, parse_url
@@ -301,12 +302,13 @@ class Channel(virtual.Channel):
     # -- queues -------------------------------------------------------------------
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
         transport = self.connection
+        if queue in transport.declared_queues:
+            return
         if kwargs.get("auto_delete") or kwargs.get("exclusive"):
-            transport.auto_delete_queues.add(queue)
-        if queue not in transport.declared_queues:
-            meta = {"auto_delete": bool(kwargs.get("auto_delete") or kwargs.get("exclusive"))}
-            transport.store.declare(queue, json.dumps(meta).encode())
-            transport.declared_queues.add(queue)
+            transport.auto_delete.declare(queue)  # held while this session lives
+        else:
+            transport.store.declare(queue, json.dumps({"auto_delete": False}).encode())
+        transport.declared_queues.add(queue)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         return self.connection.store.exists(queue)
@@ -330,6 +332,7 @@ class Channel(virtual.Channel):
         self.state.queue_bindings_delete(queue)
         transport.store.delete(queue)
         transport.declared_queues.discard(queue)
+        transport.auto_delete.held.discard(queue)
         self._states.pop(queue, None)
 
     # -- exchanges and bindings ---------------------------------------------------
@@ -362,7 +365,7 @@ class Channel(virtual.Channel):
     def _queue_bind(self, exchange: str, routing_key: str, pattern: Any, queue: str) -> None:
         transport = self.connection
         transport.bindings.bind(exchange, queue, routing_key,
-                                ephemeral=queue in transport.auto_delete_queues)
+                                ephemeral=queue in transport.auto_delete.held)
 
     def queue_unbind(self, queue: str, exchange: str | None = None, routing_key: str = "",
                      arguments: Any = None, **kwargs: Any) -> None:
@@ -424,9 +427,10 @@ class Transport(virtual.Transport):
         self.layout = Layout(self.settings.root)
         self.store = QueueStore(lambda: self.handle.client, self.layout, self.settings.options)
         self.bindings = Bindings(self.handle, self.layout)
-        self.session = ConsumerSession(self.handle, self.layout, self.store)
+        self.auto_delete = AutoDeleteQueues(self.handle, self.layout, self.store)
+        self.session = ConsumerSession(self.handle, self.layout, self.store,
+                                       leader_duties=[self.auto_delete.sweep])
         self.declared_queues: set[str] = set()
-        self.auto_delete_queues: set[str] = set()
         self._wake = threading.Event()
         self.handle.add_listener(self._on_state)
 
@@ -459,8 +463,7 @@ class Transport(virtual.Transport):
         try:
             super().close_connection(connection)
             if self.handle.started:
-                for queue in self.auto_delete_queues:
-                    self.store.delete(queue)
+                self.auto_delete.release_all()
         finally:
             self.session.close()
             self.handle.close()
@@ -470,7 +473,9 @@ class Transport(virtual.Transport):
         deadline = None if timeout is None else monotonic() + timeout
         while True:
             self._wake.clear()
-            self.bindings.restore_ephemeral()  # after a session expiry; else a no-op
+            # After a session expiry (else no-ops): queues first, then what routes to them.
+            self.auto_delete.restore()
+            self.bindings.restore_ephemeral()
             try:
                 assert self.cycle is not None
                 return self.cycle.get(self._deliver)

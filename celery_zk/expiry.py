@@ -6,6 +6,8 @@ entry ``expiry/h{hour}/{shard}/{kind}~{id}`` in the same transaction (see
 :meth:`ExpiryIndex.cleanup` lists ``expiry/`` (one name per hour of
 retention) and reads only the buckets whose whole hour is past the cutoff:
 it never lists the done area, so its cost is proportional to what expired.
+Its requests are pipelined and its deletes batched into multis, so that cost
+is a few round trips per group of shards, not one per node.
 """
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import BadVersionError, NoNodeError, NotEmptyError
+from kazoo.exceptions import BadVersionError, ConnectionLoss, NoNodeError, NotEmptyError
 from kazoo.protocol.paths import join
 
+from .client import CONNECTION_ERRORS, multi_failure
 from .layout import Layout
 
 __all__ = ["CHORD", "GROUP", "HOUR", "RESULT", "ExpiryIndex", "Key", "bucket_expired",
@@ -23,6 +26,8 @@ __all__ = ["CHORD", "GROUP", "HOUR", "RESULT", "ExpiryIndex", "Key", "bucket_exp
 
 RESULT, GROUP, CHORD = "r", "g", "c"  # the kinds of node an index entry points at
 HOUR = 3600
+BATCH = 200        # deletes per multi transaction
+SHARD_GROUP = 32   # shards cleaned per pipelined round
 
 
 class Key(NamedTuple):
@@ -79,40 +84,99 @@ class ExpiryIndex:
     def _cleanup_bucket(self, hour: int, cutoff: float) -> int:
         client = self.client
         bucket = self.layout.expiry_bucket(hour)
+        shards = [self.layout.expiry_shard(hour, shard)
+                  for shard in client.retry(client.get_children, bucket)]
         removed = 0
-        for shard in client.retry(client.get_children, bucket):
-            shard_path = self.layout.expiry_shard(hour, shard)
-            names = client.retry(client.get_children, shard_path)
-            keys = [Key(*parsed) for parsed in map(self.layout.parse_expiry_entry, names)
-                    if parsed is not None]
-            removed += client.retry(self._expire_nodes, keys, cutoff)
-            for name in names:
-                self._delete_quietly(join(shard_path, name))
-            self._delete_quietly(shard_path)
+        # A few shards at a time, each step pipelined over all of them: the cost is
+        # a handful of round trips per group, not several per shard or per entry.
+        for start in range(0, len(shards), SHARD_GROUP):
+            group = shards[start:start + SHARD_GROUP]
+            entries: list[str] = []
+            keys: list[Key] = []
+            for shard_path, names in self._list_all(group):
+                entries += [join(shard_path, name) for name in names]
+                keys += [Key(*parsed) for parsed in map(self.layout.parse_expiry_entry, names)
+                         if parsed is not None]
+            removed += self._expire_nodes(keys, cutoff)
+            self._delete_batched([(entry, -1) for entry in entries])
+            self._delete_singly([(shard, -1) for shard in group])
         self._delete_quietly(bucket)
         return removed
+
+    def _list_all(self, paths: list[str]) -> list[tuple[str, list[str]]]:
+        """``get_children`` of every path in one pipelined round; missing ones skipped."""
+        client = self.client
+        listings = [(path, client.get_children_async(path)) for path in paths]
+        found = []
+        for path, listing in listings:
+            try:
+                try:
+                    found.append((path, listing.get()))
+                except ConnectionLoss:  # a read is safe to repeat once reconnected
+                    found.append((path, client.retry(client.get_children, path)))
+            except NoNodeError:
+                pass  # another cleanup got there first
+        return found
 
     def _expire_nodes(self, keys: list[Key], cutoff: float) -> int:
         client = self.client
         paths = [self._path_of(key) for key in keys]
         stats = [client.exists_async(path) for path in paths]
-        deletes = []
+        targets = []
         for key, path, async_stat in zip(keys, paths, stats):
-            stat = async_stat.get()
+            try:
+                stat = async_stat.get()
+            except ConnectionLoss:
+                stat = client.retry(client.exists, path)
             if stat is None or stat.mtime / 1000.0 >= cutoff:
                 continue
             if key.kind == CHORD:
                 self._delete_key(key)  # with its parts
             else:  # version: a rewrite since the stat wins
-                deletes.append(client.delete_async(path, version=stat.version))
+                targets.append((path, stat.version))
+        return self._delete_batched(targets)
+
+    def _delete_batched(self, targets: list[tuple[str, int]]) -> int:
+        """Delete ``(path, version)`` pairs in multis of :data:`BATCH`, pipelined.
+
+        One multi is one request and one log write for the server, instead of
+        a request per node. A multi fails whole when one node was deleted or
+        rewritten meanwhile; that batch is then redone one delete at a time.
+        Returns how many nodes were deleted.
+        """
+        client = self.client
+        pending = []
+        for start in range(0, len(targets), BATCH):
+            batch = targets[start:start + BATCH]
+            txn = client.transaction()
+            for path, version in batch:
+                txn.delete(path, version=version)
+            pending.append((batch, txn.commit_async()))
         removed = 0
-        for async_delete in deletes:
+        for batch, result in pending:
             try:
-                async_delete.get()
-                removed += 1
-            except (NoNodeError, BadVersionError):
-                pass
+                failed = multi_failure(result.get()) is not None
+            except CONNECTION_ERRORS:  # committed or not: the redo below tells
+                failed = True
+            removed += self._delete_singly(batch) if failed else len(batch)
         return removed
+
+    def _delete_singly(self, targets: list[tuple[str, int]]) -> int:
+        """Pipelined deletes; nodes gone, rewritten or not empty meanwhile are skipped."""
+        client = self.client
+
+        def attempt() -> int:  # repeatable: what is gone already is skipped
+            results = [client.delete_async(path, version=version) for path, version in targets]
+            deleted = 0
+            for result in results:
+                try:
+                    result.get()
+                    deleted += 1
+                except (NoNodeError, BadVersionError, NotEmptyError):
+                    pass
+            return deleted
+
+        return int(client.retry(attempt))
 
     def _delete_quietly(self, path: str) -> None:
         client = self.client

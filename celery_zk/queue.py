@@ -177,7 +177,10 @@ class QueueStore:
         candidates: list[tuple[str, bytes, int]] = []
         for name, result in pending:
             try:
-                data, stat = result.get()
+                try:
+                    data, stat = result.get()
+                except ConnectionLoss:  # a read is safe to repeat once reconnected
+                    data, stat = client.retry(client.get, layout.unowned_message(queue, name))
             except NoNodeError:
                 gone.add(name)
             else:

@@ -15,6 +15,7 @@ from celery import Celery, states
 from kazoo.protocol.connection import _CONNECTION_DROP
 
 import celery_zk.result_consumer as result_consumer
+from celery_zk import expiry
 from celery_zk.backend import ZooKeeperBackend
 from celery_zk.expiry import HOUR, RESULT, expiry_hour
 
@@ -199,6 +200,46 @@ def test_cleanup_keeps_a_node_rewritten_since_its_entry(
     backend.cleanup()
     assert app.AsyncResult("rewritten").get(timeout=5) == "kept"
     assert backend.client.get_children(backend.layout.expiry) == []
+
+
+def test_cleanup_pipelines_its_listings_and_deletes(
+        app: Celery, backend: ZooKeeperBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cost must not grow by one round trip per shard or per index entry."""
+    now = time.time()
+    ids = [f"expired-{i}" for i in range(40)]  # spread over ~40 of the 256 shards
+    for task_id in ids:
+        backend.store_result(task_id, 1, states.SUCCESS)
+    backend.clock = lambda: now + 2 * 24 * HOUR  # all of them are past result_expires
+    client = backend.client
+    hour = backend.layout.expiry_bucket(expiry_hour(now))
+    shards = len(client.get_children(hour))  # the whole level is made at once
+    calls: list[str] = []
+    for name in ("get_children", "delete", "transaction"):
+        real = getattr(client, name)
+        monkeypatch.setattr(client, name, lambda *a, __real=real, __name=name, **kw: (
+            calls.append(__name), __real(*a, **kw))[1])
+    backend.cleanup()
+    made, calls[:] = list(calls), []
+    assert all(app.AsyncResult(task_id).state == states.PENDING for task_id in ids)
+    # Blocking calls (a round trip each): listing expiry/ and the hour, deleting the
+    # hour. The shard listings and deletes are pipelined asynchronous calls, and
+    # the results and index entries are deleted by multis, one per group of shards
+    # for each (not a request per node).
+    assert made.count("get_children") == 2
+    assert made.count("delete") == 1
+    groups = -(-shards // expiry.SHARD_GROUP)
+    assert 0 < made.count("transaction") <= 2 * groups
+
+
+def test_a_batch_with_a_rewritten_node_is_redone_one_by_one(backend: ZooKeeperBackend) -> None:
+    paths = [backend.result_path(f"b{i}") for i in range(5)]
+    for i in range(5):
+        backend.store_result(f"b{i}", None, states.STARTED)
+    targets = [(path, backend.client.exists(path).version) for path in paths]
+    backend.store_result("b2", "rewritten", states.SUCCESS)  # after its version was read
+    assert backend._expiry._delete_batched(targets) == 4
+    assert [backend.client.exists(path) is not None for path in paths] == [
+        False, False, True, False, False]
 
 
 def test_forget_and_group_delete(app: Celery, backend: ZooKeeperBackend) -> None:

@@ -314,3 +314,33 @@ def test_creates_whose_reply_was_lost_are_not_repeated(
     assert zk_client.get_children(layout.consumers) == [node.rpartition("/")[2]]
     assert len(lost) == 2 and lost[0].endswith(name) and lost[1] == node
     assert consumer_id in node
+
+
+def test_a_claim_repeats_a_read_whose_reply_was_lost(
+        conn: Connection, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lost reply to a claim's pipelined read is read again, not a consumer restart."""
+    from kazoo.exceptions import ConnectionLoss
+
+    transport = conn.transport
+    client = transport.handle.client
+    for i in range(3):
+        transport.store.put("lost-read", json.dumps({"i": i}).encode(), None)
+    consumer_id, _ = transport.session.ensure_registered()
+    names, _ = transport.store.listing("lost-read")
+    real_get_async = client.get_async
+    lost: list[str] = []
+
+    def get_then_lose_reply(path: str, *args: Any, **kwargs: Any) -> Any:
+        result = real_get_async(path, *args, **kwargs)
+        if not lost:
+            lost.append(path)
+            result.get()  # it was answered; the reply goes missing on the way back
+            broken = client.handler.async_result()
+            broken.set_exception(ConnectionLoss())
+            return broken
+        return result
+
+    monkeypatch.setattr(client, "get_async", get_then_lose_reply)
+    claimed, gone = transport.store.claim("lost-read", names, consumer_id)
+    assert lost and [json.loads(c.data)["i"] for c in claimed] == [0, 1, 2]
+    assert gone == set()

@@ -23,7 +23,7 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError, NotEmptyError
 
-from .client import AfterExpiry, ClientHandle, multi_failure
+from .client import CONNECTION_ERRORS, AfterExpiry, ClientHandle, log_failure, multi_failure
 from .layout import Layout
 from .queue import QueueStore
 
@@ -93,12 +93,17 @@ class AutoDeleteQueues:
     def release_all(self) -> None:
         """Clean close: drop this session's holders; delete the queues nobody else holds."""
         client = self.handle.client
-        for queue in list(self.held):
-            try:
-                client.retry(client.delete, self._holder(client, queue))
-            except NoNodeError:
-                pass
-            self.delete_if_unheld(queue)
+        try:
+            for queue in list(self.held):
+                try:
+                    client.retry(client.delete, self._holder(client, queue))
+                except NoNodeError:
+                    pass
+                self.delete_if_unheld(queue)
+        except CONNECTION_ERRORS as exc:
+            # Closing anyway: the session's end drops the holders and the leader sweeps.
+            log_failure(logger, exc, "celery_zk: auto-delete queues left to the recovery "
+                        "leader")
         self.held.clear()
 
     def sweep(self) -> int:

@@ -13,7 +13,7 @@ import pytest
 from celery import Celery
 from kazoo.client import KazooClient
 
-from celery_zk.layout import Layout, parse_consumer_name, split_owned_name
+from celery_zk.layout import Layout, parse_consumer_name, split_owned_name, unescape
 
 from .workers import HERE, celery_cli, executed_values, read_log, wait_until
 
@@ -70,6 +70,10 @@ def test_sigkill_one_of_two_workers_loses_nothing(zk_url: str, start_worker: Any
     live_before = {parse_consumer_name(n)[0]
                    for n in zk_client.get_children(LAYOUT.consumers)}
     held = owned_by(zk_client)
+    pidboxes = {n: [q for q in map(unescape, zk_client.get_children(LAYOUT.queues))
+                    if q.startswith(f"{n}@") and q.endswith(".pidbox")]
+                for n in ("doomed", "survivor")}
+    assert all(len(queues) == 1 for queues in pidboxes.values()), pidboxes
     doomed.kill()
     killed = time.monotonic()
     wait_until(lambda: len({parse_consumer_name(n)[0]
@@ -92,6 +96,10 @@ def test_sigkill_one_of_two_workers_loses_nothing(zk_url: str, start_worker: Any
           f"{len([h for h in held if h in dead])} messages held by the killed worker)")
     assert lost == 0
     assert recovery <= session_timeout + 2
+    # Its auto-delete pidbox queue went too (the leader found no holder); the survivor's stays.
+    wait_until(lambda: zk_client.exists(LAYOUT.queue(pidboxes["doomed"][0])) is None, 10,
+               message="the killed worker's pidbox queue was left behind")
+    assert zk_client.exists(LAYOUT.queue(pidboxes["survivor"][0])) is not None
     survivor.stop()
     app.close()
 

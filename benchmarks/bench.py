@@ -62,6 +62,7 @@ from celery_zk.server import (  # noqa: E402
 
 BROKERS = ("zk", "redis", "kombu-zk")
 FLOOR = "zk-floor"   # the row of (e): bare ZooKeeper requests, no Celery
+UNCONFIRMED = "zk-unconfirmed"   # (c) again with confirm_publish=false (an opt-in)
 REDIS_SERVER = "/usr/bin/redis-server"
 REDIS_HELP = ("redis-server not found at /usr/bin/redis-server. Install Debian's package "
               "(sudo apt-get install redis-server){dev}, then run the benchmark again.")
@@ -71,7 +72,7 @@ REDIS_HELP = ("redis-server not found at /usr/bin/redis-server. Install Debian's
 KOMBU_ZK_LATENCY_SAMPLES = 30
 KOMBU_ZK_DRAIN_BUDGET = 60.0   # seconds the kombu-zk drain should take at most
 
-PUBLISH_ROUNDS = 3
+PUBLISH_ROUNDS = 4   # even: see the alternating order in run()
 WARM_UP_SECONDS = 3.0
 
 TARGETS = [
@@ -313,6 +314,8 @@ class Bench:
         t0 = time.perf_counter()
         for index in range(count):
             task.apply_async((index,), queue=queue)
+        if name == UNCONFIRMED:
+            app.close()  # waits until ZooKeeper stored every message: that time counts
         elapsed = time.perf_counter() - t0
         app.close()
         return {"publish_rate": count / elapsed, "publish_count": count}
@@ -400,7 +403,7 @@ def render(results: dict[str, dict[str, Any]], info: dict[str, Any],
             ("publish/s", "publish_rate"), ("result p50 ms", "result_p50"),
             ("result p99 ms", "result_p99")]
     rows = [[head for head, _ in cols]]
-    order = [*BROKERS, FLOOR]
+    order = [*BROKERS, UNCONFIRMED, FLOOR]
     for name, res in sorted(results.items(), key=lambda item: order.index(item[0])):
         rows.append([name] + [fmt(res.get(key)) for _, key in cols[1:]])
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
@@ -535,13 +538,22 @@ def run(args: argparse.Namespace) -> int:
                 "deleting instead of claiming (kombu's built-in protocol) gave p50 "
                 f"{percentile(floor['get-delete'], 50):.1f} ms")
         if "publish" not in args.skip:
-            # Interleaved rounds, median: no broker gets a warmer server by going last.
-            rates: dict[str, list[float]] = {name: [] for name in selected}
+            # Interleaved rounds, median: no broker gets a warmer server by its position.
+            publishers = list(selected)
+            if "zk" in selected:
+                bench.urls[UNCONFIRMED] = bench.urls["zk"] + "?confirm_publish=false"
+                publishers.append(UNCONFIRMED)
+                bench.notes.append(
+                    f"{UNCONFIRMED}: publish only, with the opt-in transport option "
+                    "confirm_publish=false (pipelined; in-flight messages are lost if the "
+                    "process is killed). The publish target uses the default, zk")
+            rates: dict[str, list[float]] = {name: [] for name in publishers}
             for round_ in range(PUBLISH_ROUNDS):
-                for name in selected:
+                # Every other round in reverse: each broker goes first equally often.
+                for name in publishers if round_ % 2 == 0 else publishers[::-1]:
                     log(f"{name}: (c) publish {args.publish} tasks, round {round_ + 1}")
                     rates[name].append(bench.publish(name, args.publish)["publish_rate"])
-            for name in selected:
+            for name in publishers:
                 bench.results.setdefault(name, {}).update(
                     publish_rate=statistics.median(rates[name]), publish_count=args.publish,
                     publish_rounds=[round(r, 1) for r in rates[name]])

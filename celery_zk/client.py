@@ -145,14 +145,15 @@ def multi_failure(results: list[Any]) -> tuple[int, Exception] | None:
 
 
 def create_once(client: KazooClient, create: Callable[[], str],
-                find: Callable[[], str | None]) -> str:
+                find: Callable[[], str | None], maybe_made: bool = False) -> str:
     """Run ``create`` under the client's retry, making one node at most.
 
     A create whose reply was lost (ConnectionLoss) may have happened; every
     retry first asks ``find`` for the node it would have made (recognised by
     a unique part of its name) and returns that instead of making a second.
+    ``maybe_made``: an earlier attempt made elsewhere lost its reply, so look first.
     """
-    attempts = 0
+    attempts = 1 if maybe_made else 0
 
     def attempt() -> str:
         nonlocal attempts

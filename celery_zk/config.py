@@ -33,7 +33,7 @@ DEFAULT_ROOT = "/celery"
 # accepted (and ignored where they do not apply) so shared settings keep working.
 GENERIC_KOMBU_OPTIONS = frozenset({
     "body_encoding", "deadletter_queue", "polling_interval", "max_retries",
-    "interval_start", "interval_step", "interval_max", "confirm_publish",
+    "interval_start", "interval_step", "interval_max",
     "global_keyprefix", "fanout_prefix", "fanout_patterns",
 })
 
@@ -67,6 +67,11 @@ class ZKOptions:
     dead_letter_rejected: bool = _opt(False, "Keep messages rejected with requeue=False "
                                       "under the queue's dead/ directory instead of "
                                       "deleting them.")
+    confirm_publish: bool = _opt(True, "Wait for ZooKeeper to store each published "
+                                 "message before apply_async returns. False pipelines "
+                                 "publishes (many times faster for one publisher); a "
+                                 "message still in flight is lost if the process is "
+                                 "killed, as with AMQP without publisher confirms.")
     max_message_size: int = _opt(1_000_000, "Largest encoded message or result, bytes; "
                                  "must stay below the server's jute.maxbuffer (1 MiB).")
     acl: str = _opt("auto", "'auto': with credentials every node gets a digest ACL for "

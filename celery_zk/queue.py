@@ -49,6 +49,16 @@ class Claimed:
     data: bytes
 
 
+@dataclass(frozen=True)
+class NewMessage:
+    """A message about to be published."""
+
+    queue: str
+    uid: str      # the unique part of its name: finds it after a lost reply
+    path: str     # the sequential node's prefix
+    data: bytes
+
+
 def new_uid() -> str:
     return uuid.uuid4().hex[:16]
 
@@ -125,21 +135,30 @@ class QueueStore:
 
     def put(self, queue: str, data: bytes, priority: int | None) -> str:
         """Append a message; returns its node name."""
+        return self.put_new(self.new_message(queue, data, priority))
+
+    def new_message(self, queue: str, data: bytes, priority: int | None) -> NewMessage:
+        """A message ready to publish (its size checked, its node named)."""
         self.check_size(data, f"A message for queue {queue!r}")
         uid = new_uid()
         # ZooKeeper appends the sequence to this prefix.
         path = self.layout.unowned_message(queue, message_prefix(priority, uid))
-        try:
-            return self._create_once(queue, uid, path, data)
-        except NoNodeError:
-            self.declare(queue)  # first message to an undeclared queue
-            return self._create_once(queue, uid, path, data)
+        return NewMessage(queue, uid, path, data)
 
-    def _create_once(self, queue: str, uid: str, path: str, data: bytes) -> str:
+    def put_new(self, message: NewMessage, maybe_made: bool = False) -> str:
+        """Create ``message``'s node once (``maybe_made``: an earlier create lost its reply)."""
+        try:
+            return self._create_once(message, maybe_made)
+        except NoNodeError:
+            self.declare(message.queue)  # first message to an undeclared queue
+            return self._create_once(message, maybe_made)
+
+    def _create_once(self, message: NewMessage, maybe_made: bool) -> str:
         client = self.client
         return create_once(
-            client, lambda: client.create(path, data, sequence=True).rpartition("/")[2],
-            lambda: self._find_uid(queue, uid))
+            client, lambda: client.create(message.path, message.data,
+                                          sequence=True).rpartition("/")[2],
+            lambda: self._find_uid(message.queue, message.uid), maybe_made)
 
     def _find_uid(self, queue: str, uid: str) -> str | None:
         for name in self.client.get_children(self.layout.unowned(queue)):

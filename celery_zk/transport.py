@@ -36,6 +36,10 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   sorted listing of a busy queue before re-reading it.
 * ``dead_letter_rejected`` (bool, False): keep messages rejected with
   ``requeue=False`` under the queue's ``dead/`` directory.
+* ``confirm_publish`` (bool, True): wait for ZooKeeper to store each message
+  before a publish returns; False pipelines publishes (see
+  :mod:`celery_zk.unconfirmed`: faster, but a killed process loses what was
+  still in flight).
 * ``max_message_size`` (int, 1000000): largest encoded message in bytes.
 * ``acl`` (str, "auto"): "auto" gives nodes a digest ACL for the URL's user
   (open ACL without credentials); "open" always uses the open ACL.
@@ -68,6 +72,7 @@ from .config import DEFAULT_PORT, ZKSettings, mask_password, parse_url
 from .layout import Layout, parse_message_name
 from .liveness import ConsumerSession
 from .queue import Claimed, QueueStore
+from .unconfirmed import UnconfirmedPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +295,12 @@ class Channel(virtual.Channel):
     # -- publishing ---------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         data = json.dumps(message).encode()
-        self.connection.store.put(queue, data, self._get_message_priority(message))
+        priority = self._get_message_priority(message)
+        transport = self.connection
+        if transport.unconfirmed is not None:
+            transport.unconfirmed.put(queue, data, priority)
+        else:
+            transport.store.put(queue, data, priority)
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
@@ -431,6 +441,8 @@ class Transport(virtual.Transport):
         self.session = ConsumerSession(self.handle, self.layout, self.store,
                                        leader_duties=[self.auto_delete.sweep])
         self.declared_queues: set[str] = set()
+        self.unconfirmed = (None if self.settings.options.confirm_publish
+                            else UnconfirmedPublisher(self.store))
         self._wake = threading.Event()
         self.handle.add_listener(self._on_state)
 
@@ -461,6 +473,10 @@ class Transport(virtual.Transport):
 
     def close_connection(self, connection: Any) -> None:
         try:
+            if self.unconfirmed is not None and not self.unconfirmed.flush(
+                    timeout=2 * self.settings.options.session_timeout):
+                logger.error("celery_zk: closing with %d unconfirmed publish(es) in flight",
+                             self.unconfirmed.in_flight)
             super().close_connection(connection)
             if self.handle.started:
                 self.auto_delete.release_all()

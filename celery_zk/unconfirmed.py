@@ -1,0 +1,123 @@
+"""Publishing without waiting for ZooKeeper's reply (``confirm_publish=False``).
+
+By default a publish returns once ZooKeeper has stored the message: one round
+trip (and one log fsync on the server) per ``apply_async``. With
+``confirm_publish=False`` a publish only sends its create and returns, so one
+process can keep many creates in flight and the server commits them together,
+as AMQP's basic.publish without publisher confirms. ZooKeeper handles one
+session's requests in order, so messages still land in publish order.
+
+What is given up: a message whose create is still in flight when the process
+is *killed* is lost. A clean exit waits for every reply (the transport's
+close, and ``atexit`` for pooled connections that are never closed). A reply
+lost to a dropped connection is redone by a background thread that first
+looks for the node (by the uid in its name), so nothing is published twice,
+but such a message can land after later ones.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import weakref
+from collections import deque
+from typing import Any
+
+from .client import CONNECTION_ERRORS
+from .queue import NewMessage, QueueStore
+
+logger = logging.getLogger(__name__)
+
+#: Most unconfirmed publishes in flight per connection; the next publish waits
+#: for a reply (back-pressure, and a bound on what a crash can lose).
+WINDOW = 256
+
+_publishers: weakref.WeakSet[UnconfirmedPublisher] = weakref.WeakSet()
+
+
+class UnconfirmedPublisher:
+    """Pipelined publishes through one :class:`~celery_zk.queue.QueueStore`."""
+
+    def __init__(self, store: QueueStore, window: int = WINDOW) -> None:
+        self.store = store
+        self.window = window
+        self._pid = os.getpid()
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._redo: deque[NewMessage] = deque()
+        self._thread: threading.Thread | None = None
+        _publishers.add(self)
+
+    def put(self, queue: str, data: bytes, priority: int | None) -> None:
+        message = self.store.new_message(queue, data, priority)  # size errors raise here
+        with self._cond:
+            if self._pid != os.getpid():  # forked: the parent's replies never come here
+                self._pid, self._in_flight, self._redo, self._thread = (
+                    os.getpid(), 0, deque(), None)
+            while self._in_flight >= self.window:
+                self._cond.wait()
+            self._in_flight += 1
+        try:
+            result = self.store.client.create_async(message.path, message.data, sequence=True)
+        except BaseException:
+            self._finished()
+            raise
+        result.rawlink(lambda done: self._on_reply(done, message))
+
+    def _on_reply(self, result: Any, message: NewMessage) -> None:
+        # kazoo's event thread: never block here; anything but success goes to the thread.
+        try:
+            result.get()
+        except Exception:
+            with self._cond:
+                self._redo.append(message)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._redo_all, daemon=True,
+                                                    name="celery_zk-publish-redo")
+                    self._thread.start()
+            return
+        self._finished()
+
+    def _redo_all(self) -> None:
+        while True:
+            with self._cond:
+                if not self._redo:
+                    self._thread = None
+                    return
+                message = self._redo.popleft()
+            try:
+                # A lost reply may hide a create that happened: look before making another.
+                self.store.put_new(message, maybe_made=True)
+            except Exception as exc:
+                logger.error("celery_zk: an unconfirmed publish to queue %r failed and the "
+                             "message is LOST (confirm_publish=False): %s: %s",
+                             message.queue, type(exc).__name__, exc,
+                             exc_info=not isinstance(exc, CONNECTION_ERRORS))
+            finally:
+                self._finished()
+
+    def _finished(self) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every publish so far is stored. False if ``timeout`` ran out."""
+        with self._cond:
+            if self._pid != os.getpid():
+                return True
+            return self._cond.wait_for(lambda: self._in_flight == 0, timeout)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+
+@atexit.register
+def _flush_all() -> None:
+    """Pooled connections are often never closed: wait for their publishes at exit."""
+    for publisher in list(_publishers):
+        if not publisher.flush(timeout=30):
+            logger.error("celery_zk: %d unconfirmed publish(es) still in flight at exit",
+                         publisher.in_flight)

@@ -1,0 +1,119 @@
+"""confirm_publish=False: pipelined publishes that still arrive once, in order."""
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from kazoo.client import KazooClient
+from kazoo.exceptions import ConnectionLoss
+from kombu import Connection, Exchange, Producer, Queue
+
+from celery_zk.layout import Layout, sort_messages
+
+LAYOUT = Layout("/")  # zk_client is chrooted at the URL's path
+
+
+def decode(raw: bytes) -> Any:
+    """The JSON body of a stored kombu message."""
+    message = json.loads(raw)
+    body = message["body"]
+    if message.get("properties", {}).get("body_encoding") == "base64":
+        body = base64.b64decode(body)
+    return json.loads(body)
+
+
+def stored_bodies(zk_client: KazooClient, queue: str) -> list[Any]:
+    names, foreign = sort_messages(zk_client.get_children(LAYOUT.unowned(queue)))
+    assert foreign == []
+    return [decode(zk_client.get(LAYOUT.unowned_message(queue, n))[0]) for n in names]
+
+
+def test_pipelined_publishes_all_arrive_in_order(zk_url: str, zk_client: KazooClient) -> None:
+    queue = Queue("pipelined", Exchange("pipelined", "direct"), "pipelined")
+    with Connection(zk_url + "?confirm_publish=false") as conn:
+        producer = Producer(conn.channel(), serializer="json")
+        for i in range(600):  # more than the window: publishes wait for replies too
+            producer.publish(i, exchange=queue.exchange, routing_key="pipelined",
+                             declare=[queue])
+        assert conn.transport.unconfirmed is not None
+    # Closing waited for every reply.
+    assert stored_bodies(zk_client, "pipelined") == list(range(600))
+
+
+def test_a_lost_reply_is_redone_without_a_duplicate(
+        zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Connection(zk_url + "?confirm_publish=false") as conn:
+        transport = conn.transport
+        transport.store.declare("lossy-pub")
+        client = transport.handle.client
+        real_create_async = client.create_async
+        lost: list[str] = []
+
+        def create_then_lose_reply(path: str, *args: Any, **kwargs: Any) -> Any:
+            result = real_create_async(path, *args, **kwargs)
+            if not lost:
+                lost.append(result.get())  # it was made; the reply goes missing
+                broken = client.handler.async_result()
+                broken.set_exception(ConnectionLoss())
+                return broken
+            return result
+
+        monkeypatch.setattr(client, "create_async", create_then_lose_reply)
+        publisher = transport.unconfirmed
+        assert publisher is not None
+        for i in range(3):
+            publisher.put("lossy-pub", json.dumps({"body": json.dumps(i)}).encode(), None)
+        assert publisher.flush(timeout=10)
+    assert lost
+    assert stored_bodies(zk_client, "lossy-pub") == [0, 1, 2]
+
+
+def test_a_publish_to_an_undeclared_queue_declares_it(zk_url: str,
+                                                      zk_client: KazooClient) -> None:
+    with Connection(zk_url + "?confirm_publish=false") as conn:
+        publisher = conn.transport.unconfirmed
+        assert publisher is not None
+        publisher.put("undeclared-pub", json.dumps({"body": "1"}).encode(), None)
+        assert publisher.flush(timeout=10)
+    assert stored_bodies(zk_client, "undeclared-pub") == [1]
+
+
+def test_a_process_that_exits_without_closing_delivers_everything(
+        zk_url: str, zk_client: KazooClient) -> None:
+    """Celery's producer pool is not closed at exit: the atexit hook waits for the replies."""
+    script = f"""
+import threading
+import celery_zk
+from celery import Celery
+from kazoo.client import KazooClient
+
+# Every create is sent 0.3 s late (a slow network): without the hook the process
+# would exit while all of them are still waiting to go out.
+real_create_async = KazooClient.create_async
+def late_create_async(self, *args, **kwargs):
+    proxy = self.handler.async_result()
+    def send():
+        def relay(result):
+            if result.exception is None:
+                proxy.set(result.value)
+            else:
+                proxy.set_exception(result.exception)
+        real_create_async(self, *args, **kwargs).rawlink(relay)
+    timer = threading.Timer(0.3, send)
+    timer.daemon = True
+    timer.start()
+    return proxy
+KazooClient.create_async = late_create_async
+
+app = Celery('pub', broker={zk_url + "?confirm_publish=false"!r})
+for i in range(200):
+    app.send_task('anything', args=(i,), queue='exit-pub')
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    # Sorted: the timers above send in no particular order (publish order is tested above).
+    assert sorted(body[0][0] for body in stored_bodies(zk_client, "exit-pub")) == list(
+        range(200))

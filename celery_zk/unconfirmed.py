@@ -9,19 +9,19 @@ session's requests in order, so messages still land in publish order.
 
 What is given up: a message whose create is still in flight when the process
 is *killed* is lost. A clean exit waits for every reply (the transport's
-close, and ``atexit`` for pooled connections that are never closed). A reply
+close, and an exit hook for pooled connections that are never closed). A reply
 lost to a dropped connection is redone by a background thread that first
 looks for the node (by the uid in its name), so nothing is published twice,
 but such a message can land after later ones.
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import threading
 import weakref
 from collections import deque
+from multiprocessing.util import Finalize
 from typing import Any
 
 from .client import CONNECTION_ERRORS
@@ -48,6 +48,7 @@ class UnconfirmedPublisher:
         self._redo: deque[NewMessage] = deque()
         self._thread: threading.Thread | None = None
         _publishers.add(self)
+        _hook_exit()
 
     def put(self, queue: str, data: bytes, priority: int | None) -> None:
         message = self.store.new_message(queue, data, priority)  # size errors raise here
@@ -55,6 +56,7 @@ class UnconfirmedPublisher:
             if self._pid != os.getpid():  # forked: the parent's replies never come here
                 self._pid, self._in_flight, self._redo, self._thread = (
                     os.getpid(), 0, deque(), None)
+                _hook_exit()
             while self._in_flight >= self.window:
                 self._cond.wait()
             self._in_flight += 1
@@ -114,10 +116,26 @@ class UnconfirmedPublisher:
         return self._in_flight
 
 
-@atexit.register
 def _flush_all() -> None:
     """Pooled connections are often never closed: wait for their publishes at exit."""
     for publisher in list(_publishers):
         if not publisher.flush(timeout=30):
             logger.error("celery_zk: %d unconfirmed publish(es) still in flight at exit",
                          publisher.in_flight)
+
+
+_hooked_pid = 0
+
+
+def _hook_exit() -> None:
+    """Flush at this process's exit, once per process.
+
+    A multiprocessing finalizer, not ``atexit``: prefork pool children leave
+    through billiard, which runs these finalizers but skips ``atexit``, and
+    billiard clears the parent's finalizers in a new child, so each process
+    registers its own. In the main process they run from ``atexit``.
+    """
+    global _hooked_pid
+    if _hooked_pid != os.getpid():
+        _hooked_pid = os.getpid()
+        Finalize(None, _flush_all, exitpriority=100)

@@ -84,7 +84,7 @@ def test_a_publish_to_an_undeclared_queue_declares_it(zk_url: str,
 
 def test_a_process_that_exits_without_closing_delivers_everything(
         zk_url: str, zk_client: KazooClient) -> None:
-    """Celery's producer pool is not closed at exit: the atexit hook waits for the replies."""
+    """Celery's producer pool is not closed at exit: the exit hook waits for the replies."""
     script = f"""
 import threading
 import celery_zk

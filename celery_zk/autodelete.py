@@ -192,11 +192,8 @@ class AutoDeleteQueues:
         if failure is None:
             return
         index, error = failure
-        if index == 0:
-            if isinstance(error, NotEmptyError):
-                raise _Held()
-            if isinstance(error, NoNodeError):
-                raise _Held()  # deleted by someone else (or not ours to delete)
+        if index == 0 and isinstance(error, (NotEmptyError, NoNodeError)):
+            raise _Held()  # held again, or deleted by someone else
         raise error
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Callable
+from collections import deque
+from typing import Any, Callable, Generic, TypeVar
 
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import (
@@ -165,6 +166,55 @@ def create_once(client: KazooClient, create: Callable[[], str],
         return create()
 
     return client.retry(attempt)
+
+
+def reply_or_retry(client: KazooClient, result: Any, call: Callable[..., Any],
+                   *args: Any) -> Any:
+    """The reply of a pipelined read; if it was lost (ConnectionLoss), the read again.
+
+    A read is safe to repeat, so one lost reply in a pipelined batch costs a
+    retried request instead of failing the whole batch.
+    """
+    try:
+        return result.get()
+    except ConnectionLoss:
+        return client.retry(call, *args)
+
+
+T = TypeVar("T")
+
+
+class RedoThread(Generic[T]):
+    """Requests to redo after a lost reply, done in order on one daemon thread.
+
+    A completion callback runs on kazoo's thread, which must not block, so it
+    only hands the work over. The thread is started when work arrives and
+    ends when none is left. ``work`` handles (logs) its own failures.
+    """
+
+    def __init__(self, name: str, work: Callable[[T], None]) -> None:
+        self._name = name
+        self._work = work
+        self._items: deque[T] = deque()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, item: T) -> None:
+        with self._lock:
+            self._items.append(item)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=self._name,
+                                                daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._items:
+                    self._thread = None
+                    return
+                item = self._items.popleft()
+            self._work(item)
 
 
 def _tls_hint(settings: ZKSettings) -> str:

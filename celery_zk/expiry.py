@@ -15,10 +15,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import BadVersionError, ConnectionLoss, NoNodeError, NotEmptyError
+from kazoo.exceptions import BadVersionError, NoNodeError, NotEmptyError
 from kazoo.protocol.paths import join
 
-from .client import CONNECTION_ERRORS, multi_failure
+from .client import CONNECTION_ERRORS, multi_failure, reply_or_retry
 from .layout import Layout
 
 __all__ = ["CHORD", "GROUP", "HOUR", "RESULT", "ExpiryIndex", "Key", "bucket_expired",
@@ -110,10 +110,7 @@ class ExpiryIndex:
         found = []
         for path, listing in listings:
             try:
-                try:
-                    found.append((path, listing.get()))
-                except ConnectionLoss:  # a read is safe to repeat once reconnected
-                    found.append((path, client.retry(client.get_children, path)))
+                found.append((path, reply_or_retry(client, listing, client.get_children, path)))
             except NoNodeError:
                 pass  # another cleanup got there first
         return found
@@ -124,10 +121,7 @@ class ExpiryIndex:
         stats = [client.exists_async(path) for path in paths]
         targets = []
         for key, path, async_stat in zip(keys, paths, stats):
-            try:
-                stat = async_stat.get()
-            except ConnectionLoss:
-                stat = client.retry(client.exists, path)
+            stat = reply_or_retry(client, async_stat, client.exists, path)
             if stat is None or stat.mtime / 1000.0 >= cutoff:
                 continue
             if key.kind == CHORD:

@@ -9,9 +9,7 @@ committed, each retry first checks for the effect it was about to cause.
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -25,7 +23,7 @@ from kazoo.exceptions import (
     NotEmptyError,
 )
 
-from .client import create_once, log_failure, multi_failure
+from .client import RedoThread, create_once, log_failure, multi_failure, reply_or_retry
 from .config import ZKOptions
 from .exceptions import MessageTooLarge
 from .layout import (
@@ -71,9 +69,8 @@ class QueueStore:
         self._client = client  # a callable: the handle gives a new client after fork
         self.layout = layout
         self.options = options
-        self._retry_queue: deque[tuple[str, str]] = deque()
-        self._retry_lock = threading.Lock()
-        self._retry_thread: threading.Thread | None = None
+        self._ack_retries: RedoThread[tuple[str, str]] = RedoThread(
+            "celery_zk-ack-retry", self._ack_again)
 
     @property
     def client(self) -> KazooClient:
@@ -196,10 +193,8 @@ class QueueStore:
         candidates: list[tuple[str, bytes, int]] = []
         for name, result in pending:
             try:
-                try:
-                    data, stat = result.get()
-                except ConnectionLoss:  # a read is safe to repeat once reconnected
-                    data, stat = client.retry(client.get, layout.unowned_message(queue, name))
+                data, stat = reply_or_retry(client, result, client.get,
+                                            layout.unowned_message(queue, name))
             except NoNodeError:
                 gone.add(name)
             else:
@@ -273,30 +268,17 @@ class QueueStore:
             except NoNodeError:
                 pass
             except Exception:
-                self._retry_later(owned_path, consumer_node)
+                self._ack_retries.submit((owned_path, consumer_node))
 
         txn.commit_async().rawlink(done)
 
-    def _retry_later(self, owned_path: str, consumer_node: str) -> None:
-        with self._retry_lock:
-            self._retry_queue.append((owned_path, consumer_node))
-            if self._retry_thread is None or not self._retry_thread.is_alive():
-                self._retry_thread = threading.Thread(
-                    target=self._drain_retries, name="celery_zk-ack-retry", daemon=True)
-                self._retry_thread.start()
-
-    def _drain_retries(self) -> None:
-        while True:
-            with self._retry_lock:
-                if not self._retry_queue:
-                    self._retry_thread = None
-                    return
-                owned_path, consumer_node = self._retry_queue.popleft()
-            try:
-                self.ack(owned_path, consumer_node)
-            except Exception as exc:  # the session's end will requeue it: at-least-once
-                log_failure(logger, exc, "celery_zk: could not ack %s; it will be redelivered "
-                            "when this worker's session ends", owned_path)
+    def _ack_again(self, item: tuple[str, str]) -> None:
+        owned_path, consumer_node = item
+        try:
+            self.ack(owned_path, consumer_node)
+        except Exception as exc:  # the session's end will requeue it: at-least-once
+            log_failure(logger, exc, "celery_zk: could not ack %s; it will be redelivered "
+                        "when this worker's session ends", owned_path)
 
     def requeue(self, owned_path: str, data: bytes | None = None,
                 expected_version: int = -1) -> bool:

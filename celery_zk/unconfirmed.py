@@ -20,11 +20,10 @@ import logging
 import os
 import threading
 import weakref
-from collections import deque
 from multiprocessing.util import Finalize
 from typing import Any
 
-from .client import CONNECTION_ERRORS
+from .client import CONNECTION_ERRORS, RedoThread
 from .queue import NewMessage, QueueStore
 
 logger = logging.getLogger(__name__)
@@ -45,8 +44,7 @@ class UnconfirmedPublisher:
         self._pid = os.getpid()
         self._cond = threading.Condition()
         self._in_flight = 0
-        self._redo: deque[NewMessage] = deque()
-        self._thread: threading.Thread | None = None
+        self._redo = self._redo_thread()
         _publishers.add(self)
         _hook_exit()
 
@@ -54,8 +52,7 @@ class UnconfirmedPublisher:
         message = self.store.new_message(queue, data, priority)  # size errors raise here
         with self._cond:
             if self._pid != os.getpid():  # forked: the parent's replies never come here
-                self._pid, self._in_flight, self._redo, self._thread = (
-                    os.getpid(), 0, deque(), None)
+                self._pid, self._in_flight, self._redo = os.getpid(), 0, self._redo_thread()
                 _hook_exit()
             while self._in_flight >= self.window:
                 self._cond.wait()
@@ -67,37 +64,29 @@ class UnconfirmedPublisher:
             raise
         result.rawlink(lambda done: self._on_reply(done, message))
 
+    def _redo_thread(self) -> RedoThread[NewMessage]:
+        return RedoThread("celery_zk-publish-redo", self._redo_one)
+
     def _on_reply(self, result: Any, message: NewMessage) -> None:
         # kazoo's event thread: never block here; anything but success goes to the thread.
         try:
             result.get()
         except Exception:
-            with self._cond:
-                self._redo.append(message)
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._redo_all, daemon=True,
-                                                    name="celery_zk-publish-redo")
-                    self._thread.start()
+            self._redo.submit(message)
             return
         self._finished()
 
-    def _redo_all(self) -> None:
-        while True:
-            with self._cond:
-                if not self._redo:
-                    self._thread = None
-                    return
-                message = self._redo.popleft()
-            try:
-                # A lost reply may hide a create that happened: look before making another.
-                self.store.put_new(message, maybe_made=True)
-            except Exception as exc:
-                logger.error("celery_zk: an unconfirmed publish to queue %r failed and the "
-                             "message is LOST (confirm_publish=False): %s: %s",
-                             message.queue, type(exc).__name__, exc,
-                             exc_info=not isinstance(exc, CONNECTION_ERRORS))
-            finally:
-                self._finished()
+    def _redo_one(self, message: NewMessage) -> None:
+        try:
+            # A lost reply may hide a create that happened: look before making another.
+            self.store.put_new(message, maybe_made=True)
+        except Exception as exc:
+            logger.error("celery_zk: an unconfirmed publish to queue %r failed and the "
+                         "message is LOST (confirm_publish=False): %s: %s",
+                         message.queue, type(exc).__name__, exc,
+                         exc_info=not isinstance(exc, CONNECTION_ERRORS))
+        finally:
+            self._finished()
 
     def _finished(self) -> None:
         with self._cond:

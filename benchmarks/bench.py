@@ -450,6 +450,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--publish", type=int, default=None, help="publishes (default 2000)")
     p.add_argument("--zk-force-sync", choices=("yes", "no"), default="yes",
                    help="ZooKeeper's forceSync (fsync every write; default yes)")
+    p.add_argument("--zk-jvm-flag", action="append", default=[], metavar="FLAG",
+                   help="extra JVM flag for the ZooKeeper server, repeatable, e.g. "
+                        "-Dzookeeper.commitProcessor.numWorkerThreads=0")
     p.add_argument("--skip", default="",
                    help="comma-separated measurements to skip: "
                         "latency,drain,publish,result,floor")
@@ -489,7 +492,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         # Production-like server: full JIT, default GC, ZooKeeper's default tickTime.
         zk = ZooKeeperServer(extra_config={"forceSync": args.zk_force_sync},
-                             jvm_flags=SERVER_JVM_FLAGS, tick_time=2000)
+                             jvm_flags=(*SERVER_JVM_FLAGS, *args.zk_jvm_flag), tick_time=2000)
         zk.start()
         redis = RedisServer(procs, work_dir).start()
         run_id = uuid.uuid4().hex[:8]
@@ -507,6 +510,8 @@ def run(args: argparse.Namespace) -> int:
                 "redis": redis.version(), "celery": celery.__version__,
                 "kombu": kombu.__version__, "kazoo": kazoo.__version__,
                 "platform": platform.platform()}
+        if args.zk_jvm_flag:
+            info["zk extra jvm flags"] = " ".join(args.zk_jvm_flag)
         log("  ".join(f"{k}={v}" for k, v in info.items()))
         log(f"ZooKeeper {zk.hosts} (data {zk.data_dir}), redis-server 127.0.0.1:{redis.port}")
         no_backend = backend_available()
@@ -593,7 +598,7 @@ def run(args: argparse.Namespace) -> int:
         bench.notes.append(
             "ZooKeeper runs with production JVM flags (" + " ".join(
                 f for f in SERVER_JVM_FLAGS if f.startswith("-X")) + ", full JIT) and "
-            "tickTime=2000")
+            "tickTime=2000" + "".join(f"; {flag}" for flag in args.zk_jvm_flag))
         bench.notes.append("drain/s is first to last task executed, measured in the worker; "
                            "'incl start' is from worker spawn to last task executed")
         text, verdicts = render(bench.results, info, bench.notes)

@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--zk-force-sync", choices=("yes", "no"), default="yes")
+    parser.add_argument("--zk-jvm-flag", action="append", default=[], metavar="FLAG",
+                        help="extra JVM flag for the ZooKeeper server, repeatable")
     args = parser.parse_args(argv)
     sys.path.insert(0, __file__.rpartition("/")[0])
     from bench import percentile, warm_up_zookeeper
@@ -160,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     from celery_zk.server import SERVER_JVM_FLAGS, ZooKeeperServer
 
     with ZooKeeperServer(extra_config={"forceSync": args.zk_force_sync},
-                         jvm_flags=SERVER_JVM_FLAGS, tick_time=2000) as zk:
+                         jvm_flags=(*SERVER_JVM_FLAGS, *args.zk_jvm_flag),
+                         tick_time=2000) as zk:
         zk.start()
         warm_up_zookeeper(zk.hosts)
         for mode in MODES:

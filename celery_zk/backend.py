@@ -51,20 +51,17 @@ from celery.exceptions import TimeoutError
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
     BadVersionError,
-    ConnectionLoss,
     NodeExistsError,
     NoNodeError,
     NotEmptyError,
-    OperationTimeoutError,
-    SessionExpiredError,
 )
 from kazoo.protocol.states import WatchedEvent
-from kazoo.retry import ForceRetryError, RetryFailedError
+from kazoo.retry import ForceRetryError
 
 from .chord import ChordCounter
-from .client import ClientHandle, multi_failure
+from .client import CONNECTION_ERRORS, ClientHandle, multi_failure
 from .config import mask_password, parse_url
-from .exceptions import ResultTooLarge, ZKConnectionError
+from .exceptions import ResultTooLarge
 from .expiry import CHORD, GROUP, HOUR, RESULT, ExpiryIndex, Key, bucket_expired, expiry_hour
 from .layout import Layout
 from .result_consumer import ResultConsumer, read_nodes
@@ -93,9 +90,9 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
     implements_incr = True
 
     #: Exceptions after which a result operation may be retried
-    #: (with ``result_backend_always_retry``).
-    connection_errors = (ConnectionLoss, SessionExpiredError, OperationTimeoutError,
-                         RetryFailedError, ZKConnectionError)
+    #: (with ``result_backend_always_retry``): the transport's list, since a
+    #: closed or timed-out client is replaced by a new one on the next call.
+    connection_errors = CONNECTION_ERRORS
 
     def __init__(self, url: str | None = None, **kwargs: Any) -> None:
         super().__init__(url=url, **kwargs)

@@ -404,3 +404,48 @@ def test_async_result_get_against_unreachable_server_fails_clearly() -> None:
         assert time.monotonic() - started < 6
     finally:
         app.close()
+
+
+# -- the result backend across an outage longer than kazoo's own retry --------------
+@pytest.mark.slow
+@pytest.mark.parametrize("always_retry", [True, False], ids=["always-retry", "no-retry"])
+def test_result_backend_always_retry_rides_out_an_outage(
+        own_server: ZooKeeperServer, caplog: pytest.LogCaptureFixture,
+        always_retry: bool) -> None:
+    """With ``result_backend_always_retry`` a result stored during an outage lands
+    once the server is back; without it the store fails (and says why)."""
+    app = Celery("retrying", broker="memory://", set_as_current=False,
+                 backend=f"{own_server.url}/retry?session_timeout=4&connect_timeout=2")
+    app.conf.update(result_backend_always_retry=always_retry, result_backend_max_retries=30,
+                    result_backend_base_sleep_between_retries_ms=200,
+                    result_backend_max_sleep_between_retries_ms=1000)
+    outcome: dict[str, Any] = {}
+
+    def store() -> None:
+        try:
+            app.backend.store_result("during-outage", 42, "SUCCESS")
+            outcome["stored"] = True
+        except Exception as exc:
+            outcome["error"] = exc
+
+    try:
+        app.backend.store_result("before-outage", 1, "SUCCESS")
+        own_server.stop()
+        writer = threading.Thread(target=store, daemon=True)
+        writer.start()
+        time.sleep(8.0)  # longer than kazoo's command retry (max(session_timeout, 5s))
+        own_server.start()
+        writer.join(60)
+        assert not writer.is_alive(), "store_result hung after the server came back"
+        retried = [r for r in caplog.records if r.getMessage().startswith("Failed operation")]
+        if always_retry:
+            assert outcome == {"stored": True}, outcome
+            assert retried, "the store never needed Celery's retry: the outage was too short"
+            meta = app.backend.get_task_meta("during-outage")
+            assert (meta["status"], meta["result"]) == ("SUCCESS", 42)
+        else:
+            assert "error" in outcome, outcome
+            assert app.backend.exception_safe_to_retry(outcome["error"]), outcome["error"]
+            assert not retried
+    finally:
+        app.close()

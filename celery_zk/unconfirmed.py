@@ -8,8 +8,10 @@ as AMQP's basic.publish without publisher confirms. ZooKeeper handles one
 session's requests in order, so messages still land in publish order.
 
 What is given up: a message whose create is still in flight when the process
-is *killed* is lost. A clean exit waits for every reply (the transport's
-close, and an exit hook for pooled connections that are never closed). A reply
+is *killed* is lost. A clean exit waits for every reply: the transport's
+close, and for pooled connections that are never closed an exit hook (a
+multiprocessing finalizer) and, in a prefork pool child, Celery's
+``worker_process_shutdown`` signal. A reply
 lost to a dropped connection is redone by a background thread that first
 looks for the node (by the uid in its name), so nothing is published twice,
 but such a message can land after later ones.
@@ -22,6 +24,8 @@ import threading
 import weakref
 from multiprocessing.util import Finalize
 from typing import Any
+
+from celery.signals import worker_process_shutdown
 
 from .client import CONNECTION_ERRORS, RedoThread
 from .queue import NewMessage, QueueStore
@@ -119,12 +123,19 @@ _hooked_pid = 0
 def _hook_exit() -> None:
     """Flush at this process's exit, once per process.
 
-    A multiprocessing finalizer, not ``atexit``: prefork pool children leave
-    through billiard, which runs these finalizers but skips ``atexit``, and
+    A multiprocessing finalizer: in the main process it runs from ``atexit``;
     billiard clears the parent's finalizers in a new child, so each process
-    registers its own. In the main process they run from ``atexit``.
+    registers its own. A prefork pool child, though, leaves through
+    ``os._exit`` without running either: :func:`_flush_in_pool_child` covers it.
     """
     global _hooked_pid
     if _hooked_pid != os.getpid():
         _hooked_pid = os.getpid()
         Finalize(None, _flush_all, exitpriority=100)
+
+
+@worker_process_shutdown.connect(weak=False)
+def _flush_in_pool_child(**_: Any) -> None:
+    """Celery sends this in a pool child just before billiard's ``os._exit``
+    (after ``--max-tasks-per-child`` tasks, at a pool shrink or a shutdown)."""
+    _flush_all()

@@ -5,14 +5,18 @@ import base64
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+from celery import Celery
 from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss
 from kombu import Connection, Exchange, Producer, Queue
 
 from celery_zk.layout import Layout, sort_messages
+
+from .workers import HERE, executed_values, wait_until
 
 LAYOUT = Layout("/")  # zk_client is chrooted at the URL's path
 
@@ -86,28 +90,15 @@ def test_a_process_that_exits_without_closing_delivers_everything(
         zk_url: str, zk_client: KazooClient) -> None:
     """Celery's producer pool is not closed at exit: the exit hook waits for the replies."""
     script = f"""
-import threading
+import sys
+sys.path.insert(0, {str(HERE)!r})
 import celery_zk
 from celery import Celery
-from kazoo.client import KazooClient
+from proj.app import send_creates_late
 
 # Every create is sent 0.3 s late (a slow network): without the hook the process
 # would exit while all of them are still waiting to go out.
-real_create_async = KazooClient.create_async
-def late_create_async(self, *args, **kwargs):
-    proxy = self.handler.async_result()
-    def send():
-        def relay(result):
-            if result.exception is None:
-                proxy.set(result.value)
-            else:
-                proxy.set_exception(result.exception)
-        real_create_async(self, *args, **kwargs).rawlink(relay)
-    timer = threading.Timer(0.3, send)
-    timer.daemon = True
-    timer.start()
-    return proxy
-KazooClient.create_async = late_create_async
+send_creates_late(0.3)
 
 app = Celery('pub', broker={zk_url + "?confirm_publish=false"!r})
 for i in range(200):
@@ -117,3 +108,23 @@ for i in range(200):
     # Sorted: the timers above send in no particular order (publish order is tested above).
     assert sorted(body[0][0] for body in stored_bodies(zk_client, "exit-pub")) == list(
         range(200))
+
+
+def test_a_prefork_child_that_exits_after_its_task_delivers_its_subtasks(
+        zk_url: str, start_worker: Any, task_log: Path) -> None:
+    """A pool child's publishes are flushed when the child exits (here after each
+    task, --max-tasks-per-child=1), although billiard ends a child with os._exit."""
+    publisher = start_worker(
+        zk_url + "?confirm_publish=false", name="fan", pool="prefork", concurrency=1,
+        queues="fan", extra_args=["--max-tasks-per-child=1"],
+        env={"CELERY_ZK_TEST_LATE_CREATES": "0.3"})
+    start_worker(zk_url, log=task_log, name="subtasks", queues="celery")
+    app = Celery("client", broker=zk_url)
+    try:
+        app.send_task("proj.app.fanout_subtasks", args=(30,), queue="fan")
+        wanted = {f"sub-{i}" for i in range(30)}
+        wait_until(lambda: set(executed_values(task_log)) >= wanted, 30,
+                   message=f"subtasks ran: {sorted(executed_values(task_log))}; "
+                           f"publisher output:\n{publisher.output()[-3000:]}")
+    finally:
+        app.close()

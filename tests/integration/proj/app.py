@@ -29,6 +29,38 @@ if os.environ.get("CELERY_ZK_TEST_CONF"):
     app.conf.update(json.loads(os.environ["CELERY_ZK_TEST_CONF"]))
 
 
+def send_creates_late(seconds: float) -> None:
+    """Every kazoo ``create_async`` goes out ``seconds`` late (a slow network), so a
+    process that exits right after publishing still has its creates in flight."""
+    import threading
+
+    from kazoo.client import KazooClient
+
+    real = KazooClient.create_async
+
+    def late(self: KazooClient, *args: object, **kwargs: object) -> object:
+        proxy = self.handler.async_result()
+
+        def send() -> None:
+            def relay(result: object) -> None:
+                if result.exception is None:  # type: ignore[attr-defined]
+                    proxy.set(result.value)  # type: ignore[attr-defined]
+                else:
+                    proxy.set_exception(result.exception)  # type: ignore[attr-defined]
+            real(self, *args, **kwargs).rawlink(relay)  # type: ignore[arg-type]
+
+        timer = threading.Timer(seconds, send)
+        timer.daemon = True
+        timer.start()
+        return proxy
+
+    KazooClient.create_async = late  # type: ignore[method-assign]
+
+
+if os.environ.get("CELERY_ZK_TEST_LATE_CREATES"):
+    send_creates_late(float(os.environ["CELERY_ZK_TEST_LATE_CREATES"]))
+
+
 def _record(kind: str, value: object) -> None:
     path = os.environ.get("CELERY_ZK_TEST_LOG")
     if path:

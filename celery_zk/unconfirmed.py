@@ -11,10 +11,10 @@ What is given up: a message whose create is still in flight when the process
 is *killed* is lost. A clean exit waits for every reply: the transport's
 close, and for pooled connections that are never closed an exit hook (a
 multiprocessing finalizer) and, in a prefork pool child, Celery's
-``worker_process_shutdown`` signal. A reply
-lost to a dropped connection is redone by a background thread that first
-looks for the node (by the uid in its name), so nothing is published twice,
-but such a message can land after later ones.
+``worker_process_shutdown`` signal. A reply lost to a dropped connection is
+redone by a background thread that first looks for the node (by the uid in
+its name), so nothing is published twice, but such a message can land after
+later ones.
 """
 from __future__ import annotations
 

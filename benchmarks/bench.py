@@ -345,6 +345,21 @@ class Bench:
                 "result_samples": samples}
 
 
+def add_server_options(parser: argparse.ArgumentParser) -> None:
+    """The measured ZooKeeper's settings (bench.py, floor.py, request_cost.py)."""
+    parser.add_argument("--zk-force-sync", choices=("yes", "no"), default="yes",
+                        help="ZooKeeper's forceSync (fsync every write; default yes)")
+    parser.add_argument("--zk-jvm-flag", action="append", default=[], metavar="FLAG",
+                        help="extra JVM flag for the ZooKeeper server, repeatable, e.g. "
+                             "-Dzookeeper.commitProcessor.numWorkerThreads=0")
+
+
+def measured_server(args: argparse.Namespace) -> ZooKeeperServer:
+    """A production-like server: full JIT, default GC, ZooKeeper's default tickTime."""
+    return ZooKeeperServer(extra_config={"forceSync": args.zk_force_sync},
+                           jvm_flags=(*SERVER_JVM_FLAGS, *args.zk_jvm_flag), tick_time=2000)
+
+
 def warm_up_zookeeper(hosts: str) -> None:
     """A few seconds of the writes and reads the brokers do, so the JVM has loaded
     and compiled its request path before the first measurement (else whichever
@@ -448,11 +463,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latency-samples", type=int, default=None,
                    help="round-trip samples per broker (default 200; kombu-zk 30)")
     p.add_argument("--publish", type=int, default=None, help="publishes (default 2000)")
-    p.add_argument("--zk-force-sync", choices=("yes", "no"), default="yes",
-                   help="ZooKeeper's forceSync (fsync every write; default yes)")
-    p.add_argument("--zk-jvm-flag", action="append", default=[], metavar="FLAG",
-                   help="extra JVM flag for the ZooKeeper server, repeatable, e.g. "
-                        "-Dzookeeper.commitProcessor.numWorkerThreads=0")
+    add_server_options(p)
     p.add_argument("--skip", default="",
                    help="comma-separated measurements to skip: "
                         "latency,drain,publish,result,floor")
@@ -490,9 +501,7 @@ def run(args: argparse.Namespace) -> int:
     zk: ZooKeeperServer | None = None
     bench = Bench(args, procs, work_dir)
     try:
-        # Production-like server: full JIT, default GC, ZooKeeper's default tickTime.
-        zk = ZooKeeperServer(extra_config={"forceSync": args.zk_force_sync},
-                             jvm_flags=(*SERVER_JVM_FLAGS, *args.zk_jvm_flag), tick_time=2000)
+        zk = measured_server(args)
         zk.start()
         redis = RedisServer(procs, work_dir).start()
         run_id = uuid.uuid4().hex[:8]

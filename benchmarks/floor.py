@@ -152,18 +152,12 @@ def measure(hosts: str, mode: str, samples: int, seed: int = 1) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=200)
-    parser.add_argument("--zk-force-sync", choices=("yes", "no"), default="yes")
-    parser.add_argument("--zk-jvm-flag", action="append", default=[], metavar="FLAG",
-                        help="extra JVM flag for the ZooKeeper server, repeatable")
-    args = parser.parse_args(argv)
     sys.path.insert(0, __file__.rpartition("/")[0])
-    from bench import percentile, warm_up_zookeeper
+    from bench import add_server_options, measured_server, percentile, warm_up_zookeeper
 
-    from celery_zk.server import SERVER_JVM_FLAGS, ZooKeeperServer
-
-    with ZooKeeperServer(extra_config={"forceSync": args.zk_force_sync},
-                         jvm_flags=(*SERVER_JVM_FLAGS, *args.zk_jvm_flag),
-                         tick_time=2000) as zk:
+    add_server_options(parser)
+    args = parser.parse_args(argv)
+    with measured_server(args) as zk:
         zk.start()
         warm_up_zookeeper(zk.hosts)
         for mode in MODES:

@@ -16,7 +16,8 @@ machine, against a fresh ZooKeeper started like ``bench.py``'s:
   server's data directory (ZooKeeper's ``forceSync=yes`` write).
 
 Run: ``.venv/bin/python benchmarks/request_cost.py [--samples 300]
-[--zk-force-sync no] [--zk-jvm-flag FLAG ...]``.
+[--zk-force-sync no] [--zk-jvm-flag FLAG ...]`` (the server options as
+``bench.py``'s).
 """
 from __future__ import annotations
 
@@ -102,17 +103,12 @@ def fdatasync_p50(directory: str, samples: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=300)
-    parser.add_argument("--zk-force-sync", choices=("yes", "no"), default="yes")
-    parser.add_argument("--zk-jvm-flag", action="append", default=[], metavar="FLAG")
-    args = parser.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench import warm_up_zookeeper
+    from bench import add_server_options, measured_server, warm_up_zookeeper
 
-    from celery_zk.server import SERVER_JVM_FLAGS, ZooKeeperServer
-
-    with ZooKeeperServer(extra_config={"forceSync": args.zk_force_sync},
-                         jvm_flags=(*SERVER_JVM_FLAGS, *args.zk_jvm_flag),
-                         tick_time=2000) as zk:
+    add_server_options(parser)
+    args = parser.parse_args(argv)
+    with measured_server(args) as zk:
         zk.start()
         warm_up_zookeeper(zk.hosts)
         kazoo = KazooClient(zk.hosts)

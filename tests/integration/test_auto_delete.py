@@ -4,7 +4,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 
 import pytest
 from kazoo.client import KazooClient
@@ -13,16 +12,9 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from celery_zk import autodelete
 from celery_zk.layout import Layout
 
+from .workers import wait_until
+
 LAYOUT = Layout("/")  # zk_client is chrooted at the URL's path
-
-
-def wait_for(condition: Callable[[], bool], timeout: float) -> float:
-    """Seconds until ``condition()`` held; fails the test after ``timeout``."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout, "condition not reached in time"
-        time.sleep(0.05)
-    return time.monotonic() - started
 
 
 def declare_auto_delete(connection: Connection, name: str) -> Queue:
@@ -113,8 +105,10 @@ with Consumer(c, [q], callbacks=[lambda body, message: None], prefetch_count=1):
                 assert zk_client.get_children(LAYOUT.holders("doomed-ad")) != []
                 doomed.kill()
                 doomed.wait(10)
-                seconds = wait_for(lambda: zk_client.exists(LAYOUT.queue("doomed-ad")) is None,
-                                   timeout=15)
+                killed = time.monotonic()
+                wait_until(lambda: zk_client.exists(LAYOUT.queue("doomed-ad")) is None, 15,
+                           interval=0.05)
+                seconds = time.monotonic() - killed
             finally:
                 doomed.kill()
                 doomed.wait(10)

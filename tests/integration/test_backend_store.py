@@ -97,6 +97,19 @@ def test_success_is_not_overwritten(app: Celery, backend: ZooKeeperBackend) -> N
     assert backend.get_task_meta("once", cache=False)["status"] == states.SUCCESS
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch, client: Any, *names: str) -> list[str]:
+    """The names of ``client``'s methods ``names`` as they are called, in order."""
+    calls: list[str] = []
+    for name in names:
+        real = getattr(client, name)
+
+        def call(*args: Any, __real: Any = real, __name: str = name, **kwargs: Any) -> Any:
+            calls.append(__name)
+            return __real(*args, **kwargs)
+        monkeypatch.setattr(client, name, call)
+    return calls
+
+
 def test_a_new_result_is_one_multi_and_missing_directories_are_remade(
         app: Celery, backend: ZooKeeperBackend, monkeypatch: pytest.MonkeyPatch) -> None:
     client = backend.client
@@ -106,18 +119,7 @@ def test_a_new_result_is_one_multi_and_missing_directories_are_remade(
     entry = backend.layout.expiry_entry(expiry_hour(now), RESULT, "once")
     client.delete(backend.result_path("once"))
     client.delete(entry)  # both gone, their directories left
-    calls: list[str] = []
-
-    def counted(name: str) -> Any:
-        real = getattr(client, name)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            return real(*args, **kwargs)
-        return call
-
-    for name in ("transaction", "get_async"):
-        monkeypatch.setattr(client, name, counted(name))
+    calls = count_calls(monkeypatch, client, "transaction", "get_async")
 
     backend.store_result("once", 2, states.SUCCESS)
     assert calls == ["transaction"]  # no read first: one round trip
@@ -213,11 +215,7 @@ def test_cleanup_pipelines_its_listings_and_deletes(
     client = backend.client
     hour = backend.layout.expiry_bucket(expiry_hour(now))
     shards = len(client.get_children(hour))  # the whole level is made at once
-    calls: list[str] = []
-    for name in ("get_children", "delete", "transaction"):
-        real = getattr(client, name)
-        monkeypatch.setattr(client, name, lambda *a, __real=real, __name=name, **kw: (
-            calls.append(__name), __real(*a, **kw))[1])
+    calls = count_calls(monkeypatch, client, "get_children", "delete", "transaction")
     backend.cleanup()
     made, calls[:] = list(calls), []
     assert all(app.AsyncResult(task_id).state == states.PENDING for task_id in ids)

@@ -464,6 +464,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="round-trip samples per broker (default 200; kombu-zk 30)")
     p.add_argument("--publish", type=int, default=None, help="publishes (default 2000)")
     add_server_options(p)
+    p.add_argument("--zk-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="celery_zk option for the zk broker and backend URLs, repeatable, "
+                        "e.g. persistent_watches=false")
     p.add_argument("--skip", default="",
                    help="comma-separated measurements to skip: "
                         "latency,drain,publish,result,floor")
@@ -505,10 +508,11 @@ def run(args: argparse.Namespace) -> int:
         zk.start()
         redis = RedisServer(procs, work_dir).start()
         run_id = uuid.uuid4().hex[:8]
-        bench.urls = {"zk": f"zk://{zk.hosts}/bench-{run_id}",
+        query = "?" + "&".join(args.zk_option) if args.zk_option else ""
+        bench.urls = {"zk": f"zk://{zk.hosts}/bench-{run_id}{query}",
                       "redis": redis.url(0),
                       "kombu-zk": f"zookeeper://{zk.hosts}/kombu-bench-{run_id}"}
-        bench.backends = {"zk": f"zk://{zk.hosts}/bench-results-{run_id}",
+        bench.backends = {"zk": f"zk://{zk.hosts}/bench-results-{run_id}{query}",
                           "redis": redis.url(1)}
         srvr = four_letter_word("127.0.0.1", zk.port or 0, "srvr")
         zk_version = next((line.split(":", 1)[1].strip().split(",")[0].split("-")[0]
@@ -533,7 +537,7 @@ def run(args: argparse.Namespace) -> int:
         selected = [b for b in BROKERS if b in args.only]
         if "floor" not in args.skip and "zk" in args.only:
             floor: dict[str, list[float]] = {}
-            for mode in ("claim", "get-delete", "result"):
+            for mode in ("claim", "claim-listing", "get-delete", "result"):
                 log(f"{FLOOR}: (e) bare ZooKeeper round trip '{mode}' x{args.latency_samples}")
                 floor[mode] = measure_floor(zk.hosts, mode, args.latency_samples)
             bench.results[FLOOR] = {
@@ -543,19 +547,24 @@ def run(args: argparse.Namespace) -> int:
                 "result_p50": percentile(floor["result"], 50),
                 "result_p99": percentile(floor["result"], 99),
                 "result_samples": len(floor["result"]),
+                "claim_listing_p50": percentile(floor["claim-listing"], 50),
+                "claim_listing_p99": percentile(floor["claim-listing"], 99),
                 "get_delete_p50": percentile(floor["get-delete"], 50),
                 "get_delete_p99": percentile(floor["get-delete"], 99)}
             bench.notes.append(
                 f"{FLOOR}: two plain kazoo processes doing only the ZooKeeper requests of "
                 "one round trip (benchmarks/floor.py), same pauses; rt = celery_zk's claim "
-                "protocol, result = claim + done-node write + watch + read. Reading and "
-                "deleting instead of claiming (kombu's built-in protocol) gave p50 "
+                "protocol, result = claim + done-node write + watch + read. Woken by a "
+                "child watch and listing before each claim (persistent_watches=false) it "
+                f"gave p50 {percentile(floor['claim-listing'], 50):.1f} ms; reading and "
+                "deleting instead of claiming (kombu's built-in protocol) "
                 f"{percentile(floor['get-delete'], 50):.1f} ms")
         if "publish" not in args.skip:
             # Interleaved rounds, median: no broker gets a warmer server by its position.
             publishers = list(selected)
             if "zk" in selected:
-                bench.urls[UNCONFIRMED] = bench.urls["zk"] + "?confirm_publish=false"
+                bench.urls[UNCONFIRMED] = (bench.urls["zk"] + ("&" if query else "?")
+                                           + "confirm_publish=false")
                 publishers.append(UNCONFIRMED)
                 bench.notes.append(
                     f"{UNCONFIRMED}: publish only, with the opt-in transport option "
@@ -608,6 +617,8 @@ def run(args: argparse.Namespace) -> int:
             "ZooKeeper runs with production JVM flags (" + " ".join(
                 f for f in SERVER_JVM_FLAGS if f.startswith("-X")) + ", full JIT) and "
             "tickTime=2000" + "".join(f"; {flag}" for flag in args.zk_jvm_flag))
+        if args.zk_option:
+            bench.notes.append("zk URLs with " + " ".join(args.zk_option))
         bench.notes.append("drain/s is first to last task executed, measured in the worker; "
                            "'incl start' is from worker spawn to last task executed")
         text, verdicts = render(bench.results, info, bench.notes)

@@ -10,12 +10,16 @@ is already above a target ratio, no ZooKeeper transport can meet it here.
 Modes (each sample: the client sends one message and waits for the answer):
 
 * ``claim``: celery_zk's protocol on both sides. Publish is one sequential
-  create; the receiver is woken by a child watch, lists, reads the message
+  create; the idle receiver is woken by its persistent recursive watch
+  (:mod:`celery_zk.watches`), which names the new node, reads the message
   and claims it with one multi (delete from unowned + create in owned), then
   acks asynchronously.
-* ``get-delete``: the receiver reads and deletes the message instead of
-  claiming it (kombu's built-in transport, minus its one-second polling).
-  Not crash-safe; shown as the cheapest conceivable watch-driven exchange.
+* ``claim-listing``: the same, woken by a one-shot child watch instead, so
+  each delivery lists the directory first (celery_zk with
+  ``persistent_watches=false``, or a ZooKeeper before 3.6).
+* ``get-delete``: woken by a child watch, the receiver lists, reads and
+  deletes the message instead of claiming it (kombu's built-in transport,
+  minus its one-second polling). Not crash-safe.
 * ``result``: the request side as ``claim``; the worker side then writes a
   done node and its expiry-index entry in one multi (the result backend's
   write) and the client, woken by an exists watch on that node, reads it.
@@ -31,12 +35,15 @@ import statistics
 import sys
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from kazoo.client import KazooClient
 
+from celery_zk.watches import NODE_CREATED, TreeWatches
+
 PAYLOAD = b"x" * 1200   # about one Celery task message
-MODES = ("claim", "get-delete", "result")
+MODES = ("claim", "claim-listing", "get-delete", "result")
 WARM_UP = 5
 
 
@@ -50,37 +57,72 @@ class _Waiter:
         self.event.set()
 
 
-def _receive(client: KazooClient, queue: str, mode: str, waiter: _Waiter) -> bytes:
-    """Take the next message off ``queue``'s unowned directory, as a consumer does."""
-    while True:
-        waiter.event.clear()
-        names = client.get_children(f"{queue}/unowned", watch=waiter)
-        if names:
-            break
-        waiter.event.wait()
-    name = min(names)
-    path = f"{queue}/unowned/{name}"
-    data, stat = client.get(path)
-    if mode == "get-delete":
-        client.delete(path, version=stat.version)
+class _Handle:
+    """What :class:`TreeWatches` needs of a ClientHandle, for a plain client."""
+
+    def __init__(self, client: KazooClient) -> None:
+        self.client = client
+
+    def add_listener(self, listener: Any) -> None:
+        self.client.add_listener(listener)
+
+
+class _Receiver:
+    """Takes the next message off one queue's unowned directory, as a consumer does."""
+
+    def __init__(self, client: KazooClient, queue: str, mode: str) -> None:
+        self.client, self.queue, self.mode = client, queue, mode
+        self.waiter = _Waiter()
+        self.arrivals: deque[str] = deque()
+        if mode in ("claim", "result"):
+            def on_tree(event_type: int, name: str) -> None:   # kazoo's connection thread
+                if event_type == NODE_CREATED and name:
+                    self.arrivals.append(name)
+                    self.waiter.event.set()
+            if not TreeWatches(_Handle(client)).watch(f"{queue}/unowned", on_tree):  # type: ignore[arg-type]
+                raise RuntimeError("floor: this ZooKeeper has no persistent watches")
+            self.tree = True
+        else:
+            self.tree = False
+
+    def _next_name(self) -> str:
+        if self.tree:
+            while not self.arrivals:
+                self.waiter.event.wait()
+                self.waiter.event.clear()
+            return self.arrivals.popleft()
+        while True:
+            self.waiter.event.clear()
+            names = self.client.get_children(f"{self.queue}/unowned", watch=self.waiter)
+            if names:
+                return min(names)
+            self.waiter.event.wait()
+
+    def receive(self) -> bytes:
+        client, queue = self.client, self.queue
+        name = self._next_name()
+        path = f"{queue}/unowned/{name}"
+        data, stat = client.get(path)
+        if self.mode == "get-delete":
+            client.delete(path, version=stat.version)
+            return bytes(data)
+        txn = client.transaction()
+        txn.delete(path, version=stat.version)
+        txn.create(f"{queue}/owned/{name}", data)
+        txn.commit()
+        client.delete_async(f"{queue}/owned/{name}")  # the ack: asynchronous, as in celery_zk
         return bytes(data)
-    txn = client.transaction()
-    txn.delete(path, version=stat.version)
-    txn.create(f"{queue}/owned/{name}", data)
-    txn.commit()
-    client.delete_async(f"{queue}/owned/{name}")  # the ack: asynchronous, as in celery_zk
-    return bytes(data)
 
 
 def _worker_side(hosts: str, root: str, mode: str, count: int,
                  ready: Any) -> None:
     client = KazooClient(hosts)
     client.start()
-    waiter = _Waiter()
+    receiver = _Receiver(client, f"{root}/requests", mode)
     ready.set()
     try:
         for _ in range(count):
-            data = _receive(client, f"{root}/requests", mode, waiter)
+            data = receiver.receive()
             if mode == "result":
                 reply_id = data[:32].decode()
                 txn = client.transaction()
@@ -112,6 +154,7 @@ def measure(hosts: str, mode: str, samples: int, seed: int = 1) -> list[float]:
     worker.start()
     pauses = random.Random(seed)
     waiter = _Waiter()
+    replies = None if mode == "result" else _Receiver(client, f"{root}/replies", mode)
     values: list[float] = []
     try:
         deadline = time.monotonic() + 60
@@ -135,7 +178,8 @@ def measure(hosts: str, mode: str, samples: int, seed: int = 1) -> list[float]:
                     waiter.event.wait()
                 client.get(done)
             else:
-                _receive(client, f"{root}/replies", mode, waiter)
+                assert replies is not None
+                replies.receive()
             if index >= WARM_UP:
                 values.append((time.perf_counter() - start) * 1000)
         worker.join(30)

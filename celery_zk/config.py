@@ -64,6 +64,11 @@ class ZKOptions:
                             "(also bounded by the consumer's prefetch).")
     listing_max_age: float = _opt(1.0, "Seconds a consumer may reuse its cached, sorted "
                                   "listing of a busy queue before re-reading it.")
+    persistent_watches: bool = _opt(True, "Wake an idle consumer with a persistent "
+                                    "recursive watch, which names the new message (no "
+                                    "listing per delivery; ZooKeeper 3.6+, falls back "
+                                    "by itself on older servers). False: one-shot child "
+                                    "watches only.")
     dead_letter_rejected: bool = _opt(False, "Keep messages rejected with requeue=False "
                                       "under the queue's dead/ directory instead of "
                                       "deleting them.")

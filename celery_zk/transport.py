@@ -34,6 +34,11 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   bounded by the consumer's prefetch).
 * ``listing_max_age`` (float, 1.0): seconds a consumer may reuse its cached,
   sorted listing of a busy queue before re-reading it.
+* ``persistent_watches`` (bool, True): wake an idle consumer with a
+  persistent recursive watch that names the new message, so it claims
+  without listing the queue (ZooKeeper 3.6+; older servers fall back by
+  themselves). False: one-shot child watches only (see
+  :mod:`celery_zk.queue_view`).
 * ``dead_letter_rejected`` (bool, False): keep messages rejected with
   ``requeue=False`` under the queue's ``dead/`` directory.
 * ``confirm_publish`` (bool, True): wait for ZooKeeper to store each message
@@ -54,9 +59,6 @@ import json
 import logging
 import socket
 import threading
-from collections import deque
-from dataclasses import dataclass, field
-from itertools import islice
 from queue import Empty
 from time import monotonic
 from typing import Any
@@ -72,21 +74,11 @@ from .config import DEFAULT_PORT, ZKSettings, mask_password, parse_url
 from .layout import Layout, parse_message_name
 from .liveness import ConsumerSession
 from .queue import Claimed, QueueStore
+from .queue_view import QueueView
 from .unconfirmed import UnconfirmedPublisher
+from .watches import TreeWatches
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _QueueState:
-    """What one channel knows about one queue it consumes from."""
-
-    listing: deque[str] = field(default_factory=deque)   # sorted, not yet tried
-    listed_at: float = 0.0
-    armed: bool = False   # empty at last look, and the watch set then has not fired
-    events: int = 0       # bumped by the watch; detects a fire during a listing
-    buffer: deque[Claimed] = field(default_factory=deque)  # claimed, not delivered yet
-    watcher: Any = None   # one callable per queue, so kazoo holds it once
 
 
 class QoS(virtual.QoS):
@@ -149,7 +141,7 @@ class Channel(virtual.Channel):
     def __init__(self, connection: Transport, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
         self.options = connection.settings.options
-        self._states: dict[str, _QueueState] = {}
+        self._views: dict[str, QueueView] = {}
         self._no_ack_queues: set[str] = set()
 
     # -- consuming ----------------------------------------------------------------
@@ -162,37 +154,43 @@ class Channel(virtual.Channel):
         self.connection.wake()
         return result
 
-    def _state(self, queue: str) -> _QueueState:
-        state = self._states.get(queue)
-        if state is None:
-            state = self._states[queue] = _QueueState()
-        return state
-
-    def _watcher(self, state: _QueueState) -> Any:
-        if state.watcher is None:
-            def on_event(event: Any) -> None:  # kazoo's event thread: flag and wake only
-                state.events += 1
-                state.armed = False
-                transport = self.connection
-                if transport is not None:  # None once the channel is closed
-                    transport.wake()
-            state.watcher = on_event
-        return state.watcher
+    def _view(self, queue: str) -> QueueView:
+        view = self._views.get(queue)
+        if view is None:
+            view = self._views[queue] = QueueView(self.connection, queue)
+        return view
 
     def reset_watches(self) -> None:
-        """After a session change: watches are gone, so look again."""
-        for state in list(self._states.values()):
-            state.armed = False
-            state.listing.clear()
+        """After a connection or session change: watches are gone, so look again."""
+        for view in list(self._views.values()):
+            view.reset()
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        queue = self._tag_to_queue.get(consumer_tag)
+        result = super().basic_cancel(consumer_tag)
+        if queue is not None and queue not in self._active_queues:
+            self._drop_view(queue)
+        return result
+
+    def _drop_view(self, queue: str) -> None:
+        """Stop watching ``queue`` and give back what was claimed but not delivered."""
+        view = self._views.pop(queue, None)
+        if view is None:
+            return
+        view.close()
+        store = self.connection.store if self.connection else None
+        while view.buffer and store is not None:
+            claimed = view.buffer.popleft()
+            store.requeue(claimed.owned_path, claimed.data)
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
-        state = self._state(queue)
+        view = self._view(queue)
         while True:
-            if not state.buffer:
-                self._fill(queue, state)
-            if not state.buffer:
+            if not view.buffer:
+                view.fill(self._claim_limit())
+            if not view.buffer:
                 raise Empty()
-            claimed = state.buffer.popleft()
+            claimed = view.buffer.popleft()
             payload = self._decode(claimed)
             if payload is not None:
                 if queue in self._no_ack_queues:
@@ -228,67 +226,12 @@ class Channel(virtual.Channel):
         estimate = self.qos.can_consume_max_estimate()
         return limit if estimate is None else min(limit, estimate)
 
-    def _fill(self, queue: str, state: _QueueState) -> None:
-        if state.armed:
-            return  # empty at last look and nothing changed since: no request needed
-        limit = self._claim_limit()
-        if limit <= 0:
-            return
-        transport = self.connection
-        consumer_id, _ = transport.session.ensure_registered()
-        while True:
-            if not state.listing or monotonic() - state.listed_at > self.options.listing_max_age:
-                generation = state.events
-                names, foreign = transport.store.listing(queue, watch=self._watcher(state))
-                for name in foreign:
-                    transport.store.dead_letter_unowned(
-                        queue, name, "node name was not written by celery_zk")
-                state.listing = deque(names)
-                state.listed_at = monotonic()
-                if not names:
-                    state.armed = state.events == generation
-                    return
-            batch = self._pick(state.listing, limit)  # removes the batch from the listing
-            claimed, _gone = transport.store.claim(queue, batch, consumer_id)
-            if claimed:
-                state.buffer.extend(claimed)
-                return
-
-    def _pick(self, listing: deque[str], limit: int) -> list[str]:
-        """Take the batch to claim off the listing: the head, or one consumer's slice.
-
-        Consumers sharing a backlog would all try the same head and abort each
-        other's transactions; on a long first priority level each takes its own
-        slice instead (order across consumers is not defined anyway). Looks at
-        no more than it needs: the listing can hold a large backlog.
-        """
-        session = self.connection.session
-        ids = session.live_ids()
-        start = 0
-        if session.consumer_id in ids and len(ids) > 1:
-            offset = ids.index(session.consumer_id) * limit
-            window = list(islice(listing, 0, offset + limit))
-            head = parse_message_name(window[0])
-            tail = parse_message_name(window[-1])
-            if (len(window) == offset + limit and head is not None and tail is not None
-                    and head.inverted_priority == tail.inverted_priority):
-                start = offset  # the whole window is one priority level: spread out
-        if start == 0:
-            return [listing.popleft() for _ in range(min(limit, len(listing)))]
-        batch = list(islice(listing, start, start + limit))
-        taken = set(batch)
-        survivors = [name for name in islice(listing, 0, start + limit) if name not in taken]
-        for _ in range(start + limit):
-            listing.popleft()
-        listing.extendleft(reversed(survivors))
-        return batch
-
     def requeue_owned(self, owned_path: str, message: Any = None) -> None:
         # Our cached listing predates the requeued message, which sorts ahead of it.
         queue = self.connection.layout.split_owned_path(owned_path)[0]
-        state = self._states.get(queue)
-        if state is not None:
-            state.listing.clear()
+        view = self._views.get(queue)
+        if view is not None:
+            view.invalidate()
         data = json.dumps(message._raw).encode() if message is not None else None
         self.connection.store.requeue(owned_path, data)
 
@@ -327,9 +270,9 @@ class Channel(virtual.Channel):
         return self.connection.store.size(queue)
 
     def _purge(self, queue: str) -> int:
-        state = self._states.get(queue)
-        if state is not None:
-            state.listing.clear()
+        view = self._views.get(queue)
+        if view is not None:
+            view.invalidate()
         return self.connection.store.purge(queue)
 
     def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
@@ -343,7 +286,7 @@ class Channel(virtual.Channel):
         transport.store.delete(queue)
         transport.declared_queues.discard(queue)
         transport.auto_delete.held.discard(queue)
-        self._states.pop(queue, None)
+        self._drop_view(queue)
 
     # -- exchanges and bindings ---------------------------------------------------
     def exchange_declare(self, exchange: str | None = None, type: str = "direct",
@@ -403,11 +346,8 @@ class Channel(virtual.Channel):
     # -- lifecycle ----------------------------------------------------------------
     def close(self) -> None:
         if not self.closed:
-            store = self.connection.store if self.connection else None
-            for state in self._states.values():
-                while state.buffer and store is not None:
-                    claimed = state.buffer.popleft()
-                    store.requeue(claimed.owned_path, claimed.data)
+            for queue in list(self._views):
+                self._drop_view(queue)
         super().close()
 
 
@@ -440,6 +380,8 @@ class Transport(virtual.Transport):
         self.auto_delete = AutoDeleteQueues(self.handle, self.layout, self.store)
         self.session = ConsumerSession(self.handle, self.layout, self.store,
                                        leader_duties=[self.auto_delete.sweep])
+        self.watches = (TreeWatches(self.handle) if self.settings.options.persistent_watches
+                        else None)
         self.declared_queues: set[str] = set()
         self.unconfirmed = (None if self.settings.options.confirm_publish
                             else UnconfirmedPublisher(self.store))
@@ -459,6 +401,15 @@ class Transport(virtual.Transport):
     def wake(self) -> None:
         """Something may be deliverable now (new message, free prefetch slot)."""
         self._wake.set()
+
+    def watch_removed(self, queue: str, by: QueueView) -> None:
+        """A view removed its watch on ``queue``, taking this client's one-shot
+        watches there with it: every other view of the queue must look again."""
+        channels: list[Channel] = list(self.channels or ())
+        for channel in channels:
+            view = channel._views.get(queue)
+            if view is not None and view is not by:
+                view.reset()
 
     def _on_state(self, state: KazooState) -> None:
         # kazoo's event thread. After a session change the watches are gone.

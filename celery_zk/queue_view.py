@@ -1,0 +1,230 @@
+"""What one channel knows about one queue it consumes, and how it learns more.
+
+A consumer claims from a cached, sorted listing of the queue's ``unowned/``
+directory, re-read when used up or older than ``listing_max_age``, so a busy
+backlog is not listed per message. When a listing comes back empty the view
+is *armed*: it sends ZooKeeper nothing until a watch reports a change.
+
+Which watch depends on how busy the queue is:
+
+* **Idle** (the last listing was empty): a persistent recursive watch on
+  ``unowned/`` (:mod:`celery_zk.watches`). Each new message arrives with its
+  name, so the consumer claims it without listing the directory again: one
+  request less on every idle round trip. The watch is added *before* the
+  listing that finds the queue empty, so no message falls between the two.
+* **Busy** (a listing held more than ``claim_batch`` messages, or more than
+  that arrived unclaimed): the persistent watch is removed, because it would
+  send every consumer a notification for every message created and claimed;
+  a one-shot child watch, set by each listing, is enough while there is a
+  backlog to work through.
+
+When persistent watches are off (option ``persistent_watches``, or a server
+before 3.6) every listing sets a one-shot child watch, and a woken consumer
+lists the queue.
+
+Watch callbacks run on kazoo's threads and only record what happened and wake
+the transport; every request is made from the consuming thread.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from itertools import islice
+from time import monotonic
+from typing import TYPE_CHECKING, Any
+
+from .layout import parse_message_name, sort_messages
+from .queue import Claimed
+from .watches import NODE_CREATED
+
+if TYPE_CHECKING:
+    from .transport import Transport
+
+__all__ = ["QueueView"]
+
+
+class QueueView:
+    """One channel's consumer state for one queue."""
+
+    def __init__(self, transport: Transport, queue: str) -> None:
+        self.transport = transport
+        self.queue = queue
+        self.path = transport.layout.unowned(queue)
+        self.options = transport.settings.options
+        self.listing: deque[str] = deque()   # sorted, not yet tried
+        self.listed_at = 0.0
+        self.buffer: deque[Claimed] = deque()   # claimed, not delivered yet
+        self.armed = False    # empty at last look, and no watch has fired since
+        self.events = 0       # bumped by every watch; detects a fire during a listing
+        self.idle = True      # the last listing was empty: the next one adds the tree watch
+        self.stale = False    # the tree watch may have missed something: list next time
+        self.arrivals: deque[str] = deque()   # names the tree watch reported since
+        self.closed = False
+        self._tree: Callable[[int, str], None] | None = None   # set while we hold one
+        self._one_shot = self._on_one_shot  # one bound method, so kazoo keeps it once
+
+    # -- kazoo threads: record and wake, nothing else ---------------------------
+    def _woken(self) -> None:
+        self.events += 1
+        self.armed = False
+        if not self.closed:
+            self.transport.wake()
+
+    def _on_one_shot(self, _event: Any) -> None:
+        self._woken()
+
+    def _on_tree(self, event_type: int, name: str) -> None:
+        if name and "/" not in name:
+            if event_type != NODE_CREATED:
+                return   # a claim or purge: nothing new to take, no need to wake
+            if len(self.arrivals) >= self.options.claim_batch:
+                self.stale = True   # a backlog builds up: the next look lists (and goes busy)
+                self.arrivals.clear()
+            else:
+                self.arrivals.append(name)
+        elif name:
+            return   # below a message node: not ours
+        else:
+            self.stale = True   # unowned/ itself was deleted or created (queue re-declared)
+        self._woken()
+
+    # -- the consuming thread ---------------------------------------------------
+    def reset(self) -> None:
+        """After a connection or session change: watches may be gone, so look again."""
+        self.stale = True
+        self.listing.clear()
+        self._woken()
+
+    def invalidate(self) -> None:
+        """The listing is out of date (a requeue sorts ahead of it, a purge emptied it)."""
+        self.listing.clear()
+
+    def close(self) -> None:
+        self.closed = True
+        self._stop_tree()
+
+    def fill(self, limit: int) -> None:
+        """Claim up to ``limit`` messages into :attr:`buffer`, if any are waiting."""
+        if self.armed:
+            return   # empty at last look and nothing changed since: no request needed
+        if limit <= 0:
+            if self.stale and self._tree is not None:
+                self._stop_tree()   # arrivals overflow while we cannot take any: busy
+            return
+        transport = self.transport
+        consumer_id, _ = transport.session.ensure_registered()
+        while True:
+            if not self.listing and not self.stale and self._tree_active():
+                if not self._take_arrivals():
+                    return
+            elif (not self.listing or self.stale
+                  or monotonic() - self.listed_at > self.options.listing_max_age):
+                if not self._list():
+                    return
+            if not self.listing:
+                continue   # only foreign names arrived
+            batch = self._pick(limit)   # removes the batch from the listing
+            claimed, _gone = transport.store.claim(self.queue, batch, consumer_id)
+            if claimed:
+                self.buffer.extend(claimed)
+                return
+
+    def _tree_active(self) -> bool:
+        watches = self.transport.watches
+        return self._tree is not None and watches is not None and watches.active(self.path)
+
+    def _take_arrivals(self) -> bool:
+        """Use what the tree watch reported as the listing; False when nothing came."""
+        generation = self.events
+        names = []
+        while self.arrivals:
+            names.append(self.arrivals.popleft())
+        if not names:
+            self.armed = self.events == generation
+            return False
+        self._use_listing(names)
+        self.listed_at = monotonic()   # as complete as a listing: nothing else is new
+        return True
+
+    def _list(self) -> bool:
+        """List the queue; False when it is empty (then the view is armed)."""
+        tree = self._ensure_tree()
+        generation = self.events
+        self.stale = False
+        self.arrivals.clear()   # whatever arrived so far is in this listing
+        names, foreign = self.transport.store.listing(
+            self.queue, watch=None if tree else self._one_shot)
+        self._dead_letter(foreign)
+        self.listing = deque(names)
+        self.listed_at = monotonic()
+        self.idle = not names
+        if tree and len(names) > self.options.claim_batch:
+            self._stop_tree()   # busy: stop the notification per message
+        if not names:
+            self.armed = self.events == generation
+            return False
+        return True
+
+    def _ensure_tree(self) -> bool:
+        """Hold the tree watch when idle (added before the listing it covers)."""
+        watches = self.transport.watches
+        if watches is None or not watches.supported:
+            return False
+        if self._tree is None and not self.idle:
+            return False
+        if self._tree is None:
+            self._tree = self._on_tree
+        if watches.watch(self.path, self._tree):
+            return True
+        self._tree = None
+        return False
+
+    def _stop_tree(self) -> None:
+        tree, self._tree = self._tree, None
+        watches = self.transport.watches
+        if tree is not None and watches is not None:
+            self.arrivals.clear()
+            if watches.unwatch(self.path, tree):
+                # That also removed any one-shot watch this client held on the
+                # path (another channel's): make those look again.
+                self.transport.watch_removed(self.queue, self)
+
+    def _use_listing(self, names: list[str]) -> None:
+        ordered, foreign = sort_messages(names)
+        self._dead_letter(foreign)
+        self.listing = deque(ordered)
+
+    def _dead_letter(self, foreign: list[str]) -> None:
+        for name in foreign:
+            self.transport.store.dead_letter_unowned(
+                self.queue, name, "node name was not written by celery_zk")
+
+    def _pick(self, limit: int) -> list[str]:
+        """Take the batch to claim off the listing: the head, or one consumer's slice.
+
+        Consumers sharing a backlog would all try the same head and abort each
+        other's transactions; on a long first priority level each takes its own
+        slice instead (order across consumers is not defined anyway). Looks at
+        no more than it needs: the listing can hold a large backlog.
+        """
+        listing = self.listing
+        session = self.transport.session
+        ids = session.live_ids()
+        start = 0
+        if session.consumer_id in ids and len(ids) > 1:
+            offset = ids.index(session.consumer_id) * limit
+            window = list(islice(listing, 0, offset + limit))
+            head = parse_message_name(window[0])
+            tail = parse_message_name(window[-1])
+            if (len(window) == offset + limit and head is not None and tail is not None
+                    and head.inverted_priority == tail.inverted_priority):
+                start = offset  # the whole window is one priority level: spread out
+        if start == 0:
+            return [listing.popleft() for _ in range(min(limit, len(listing)))]
+        batch = list(islice(listing, start, start + limit))
+        taken = set(batch)
+        survivors = [name for name in islice(listing, 0, start + limit) if name not in taken]
+        for _ in range(start + limit):
+            listing.popleft()
+        listing.extendleft(reversed(survivors))
+        return batch

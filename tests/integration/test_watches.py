@@ -1,0 +1,220 @@
+"""Persistent recursive watches: what they wake, when they go away, what replaces them."""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from kazoo.client import KazooClient, KazooState
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+
+from celery_zk.client import ClientHandle
+from celery_zk.config import parse_url
+from celery_zk.watches import NODE_CREATED, NODE_DELETED, AddWatch, TreeWatches
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or predicate}")
+        time.sleep(0.02)
+
+
+def drop_connection(client: KazooClient) -> None:
+    """Break the client's TCP connection (not its session), as a network blip does."""
+    reconnected = threading.Event()
+
+    def listener(state: KazooState) -> bool:
+        if state == KazooState.CONNECTED:
+            reconnected.set()
+            return True
+        return False
+
+    client.add_listener(listener)
+    client._connection._socket.shutdown(socket.SHUT_RDWR)
+    assert reconnected.wait(15), "kazoo did not reconnect"
+
+
+@pytest.fixture
+def handle(zk_url: str) -> Iterator[ClientHandle]:
+    handle = ClientHandle(parse_url(zk_url))
+    yield handle
+    handle.close()
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[int, str, str]] = []
+
+    def __call__(self, event_type: int, name: str) -> None:
+        self.events.append((event_type, name, threading.current_thread().name))
+
+
+def count_raw_events(client: KazooClient) -> list[Any]:
+    """Every watch event the client's connection reads, ours or kazoo's."""
+    seen: list[Any] = []
+    connection = client._connection
+    inner = connection._read_watch_event
+
+    def counting(buffer: bytes, offset: int) -> Any:
+        seen.append(offset)
+        return inner(buffer, offset)
+
+    connection._read_watch_event = counting
+    return seen
+
+
+def test_tree_watch_reports_each_child_by_name_until_removed(handle: ClientHandle) -> None:
+    client = handle.client
+    path = f"{handle.settings.root}/tree/unowned"
+    client.ensure_path(path)
+    watches = TreeWatches(handle)
+    recorder = Recorder()
+    assert watches.watch(path, recorder)
+    assert watches.active(path)
+    raw = count_raw_events(client)
+    first = client.create(f"{path}/m-", sequence=True).rpartition("/")[2]
+    second = client.create(f"{path}/m-", sequence=True).rpartition("/")[2]
+    client.delete(f"{path}/{first}")
+    wait_until(lambda: len(recorder.events) == 3, what="three events")
+    assert [(t, n) for t, n, _ in recorder.events] == [
+        (NODE_CREATED, first), (NODE_CREATED, second), (NODE_DELETED, first)]
+    # On kazoo's connection thread, not its event thread: no hand-off per event.
+    assert all("zk_loop" in thread for _, _, thread in recorder.events)
+    assert watches.unwatch(path, recorder)
+    assert not watches.active(path)
+    client.sync(path)   # the removal has been processed
+    before = len(raw)
+    client.create(f"{path}/m-", sequence=True)
+    client.sync(path)
+    time.sleep(0.2)
+    assert len(raw) == before, "the server still sends events after the removal"
+
+
+def test_tree_watch_is_added_again_after_the_connection_drops(handle: ClientHandle) -> None:
+    client = handle.client
+    path = f"{handle.settings.root}/again/unowned"
+    client.ensure_path(path)
+    watches = TreeWatches(handle)
+    recorder = Recorder()
+    assert watches.watch(path, recorder)
+    drop_connection(client)
+    assert not watches.active(path)   # the server forgot it with the connection
+    client.create(f"{path}/lost")
+    client.sync(path)
+    time.sleep(0.2)
+    assert recorder.events == []
+    assert watches.watch(path, recorder)
+    client.create(f"{path}/seen")
+    wait_until(lambda: [n for _, n, _ in recorder.events] == ["seen"], what="'seen'")
+
+
+def test_server_without_add_watch_turns_them_off(handle: ClientHandle,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    class Unknown(AddWatch):
+        type = 999   # what a ZooKeeper before 3.6 makes of addWatch: Unimplemented
+
+    watches = TreeWatches(handle)
+    watches.add_request = Unknown
+    with caplog.at_level(logging.WARNING, logger="celery_zk.watches"):
+        assert not watches.watch(f"{handle.settings.root}/old", Recorder())
+    assert not watches.supported
+    assert "older than 3.6" in caplog.text
+    assert not watches.watch(f"{handle.settings.root}/old", Recorder())   # not tried again
+
+
+def _publish(zk_url: str, queue: Queue, *bodies: Any) -> None:
+    with Connection(zk_url) as other:
+        producer = Producer(other.channel())
+        for body in bodies:
+            producer.publish(body, exchange=queue.exchange, routing_key=queue.routing_key)
+
+
+def _count_requests(client: KazooClient) -> list[str]:
+    calls: list[str] = []
+    for name in ("get_children", "get", "exists", "get_async", "transaction"):
+        original = getattr(client, name)
+
+        def counting(*args: Any, __name: str = name, __orig: Any = original, **kw: Any) -> Any:
+            calls.append(__name)
+            return __orig(*args, **kw)
+        setattr(client, name, counting)
+    return calls
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_idle_consumer_claims_a_new_message_without_listing(zk_url: str,
+                                                            persistent: bool) -> None:
+    queue = Queue("wake", Exchange("wake", "direct"), "wake")
+    flag = "true" if persistent else "false"
+    with Connection(f"{zk_url}?persistent_watches={flag}") as conn:
+        queue(conn.channel()).declare()
+        calls = _count_requests(conn.transport.handle.client)
+        got: list[Any] = []
+        with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())]):
+            for expected in (1, 2, 3):
+                with pytest.raises(TimeoutError):
+                    conn.drain_events(timeout=0.3)   # idle, armed
+                calls.clear()
+                _publish(zk_url, queue, {"n": expected})
+                conn.drain_events(timeout=5)
+                assert got[-1] == {"n": expected}
+                if persistent and expected > 1:   # the first wake-up adds the watch
+                    assert "get_children" not in calls, calls
+                elif not persistent:
+                    assert "get_children" in calls, calls
+
+
+def test_a_backlog_drops_the_tree_watch_and_an_empty_queue_takes_it_back(
+        zk_url: str) -> None:
+    queue = Queue("busy", Exchange("busy", "direct"), "busy")
+    with Connection(f"{zk_url}?claim_batch=4") as conn:
+        queue(conn.channel()).declare()
+        transport = conn.transport
+        path = transport.layout.unowned("busy")
+        got: list[Any] = []
+        with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())],
+                      prefetch_count=2):
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.3)
+            assert transport.watches.active(path)   # idle: held
+            _publish(zk_url, queue, *range(12))       # more than claim_batch
+            conn.drain_events(timeout=5)
+            assert not transport.watches.active(path)   # busy: dropped
+            while len(got) < 12:
+                conn.drain_events(timeout=5)
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.3)
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.3)
+            _publish(zk_url, queue, "again")   # the empty listing armed a child watch
+            conn.drain_events(timeout=5)
+            assert transport.watches.active(path)   # idle again: held again
+        assert sorted(got[:12]) == list(range(12)) and got[12] == "again"
+
+
+def test_consumer_gets_messages_published_across_a_connection_drop(zk_url: str) -> None:
+    queue = Queue("blip", Exchange("blip", "direct"), "blip")
+    with Connection(zk_url) as conn:
+        queue(conn.channel()).declare()
+        transport = conn.transport
+        got: list[Any] = []
+        with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())]):
+            for n in range(2):   # the second wake-up comes through the tree watch
+                with pytest.raises(TimeoutError):
+                    conn.drain_events(timeout=0.3)
+                _publish(zk_url, queue, n)
+                conn.drain_events(timeout=5)
+            assert transport.watches.active(transport.layout.unowned("blip"))
+            drop_connection(transport.handle.client)
+            _publish(zk_url, queue, "during")
+            conn.drain_events(timeout=5)
+            _publish(zk_url, queue, "after")
+            conn.drain_events(timeout=5)
+            assert transport.watches.active(transport.layout.unowned("blip"))   # re-added
+        assert got == [0, 1, "during", "after"]

@@ -181,15 +181,22 @@ class QueueStore:
                 continue  # created meanwhile: list it
             return sort_messages(names)
 
-    def claim(self, queue: str, names: list[str], consumer_id: str
-              ) -> tuple[list[Claimed], set[str]]:
+    def read_async(self, queue: str, name: str) -> Any:
+        """Start reading a waiting message (non-blocking: a watch callback may call it)."""
+        return self.client.get_async(self.layout.unowned_message(queue, name))
+
+    def claim(self, queue: str, names: list[str], consumer_id: str,
+              reads: dict[str, Any] | None = None) -> tuple[list[Claimed], set[str]]:
         """Move ``names`` from unowned to owned in one transaction.
 
+        ``reads``: reads of some of them already under way (:meth:`read_async`).
         Returns what was claimed and the names another consumer took first.
         """
         layout, client = self.layout, self.client
         gone: set[str] = set()
-        pending = [(n, client.get_async(layout.unowned_message(queue, n))) for n in names]
+        reads = reads or {}
+        pending = [(n, reads.pop(n, None) or client.get_async(layout.unowned_message(queue, n)))
+                   for n in names]
         candidates: list[tuple[str, bytes, int]] = []
         for name, result in pending:
             try:

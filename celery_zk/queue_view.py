@@ -23,7 +23,10 @@ before 3.6) every listing sets a one-shot child watch, and a woken consumer
 lists the queue.
 
 Watch callbacks run on kazoo's threads and only record what happened and wake
-the transport; every request is made from the consuming thread.
+the transport. Requests are made from the consuming thread, with one
+exception: when a message arrives at an idle view, the tree callback starts
+(without waiting) the read its claim begins with, so the read is on the wire
+while the consuming thread wakes up.
 """
 from __future__ import annotations
 
@@ -59,6 +62,7 @@ class QueueView:
         self.idle = True      # the last listing was empty: the next one adds the tree watch
         self.stale = False    # the tree watch may have missed something: list next time
         self.arrivals: deque[str] = deque()   # names the tree watch reported since
+        self.reads: dict[str, Any] = {}   # arrivals whose read an idle view started at once
         self.closed = False
         self._tree: Callable[[int, str], None] | None = None   # set while we hold one
         self._one_shot = self._on_one_shot  # one bound method, so kazoo keeps it once
@@ -80,7 +84,12 @@ class QueueView:
             if len(self.arrivals) >= self.options.claim_batch:
                 self.stale = True   # a backlog builds up: the next look lists (and goes busy)
                 self.arrivals.clear()
+                self.reads.clear()
             else:
+                if self.armed and not self.closed:
+                    # Idle and able to take it: its read (which the claim needs
+                    # first) is on the wire while the consuming thread wakes up.
+                    self.reads[name] = self.transport.store.read_async(self.queue, name)
                 self.arrivals.append(name)
         elif name:
             return   # below a message node: not ours
@@ -124,7 +133,7 @@ class QueueView:
             if not self.listing:
                 continue   # only foreign names arrived
             batch = self._pick(limit)   # removes the batch from the listing
-            claimed, _gone = transport.store.claim(self.queue, batch, consumer_id)
+            claimed, _gone = transport.store.claim(self.queue, batch, consumer_id, self.reads)
             if claimed:
                 self.buffer.extend(claimed)
                 return
@@ -152,6 +161,7 @@ class QueueView:
         generation = self.events
         self.stale = False
         self.arrivals.clear()   # whatever arrived so far is in this listing
+        self.reads.clear()
         names, foreign = self.transport.store.listing(
             self.queue, watch=None if tree else self._one_shot)
         self._dead_letter(foreign)
@@ -184,6 +194,7 @@ class QueueView:
         watches = self.transport.watches
         if tree is not None and watches is not None:
             self.arrivals.clear()
+            self.reads.clear()
             if watches.unwatch(self.path, tree):
                 # That also removed any one-shot watch this client held on the
                 # path (another channel's): make those look again.
@@ -196,6 +207,7 @@ class QueueView:
 
     def _dead_letter(self, foreign: list[str]) -> None:
         for name in foreign:
+            self.reads.pop(name, None)
             self.transport.store.dead_letter_unowned(
                 self.queue, name, "node name was not written by celery_zk")
 

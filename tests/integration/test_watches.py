@@ -218,3 +218,31 @@ def test_consumer_gets_messages_published_across_a_connection_drop(zk_url: str) 
             conn.drain_events(timeout=5)
             assert transport.watches.active(transport.layout.unowned("blip"))   # re-added
         assert got == [0, 1, "during", "after"]
+
+
+def test_an_idle_consumer_starts_reading_a_new_message_from_the_watch(zk_url: str) -> None:
+    queue = Queue("early", Exchange("early", "direct"), "early")
+    with Connection(zk_url) as conn:
+        queue(conn.channel()).declare()
+        client = conn.transport.handle.client
+        readers: list[str] = []
+        original = client.get_async
+
+        def get_async(path: str, *args: Any, **kwargs: Any) -> Any:
+            if "/unowned/" in path:
+                readers.append(threading.current_thread().name)
+            return original(path, *args, **kwargs)
+
+        client.get_async = get_async  # type: ignore[method-assign]
+        got: list[Any] = []
+        with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())]):
+            for n in range(3):
+                with pytest.raises(TimeoutError):
+                    conn.drain_events(timeout=0.3)
+                readers.clear()
+                _publish(zk_url, queue, n)
+                conn.drain_events(timeout=5)
+            # One read per message, started by the tree watch on kazoo's connection
+            # thread, and the claim used it instead of reading again.
+            assert len(readers) == 1 and "zk_loop" in readers[0], readers
+        assert got == [0, 1, 2]

@@ -150,6 +150,29 @@ def test_warm_close_requeues_unacked(zk_url: str, conn: Connection) -> None:
     assert [b for b, _ in drain(conn, queue, 1)] == [{"x": 1}]
 
 
+def test_cancelling_a_consumer_gives_back_what_it_claimed_but_did_not_deliver(
+        zk_url: str, conn: Connection, zk_client: KazooClient) -> None:
+    layout = layout_of(zk_url)
+    queue = Queue("cc", Exchange("cc", "direct"), "cc")
+    producer = Producer(conn.channel())
+    for n in range(3):
+        producer.publish({"n": n}, exchange=queue.exchange, routing_key="cc", declare=[queue])
+    with Connection(zk_url) as other:
+        got: list[Any] = []
+        consumer = Consumer(other, [queue], callbacks=[lambda b, m: got.append((b, m))],
+                            prefetch_count=3)
+        consumer.consume()
+        other.drain_events(timeout=5)   # claims all three, delivers one
+        assert len(got) == 1 and len(zk_client.get_children(layout.owned("cc"))) == 3
+        consumer.cancel()
+        # The two claimed but undelivered are waiting again; the delivered one stays owned.
+        assert len(zk_client.get_children(layout.unowned("cc"))) == 2
+        assert len(zk_client.get_children(layout.owned("cc"))) == 1
+        got[0][1].ack()
+    assert sorted(b["n"] for b, _ in drain(conn, queue, 2)) == sorted(
+        {0, 1, 2} - {got[0][0]["n"]})
+
+
 def test_dead_owner_is_recovered_and_cannot_ack(zk_url: str, zk_client: KazooClient) -> None:
     """SIGKILL a consumer holding a message: a survivor gets it back, the dead one's ack fails."""
     layout = layout_of(zk_url)

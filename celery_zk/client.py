@@ -145,25 +145,27 @@ def multi_failure(results: list[Any]) -> tuple[int, Exception] | None:
     return None
 
 
+#: What kazoo's command retry retries (KazooRetry's defaults).
+_RETRIED = (ConnectionLoss, OperationTimeoutError, SessionExpiredError)
+
+
 def create_once(client: KazooClient, create: Callable[[], str],
                 find: Callable[[], str | None], maybe_made: bool = False) -> str:
-    """Run ``create`` under the client's retry, making one node at most.
+    """Run ``create``, retried as the client's commands are, making one node at most.
 
     A create whose reply was lost (ConnectionLoss) may have happened; every
     retry first asks ``find`` for the node it would have made (recognised by
     a unique part of its name) and returns that instead of making a second.
     ``maybe_made``: an earlier attempt made elsewhere lost its reply, so look first.
     """
-    attempts = 1 if maybe_made else 0
+    if not maybe_made:
+        try:
+            return create()   # the common case, without the retry machinery's cost
+        except _RETRIED:
+            pass   # the reply was lost: the node may exist, so look before each retry
 
     def attempt() -> str:
-        nonlocal attempts
-        attempts += 1
-        if attempts > 1:
-            found = find()
-            if found:
-                return found
-        return create()
+        return find() or create()
 
     return client.retry(attempt)
 

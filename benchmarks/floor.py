@@ -12,8 +12,9 @@ Modes (each sample: the client sends one message and waits for the answer):
 * ``claim``: celery_zk's protocol on both sides. Publish is one sequential
   create; the idle receiver is woken by its persistent recursive watch
   (:mod:`celery_zk.watches`), which names the new node, reads the message
-  and claims it with one multi (delete from unowned + create in owned), then
-  acks asynchronously.
+  (the read started from the watch callback, as celery_zk does) and claims
+  it with one multi (delete from unowned + create in owned), then acks
+  asynchronously.
 * ``claim-listing``: the same, woken by a one-shot child watch instead, so
   each delivery lists the directory first (celery_zk with
   ``persistent_watches=false``, or a ZooKeeper before 3.6).
@@ -74,9 +75,12 @@ class _Receiver:
         self.client, self.queue, self.mode = client, queue, mode
         self.waiter = _Waiter()
         self.arrivals: deque[str] = deque()
+        self.reads: dict[str, Any] = {}
         if mode in ("claim", "result"):
             def on_tree(event_type: int, name: str) -> None:   # kazoo's connection thread
                 if event_type == NODE_CREATED and name:
+                    # As celery_zk's idle consumer: the read starts from the callback.
+                    self.reads[name] = client.get_async(f"{queue}/unowned/{name}")
                     self.arrivals.append(name)
                     self.waiter.event.set()
             if not TreeWatches(_Handle(client)).watch(f"{queue}/unowned", on_tree):  # type: ignore[arg-type]
@@ -102,7 +106,8 @@ class _Receiver:
         client, queue = self.client, self.queue
         name = self._next_name()
         path = f"{queue}/unowned/{name}"
-        data, stat = client.get(path)
+        read = self.reads.pop(name, None)
+        data, stat = read.get() if read is not None else client.get(path)
         if self.mode == "get-delete":
             client.delete(path, version=stat.version)
             return bytes(data)

@@ -50,26 +50,26 @@ _ANY_WATCHER = 3            # WatcherType: removes every watch of ours on the pa
 TreeCallback = Callable[[int, str], None]
 
 
-class AddWatch(namedtuple("AddWatch", "path mode")):
-    type = 106
+class _PathAndInt(namedtuple("_PathAndInt", "path value")):
+    """The wire form both requests share: a path and one int. The reply has no
+    body to read (an ErrorResponse whose code the reply header already gave)."""
+
+    type: int
 
     def serialize(self) -> bytearray:
-        return bytearray(write_string(self.path) + int_struct.pack(self.mode))
-
-    @classmethod
-    def deserialize(cls, _bytes: bytes, _offset: int) -> bool:
-        return True   # an ErrorResponse whose code the header already gave
-
-
-class RemoveWatches(namedtuple("RemoveWatches", "path watcher_type")):
-    type = 18
-
-    def serialize(self) -> bytearray:
-        return bytearray(write_string(self.path) + int_struct.pack(self.watcher_type))
+        return bytearray(write_string(self.path) + int_struct.pack(self.value))
 
     @classmethod
     def deserialize(cls, _bytes: bytes, _offset: int) -> bool:
         return True
+
+
+class AddWatch(_PathAndInt):
+    type = 106   # value: the AddWatchMode
+
+
+class RemoveWatches(_PathAndInt):
+    type = 18    # value: the WatcherType
 
 
 class TreeWatches:

@@ -31,7 +31,6 @@ while the consuming thread wakes up.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from itertools import islice
 from time import monotonic
 from typing import TYPE_CHECKING, Any
@@ -64,8 +63,7 @@ class QueueView:
         self.arrivals: deque[str] = deque()   # names the tree watch reported since
         self.reads: dict[str, Any] = {}   # arrivals whose read an idle view started at once
         self.closed = False
-        self._tree: Callable[[int, str], None] | None = None   # set while we hold one
-        self._one_shot = self._on_one_shot  # one bound method, so kazoo keeps it once
+        self._tree_held = False   # our _on_tree is registered with the tree watch
 
     # -- kazoo threads: record and wake, nothing else ---------------------------
     def _woken(self) -> None:
@@ -117,7 +115,7 @@ class QueueView:
         if self.armed:
             return   # empty at last look and nothing changed since: no request needed
         if limit <= 0:
-            if self.stale and self._tree is not None:
+            if self.stale and self._tree_held:
                 self._stop_tree()   # arrivals overflow while we cannot take any: busy
             return
         transport = self.transport
@@ -140,7 +138,7 @@ class QueueView:
 
     def _tree_active(self) -> bool:
         watches = self.transport.watches
-        return self._tree is not None and watches is not None and watches.active(self.path)
+        return self._tree_held and watches is not None and watches.active(self.path)
 
     def _take_arrivals(self) -> bool:
         """Use what the tree watch reported as the listing; False when nothing came."""
@@ -163,7 +161,7 @@ class QueueView:
         self.arrivals.clear()   # whatever arrived so far is in this listing
         self.reads.clear()
         names, foreign = self.transport.store.listing(
-            self.queue, watch=None if tree else self._one_shot)
+            self.queue, watch=None if tree else self._on_one_shot)
         self._dead_letter(foreign)
         self.listing = deque(names)
         self.listed_at = monotonic()
@@ -180,22 +178,18 @@ class QueueView:
         watches = self.transport.watches
         if watches is None or not watches.supported:
             return False
-        if self._tree is None and not self.idle:
+        if not self._tree_held and not self.idle:
             return False
-        if self._tree is None:
-            self._tree = self._on_tree
-        if watches.watch(self.path, self._tree):
-            return True
-        self._tree = None
-        return False
+        self._tree_held = watches.watch(self.path, self._on_tree)
+        return self._tree_held
 
     def _stop_tree(self) -> None:
-        tree, self._tree = self._tree, None
+        held, self._tree_held = self._tree_held, False
         watches = self.transport.watches
-        if tree is not None and watches is not None:
+        if held and watches is not None:
             self.arrivals.clear()
             self.reads.clear()
-            if watches.unwatch(self.path, tree):
+            if watches.unwatch(self.path, self._on_tree):
                 # That also removed any one-shot watch this client held on the
                 # path (another channel's): make those look again.
                 self.transport.watch_removed(self.queue, self)

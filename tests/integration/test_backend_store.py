@@ -19,6 +19,7 @@ from celery_zk import expiry
 from celery_zk.backend import ZooKeeperBackend
 from celery_zk.expiry import HOUR, RESULT, expiry_hour
 
+from .spies import count_calls
 from .workers import wait_until
 
 
@@ -95,19 +96,6 @@ def test_success_is_not_overwritten(app: Celery, backend: ZooKeeperBackend) -> N
     backend.store_result("once", None, states.STARTED)  # a late duplicate run
     assert app.AsyncResult("once").get(timeout=5) == 1
     assert backend.get_task_meta("once", cache=False)["status"] == states.SUCCESS
-
-
-def count_calls(monkeypatch: pytest.MonkeyPatch, client: Any, *names: str) -> list[str]:
-    """The names of ``client``'s methods ``names`` as they are called, in order."""
-    calls: list[str] = []
-    for name in names:
-        real = getattr(client, name)
-
-        def call(*args: Any, __real: Any = real, __name: str = name, **kwargs: Any) -> Any:
-            calls.append(__name)
-            return __real(*args, **kwargs)
-        monkeypatch.setattr(client, name, call)
-    return calls
 
 
 def test_a_new_result_is_one_multi_and_missing_directories_are_remade(

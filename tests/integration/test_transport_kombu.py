@@ -15,6 +15,8 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from celery_zk.exceptions import MessageTooLarge, ZKConfigurationError
 from celery_zk.layout import Layout
 
+from .spies import CONSUMER_REQUESTS, count_calls
+
 
 @pytest.fixture
 def conn(zk_url: str) -> Iterator[Connection]:
@@ -227,18 +229,11 @@ with Consumer(c, [q], callbacks=[on_message]):
             doomed.wait(10)
 
 
-def test_idle_consumer_sends_no_requests(conn: Connection, zk_url: str) -> None:
+def test_idle_consumer_sends_no_requests(conn: Connection, zk_url: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     queue = Queue("idle", Exchange("idle", "direct"), "idle")
     queue(conn.channel()).declare()
-    client = conn.transport.handle.client
-    calls: list[str] = []
-    for name in ("get_children", "get", "exists", "get_async", "transaction"):
-        original = getattr(client, name)
-
-        def counting(*args: Any, __name: str = name, __orig: Any = original, **kw: Any) -> Any:
-            calls.append(__name)
-            return __orig(*args, **kw)
-        setattr(client, name, counting)
+    calls = count_calls(monkeypatch, conn.transport.handle.client, *CONSUMER_REQUESTS)
     got: list[Any] = []
     with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())]):
         with pytest.raises(TimeoutError):

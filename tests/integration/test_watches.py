@@ -5,7 +5,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,13 +16,8 @@ from celery_zk.client import ClientHandle
 from celery_zk.config import parse_url
 from celery_zk.watches import NODE_CREATED, NODE_DELETED, AddWatch, TreeWatches
 
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or predicate}")
-        time.sleep(0.02)
+from .spies import CONSUMER_REQUESTS, count_calls
+from .workers import wait_until
 
 
 def drop_connection(client: KazooClient) -> None:
@@ -55,6 +50,16 @@ class Recorder:
         self.events.append((event_type, name, threading.current_thread().name))
 
 
+def watched(handle: ClientHandle, name: str) -> tuple[str, TreeWatches, Recorder]:
+    """A fresh directory under the test's root, with a tree watch and its recorder."""
+    path = f"{handle.settings.root}/{name}/unowned"
+    handle.client.ensure_path(path)
+    watches = TreeWatches(handle)
+    recorder = Recorder()
+    assert watches.watch(path, recorder)
+    return path, watches, recorder
+
+
 def count_raw_events(client: KazooClient) -> list[Any]:
     """Every watch event the client's connection reads, ours or kazoo's."""
     seen: list[Any] = []
@@ -71,17 +76,13 @@ def count_raw_events(client: KazooClient) -> list[Any]:
 
 def test_tree_watch_reports_each_child_by_name_until_removed(handle: ClientHandle) -> None:
     client = handle.client
-    path = f"{handle.settings.root}/tree/unowned"
-    client.ensure_path(path)
-    watches = TreeWatches(handle)
-    recorder = Recorder()
-    assert watches.watch(path, recorder)
+    path, watches, recorder = watched(handle, "tree")
     assert watches.active(path)
     raw = count_raw_events(client)
     first = client.create(f"{path}/m-", sequence=True).rpartition("/")[2]
     second = client.create(f"{path}/m-", sequence=True).rpartition("/")[2]
     client.delete(f"{path}/{first}")
-    wait_until(lambda: len(recorder.events) == 3, what="three events")
+    wait_until(lambda: len(recorder.events) == 3, 10, 0.02, "three events did not come")
     assert [(t, n) for t, n, _ in recorder.events] == [
         (NODE_CREATED, first), (NODE_CREATED, second), (NODE_DELETED, first)]
     # On kazoo's connection thread, not its event thread: no hand-off per event.
@@ -98,11 +99,7 @@ def test_tree_watch_reports_each_child_by_name_until_removed(handle: ClientHandl
 
 def test_tree_watch_is_added_again_after_the_connection_drops(handle: ClientHandle) -> None:
     client = handle.client
-    path = f"{handle.settings.root}/again/unowned"
-    client.ensure_path(path)
-    watches = TreeWatches(handle)
-    recorder = Recorder()
-    assert watches.watch(path, recorder)
+    path, watches, recorder = watched(handle, "again")
     drop_connection(client)
     assert not watches.active(path)   # the server forgot it with the connection
     client.create(f"{path}/lost")
@@ -111,7 +108,8 @@ def test_tree_watch_is_added_again_after_the_connection_drops(handle: ClientHand
     assert recorder.events == []
     assert watches.watch(path, recorder)
     client.create(f"{path}/seen")
-    wait_until(lambda: [n for _, n, _ in recorder.events] == ["seen"], what="'seen'")
+    wait_until(lambda: [n for _, n, _ in recorder.events] == ["seen"], 10, 0.02,
+               "'seen' was not reported")
 
 
 def test_server_without_add_watch_turns_them_off(handle: ClientHandle,
@@ -135,26 +133,14 @@ def _publish(zk_url: str, queue: Queue, *bodies: Any) -> None:
             producer.publish(body, exchange=queue.exchange, routing_key=queue.routing_key)
 
 
-def _count_requests(client: KazooClient) -> list[str]:
-    calls: list[str] = []
-    for name in ("get_children", "get", "exists", "get_async", "transaction"):
-        original = getattr(client, name)
-
-        def counting(*args: Any, __name: str = name, __orig: Any = original, **kw: Any) -> Any:
-            calls.append(__name)
-            return __orig(*args, **kw)
-        setattr(client, name, counting)
-    return calls
-
-
 @pytest.mark.parametrize("persistent", [True, False])
-def test_idle_consumer_claims_a_new_message_without_listing(zk_url: str,
-                                                            persistent: bool) -> None:
+def test_idle_consumer_claims_a_new_message_without_listing(
+        zk_url: str, persistent: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     queue = Queue("wake", Exchange("wake", "direct"), "wake")
     flag = "true" if persistent else "false"
     with Connection(f"{zk_url}?persistent_watches={flag}") as conn:
         queue(conn.channel()).declare()
-        calls = _count_requests(conn.transport.handle.client)
+        calls = count_calls(monkeypatch, conn.transport.handle.client, *CONSUMER_REQUESTS)
         got: list[Any] = []
         with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())]):
             for expected in (1, 2, 3):

@@ -1,0 +1,22 @@
+"""Counting a kazoo client's calls, for tests that assert which requests were made."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+#: The client methods a consumer reads and claims with.
+CONSUMER_REQUESTS = ("get_children", "get", "exists", "get_async", "transaction")
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, client: Any, *names: str) -> list[str]:
+    """The names of ``client``'s methods ``names`` as they are called, in order."""
+    calls: list[str] = []
+    for name in names:
+        real = getattr(client, name)
+
+        def call(*args: Any, __real: Any = real, __name: str = name, **kwargs: Any) -> Any:
+            calls.append(__name)
+            return __real(*args, **kwargs)
+        monkeypatch.setattr(client, name, call)
+    return calls

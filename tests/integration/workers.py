@@ -101,7 +101,10 @@ class Worker:
 def read_log(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # A task may be mid-write while we read: the text after the last newline is
+    # an unfinished line, parsed on a later read once it is whole.
+    whole = path.read_text().rpartition("\n")[0]
+    return [json.loads(line) for line in whole.split("\n") if line.strip()]
 
 
 def executed_values(path: Path, kind: str | None = None) -> Counter[Any]:

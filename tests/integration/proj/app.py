@@ -64,9 +64,14 @@ if os.environ.get("CELERY_ZK_TEST_LATE_CREATES"):
 def _record(kind: str, value: object) -> None:
     path = os.environ.get("CELERY_ZK_TEST_LOG")
     if path:
-        line = json.dumps({"kind": kind, "value": value, "pid": os.getpid()})
-        with open(path, "a") as fh:  # O_APPEND: whole lines even across processes
-            fh.write(line + "\n")
+        line = json.dumps({"kind": kind, "value": value, "pid": os.getpid()}) + "\n"
+        # One write() on an O_APPEND descriptor: lines from several processes
+        # never interleave (a reader may still see the last one half written).
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
 
 
 @app.task

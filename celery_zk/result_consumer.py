@@ -9,9 +9,12 @@ wake-up leaves a new one, so a task that goes STARTED -> SUCCESS wakes the
 waiter twice.
 
 Watch callbacks run on kazoo's single event thread and must never block, so
-they only put the task id on an in-process queue. :meth:`drain_events`, run by
-the waiting thread (Celery's ``Drainer``), blocks on that queue with a
-timeout, reads the woken nodes and hands their meta to Celery.
+they put the task id on an in-process queue and *start* (without waiting) the
+read and the next watch of the woken node: the read is on the wire while the
+waiting thread wakes up. :meth:`drain_events`, run by the waiting thread
+(Celery's ``Drainer``), blocks on that queue with a timeout, collects those
+reads (reading again itself what a read could not fetch) and hands the meta
+to Celery.
 
 kazoo drops every watch when the connection is lost. A state listener puts a
 marker on the same queue when the connection comes back, and the next drain
@@ -32,6 +35,8 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import WatchedEvent
 from kombu.utils.functional import LRUCache
+
+from .client import CONNECTION_ERRORS
 
 __all__ = ["ResultConsumer", "read_nodes"]
 
@@ -58,19 +63,24 @@ def read_nodes(client: KazooClient, paths: Sequence[str],
 
 def _read_nodes(client: KazooClient, paths: list[str],
                 watch: Watch | None) -> list[bytes | None]:
-    pending = []
-    for path in paths:
-        if watch is not None:
-            client.exists_async(path, watch=watch)
-        pending.append(client.get_async(path))
-    datas: list[bytes | None] = []
-    for async_result in pending:
-        try:
-            data, _ = async_result.get()
-        except NoNodeError:
-            data = None
-        datas.append(data)
-    return datas
+    pending = [read_async(client, path, watch) for path in paths]
+    return [collect(async_result) for async_result in pending]
+
+
+def read_async(client: KazooClient, path: str, watch: Watch | None = None) -> Any:
+    """Start reading ``path`` (with ``watch``: watch it first); never blocks."""
+    if watch is not None:
+        client.exists_async(path, watch=watch)
+    return client.get_async(path)
+
+
+def collect(async_result: Any) -> bytes | None:
+    """The data of a read started by :func:`read_async`; ``None`` if the node is missing."""
+    try:
+        data, _ = async_result.get()
+    except NoNodeError:
+        return None
+    return data
 
 
 class ResultConsumer(BaseResultConsumer):
@@ -86,6 +96,7 @@ class ResultConsumer(BaseResultConsumer):
         self._pending: dict[str, str] = {}   # task id -> done node path
         self._by_path: dict[str, str] = {}   # done node path -> task id
         self._woken: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._early: dict[str, Any] = {}   # task id -> read a watch callback started
         self._client: KazooClient | None = None
         self._disconnected = False
         self._pid = os.getpid()
@@ -97,8 +108,13 @@ class ResultConsumer(BaseResultConsumer):
         if event.path is None:
             return  # connection-state event: _on_state re-arms everything
         task_id = self._by_path.get(event.path)
-        if task_id is not None:
-            self._woken.put(task_id)
+        if task_id is None:
+            return
+        client = self._client
+        if client is not None and client.connected:
+            # Read (and watch again) now: kazoo only queues the requests.
+            self._early[task_id] = read_async(client, event.path, self._on_watch)
+        self._woken.put(task_id)
 
     def _on_state(self, state: str) -> None:
         if state == KazooState.CONNECTED:
@@ -133,6 +149,7 @@ class ResultConsumer(BaseResultConsumer):
         path = self._pending.pop(task_id, None)
         if path is not None:
             self._by_path.pop(path, None)
+        self._early.pop(task_id, None)
         # A watch already set stays until it fires; it is then ignored.
 
     def drain_events(self, timeout: float | None = None) -> None:
@@ -151,10 +168,22 @@ class ResultConsumer(BaseResultConsumer):
             task_ids = list(self._pending.copy())
         else:
             task_ids = [t for t in woken if t is not None and t in self._pending]
-        if not task_ids:
-            return
-        paths = [self.backend.result_path(task_id) for task_id in task_ids]
-        for data in read_nodes(client, paths, self._on_watch):
+        early = {t: self._early.pop(t, None) for t in woken if t is not None}
+        datas: list[bytes | None] = []
+        unread = []
+        for task_id in task_ids:
+            started = early.get(task_id)
+            if started is not None:
+                try:
+                    datas.append(collect(started))
+                    continue
+                except CONNECTION_ERRORS:
+                    pass   # lost with the connection: read again below, with retries
+            unread.append(task_id)
+        if unread:
+            paths = [self.backend.result_path(task_id) for task_id in unread]
+            datas.extend(read_nodes(client, paths, self._on_watch))
+        for data in datas:
             if data:
                 self.on_state_change(self.backend.decode_result(data), None)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from celery import Celery, states
+from kazoo.exceptions import ConnectionLoss
 from kazoo.protocol.connection import _CONNECTION_DROP
 
 import celery_zk.result_consumer as result_consumer
@@ -40,16 +41,16 @@ def backend(app: Celery) -> ZooKeeperBackend:
 
 
 @pytest.fixture
-def reads(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
-    """Every batch of done nodes the result consumer reads."""
-    calls: list[list[str]] = []
-    real = result_consumer.read_nodes
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """(path, thread name) of every done-node read the result consumer starts."""
+    calls: list[tuple[str, str]] = []
+    real = result_consumer.read_async
 
-    def counting(client: Any, paths: Any, watch: Any = None) -> Any:
-        calls.append(list(paths))
-        return real(client, paths, watch)
+    def counting(client: Any, path: str, watch: Any = None) -> Any:
+        calls.append((path, threading.current_thread().name))
+        return real(client, path, watch)
 
-    monkeypatch.setattr(result_consumer, "read_nodes", counting)
+    monkeypatch.setattr(result_consumer, "read_async", counting)
     return calls
 
 
@@ -67,7 +68,7 @@ def test_result_written_before_get_is_returned(app: Celery, backend: ZooKeeperBa
 
 
 def test_get_is_woken_by_the_watch_without_polling(
-        app: Celery, backend: ZooKeeperBackend, reads: list[list[str]]) -> None:
+        app: Celery, backend: ZooKeeperBackend, reads: list[tuple[str, str]]) -> None:
     result = app.AsyncResult("late")
     timer = store_later(backend, 2.0, "late", "done")
     started = time.monotonic()
@@ -76,7 +77,32 @@ def test_get_is_woken_by_the_watch_without_polling(
     timer.join()
     assert 1.9 < waited < 3.0
     # Two reads in two seconds: the first (arms the watch), the one the watch woke.
-    assert len(reads) == 2, reads
+    path = backend.result_path("late")
+    assert [p for p, _ in reads] == [path, path], reads
+    # The woken read starts in the watch callback, not after the waiter wakes.
+    waiter = threading.current_thread().name
+    assert reads[0][1] == waiter and reads[1][1] != waiter, reads
+
+
+def test_a_woken_read_lost_with_the_connection_is_read_again(
+        app: Celery, backend: ZooKeeperBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = result_consumer.read_async
+    lost: list[str] = []
+
+    def losing(client: Any, path: str, watch: Any = None) -> Any:
+        started = real(client, path, watch)
+        if threading.current_thread() is threading.main_thread():
+            return started
+        lost.append(path)   # the read a watch callback started: its reply is "lost"
+        failed = client.handler.async_result()
+        failed.set_exception(ConnectionLoss())
+        return failed
+
+    monkeypatch.setattr(result_consumer, "read_async", losing)
+    timer = store_later(backend, 0.5, "lossy", "kept")
+    assert app.AsyncResult("lossy").get(timeout=10) == "kept"
+    timer.join()
+    assert lost == [backend.result_path("lossy")]
 
 
 def test_state_changes_re_arm_the_watch(app: Celery, backend: ZooKeeperBackend) -> None:
@@ -123,7 +149,7 @@ def test_a_new_result_is_one_multi_and_missing_directories_are_remade(
 
 
 def test_watches_are_re_armed_after_reconnect(
-        app: Celery, backend: ZooKeeperBackend, reads: list[list[str]]) -> None:
+        app: Celery, backend: ZooKeeperBackend, reads: list[tuple[str, str]]) -> None:
     result = app.AsyncResult("across-reconnect")
     box: dict[str, Any] = {}
     waiter = threading.Thread(target=lambda: box.update(value=result.get(timeout=20)))

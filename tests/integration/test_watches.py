@@ -232,3 +232,29 @@ def test_an_idle_consumer_starts_reading_a_new_message_from_the_watch(zk_url: st
             # thread, and the claim used it instead of reading again.
             assert len(readers) == 1 and "zk_loop" in readers[0], readers
         assert got == [0, 1, 2]
+
+
+def test_removing_the_tree_watch_makes_the_connections_other_views_look_again(
+        zk_url: str) -> None:
+    """ZooKeeper removes watches by path: a view that drops its persistent watch
+    also drops the one-shot child watch another channel of the same connection
+    holds on that queue. That channel must list again, or it would wait forever."""
+    queue = Queue("pair", Exchange("pair", "direct"), "pair")
+    with Connection(zk_url) as conn:
+        queue(conn.channel()).declare()
+        got: list[Any] = []
+        ch_a, ch_b = conn.channel(), conn.channel()
+        callbacks = [lambda b, m: (got.append(b), m.ack())]
+        with Consumer(ch_a, [queue], callbacks=callbacks), \
+                Consumer(ch_b, [queue], callbacks=callbacks):
+            view_a, view_b = ch_a._view("pair"), ch_b._view("pair")
+            view_a.idle = False   # as after a backlog: its next listing sets a child watch
+            view_a.fill(1)
+            view_b.fill(1)        # idle: holds the persistent watch
+            assert view_a.armed and not view_a._tree_held
+            assert view_b.armed and view_b._tree_held
+            view_b._stop_tree()   # b goes busy; the server forgets a's child watch too
+            assert not view_a.armed
+            _publish(zk_url, queue, "after")
+            conn.drain_events(timeout=5)
+    assert got == ["after"]

@@ -5,6 +5,8 @@
 * ``BENCH_BROKER`` / ``BENCH_BACKEND``: broker and result backend URLs.
 * ``BENCH_READY_FILE``: written once the worker consumes (``worker_ready``),
   because at loglevel WARNING the worker prints no "ready." line.
+* ``BENCH_TIMELINE_FILE``: where ``benchmarks/timeline.py``'s hooks write
+  the worker's timestamps (hooks installed only when set).
 * ``BENCH_DRAIN_TOTAL`` / ``BENCH_DRAIN_FILE``: the ``bench.drain`` task counts
   distinct task indexes in this (threads pool: single) process and writes the
   first/last execution times to the file when all of them have run.
@@ -86,6 +88,11 @@ def make_app(broker: str, backend: str | None = None) -> Celery:
 
 app = make_app(os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/0"),
                os.environ.get("BENCH_BACKEND"))
+
+
+if os.environ.get("BENCH_TIMELINE_FILE"):   # benchmarks/timeline.py's worker
+    from timeline import install_in_worker
+    install_in_worker()
 
 
 @worker_ready.connect

@@ -92,3 +92,30 @@ def test_floor_rejects_an_unknown_mode() -> None:
             measure("127.0.0.1:1", "fast", 1)
     finally:
         sys.path.remove(str(BENCH.parent))
+
+
+def test_timeline_takes_each_step_after_the_one_before(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "celery_zk_timeline", BENCH.parent / "timeline.py")
+    assert spec and spec.loader
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+    sys.path.remove(str(BENCH.parent))
+    steps = [(role, step) for role, step, _ in timeline.STEPS]
+    marks = tmp_path / "marks.txt"
+    lines = []
+    for trip in range(3):   # the first is a warm-up
+        start = 10.0 * trip
+        # The client's consuming thread runs once before the reply is there:
+        # that early pass must not count as the step after the reply's watch.
+        lines.append(f"{start + 0.0031:.7f} client get\n")
+        for i, (role, step) in enumerate(steps):
+            lines.append(f"{start + 0.001 * i:.7f} {role} {step}\n")
+    marks.write_text("".join(reversed(lines)))   # two processes: not in time order
+    rows = timeline.timeline(str(marks), warm_up=1)
+    by_step = {(role, step): (offset, gap, n) for role, step, _, offset, gap, n in rows}
+    for i, key in enumerate(steps):
+        offset, gap, n = by_step[key]
+        assert n == 2
+        assert offset == pytest.approx(1.0 * i)
+        assert gap == pytest.approx(0.0 if i == 0 else 1.0)

@@ -1,0 +1,194 @@
+"""Where an idle round trip over ``zk://`` spends its time, step by step.
+
+The same round trip as ``bench.py``'s (a) (one ``bench.echo`` task at a time
+to an idle ``celery worker``, which replies on the broker), with timestamps
+taken in both processes at the transport's steps. ``time.perf_counter`` is
+``CLOCK_MONOTONIC`` on Linux, so the two processes' clocks agree. Prints, for
+each step, its median offset from the client's ``apply_async`` call and the
+median gap since the step before::
+
+    .venv/bin/python benchmarks/timeline.py [--samples 150] [--zk-force-sync yes|no]
+
+The hooks wrap celery_zk methods from the outside (see :func:`install`); this
+is a diagnostic, not a benchmark with targets.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+#: Set in the worker's environment: where its hooks write their marks.
+ENV_FILE = "BENCH_TIMELINE_FILE"
+
+#: (role, step) in the order a round trip passes them; the table follows it.
+STEPS = [
+    ("client", "apply_async", "the client calls apply_async"),
+    ("client", "put", "kombu hands the message to the transport"),
+    ("worker", "tree", "the worker's persistent watch reports it"),
+    ("worker", "get", "the worker's consuming thread is running"),
+    ("worker", "claim", "claim starts (its read is already under way)"),
+    ("worker", "claimed", "claim committed"),
+    ("worker", "ack", "celery acks (the pool accepted the task)"),
+    ("worker", "task", "the task starts"),
+    ("worker", "put", "the task publishes its reply"),
+    ("client", "tree", "the client's persistent watch reports the reply"),
+    ("client", "get", "the client's consuming thread is running"),
+    ("client", "claim", "claim of the reply starts"),
+    ("client", "claimed", "claim committed"),
+    ("client", "reply", "the reply reaches the client's callback"),
+]
+
+_marks: list[tuple[float, str]] = []
+
+
+def mark(step: str) -> None:
+    _marks.append((time.perf_counter(), step))
+
+
+def install() -> None:
+    """Wrap the transport's steps so each call records the first mark it passes."""
+    from celery_zk import queue, queue_view, transport
+
+    def wrap(cls: Any, name: str, step: str, after: str | None = None) -> None:
+        inner = getattr(cls, name)
+
+        @functools.wraps(inner)
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            mark(step)
+            result = inner(*args, **kwargs)
+            if after:
+                mark(after)
+            return result
+        setattr(cls, name, marked)
+
+    wrap(queue.QueueStore, "put", "put")
+    wrap(queue.QueueStore, "claim", "claim", "claimed")
+    wrap(queue.QueueStore, "ack_async", "ack")
+    wrap(queue_view.QueueView, "_on_tree", "tree")
+    wrap(transport.Channel, "_get", "get")
+
+
+def dump(path: str, role: str) -> None:
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.writelines(f"{ts:.7f} {role} {step}\n" for ts, step in _marks)
+    _marks.clear()
+
+
+def install_in_worker() -> None:
+    """Called by bench_app when ``BENCH_TIMELINE_FILE`` is set."""
+    from celery.signals import task_prerun, worker_shutdown
+
+    path = os.environ[ENV_FILE]
+    install()
+    task_prerun.connect(lambda **_: mark("task"), weak=False)
+    worker_shutdown.connect(lambda **_: dump(path, "worker"), weak=False)
+
+
+def timeline(path: str, warm_up: int) -> list[tuple[str, str, str, float, float, int]]:
+    """Per step: (role, step, meaning, median offset ms, median gap ms, trips seen)."""
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            ts, role, step = line.split()
+            rows.append((float(ts), role, step))
+    rows.sort()
+    trips: list[dict[tuple[str, str], list[float]]] = []
+    for ts, role, step in rows:
+        if (role, step) == ("client", "apply_async"):
+            trips.append(defaultdict(list))
+        if trips:
+            trips[-1][(role, step)].append(ts)
+    offsets: dict[tuple[str, str], list[float]] = defaultdict(list)
+    gaps: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for trip in trips[warm_up:]:
+        start = previous = trip[STEPS[0][:2]][0]
+        for role, step, _ in STEPS:
+            key = (role, step)
+            # The first time the step is passed after the step before it (a
+            # consuming thread also runs _get before the message is there).
+            passed = next((ts for ts in trip.get(key, ()) if ts >= previous), None)
+            if passed is None:
+                continue
+            offsets[key].append((passed - start) * 1000)
+            gaps[key].append((passed - previous) * 1000)
+            previous = passed
+    return [(role, step, meaning,
+             statistics.median(offsets[(role, step)]) if offsets[(role, step)] else float("nan"),
+             statistics.median(gaps[(role, step)]) if gaps[(role, step)] else 0.0,
+             len(offsets[(role, step)]))
+            for role, step, meaning in STEPS]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench import (
+        ECHO,
+        Bench,
+        Processes,
+        add_server_options,
+        make_app,
+        measured_server,
+        warm_up_zookeeper,
+    )
+    from kombu import Connection, Queue
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=150)
+    add_server_options(parser)
+    args = parser.parse_args(argv)
+    work_dir = tempfile.mkdtemp(prefix="celery-zk-timeline-")
+    path = os.path.join(work_dir, "marks.txt")
+    procs = Processes()
+    warm_up = 5
+    install()
+    try:
+        with measured_server(args) as zk:
+            zk.start()
+            warm_up_zookeeper(zk.hosts)
+            url = f"zk://{zk.hosts}/timeline-{uuid.uuid4().hex[:8]}"
+            bench = Bench(args, procs, work_dir)
+            app = make_app(url)
+            echo = app.tasks[ECHO]
+            got: list[str] = []
+
+            def on_reply(body: dict[str, str], message: Any) -> None:
+                mark("reply")
+                got.append(body["token"])
+                message.ack()
+
+            with Connection(url) as conn, bench.worker(url, "timeline", env={ENV_FILE: path}):
+                with conn.Consumer(Queue("timeline-reply", durable=False), accept=["json"],
+                                   callbacks=[on_reply]):
+                    for _ in range(args.samples + warm_up):
+                        bench.pause()
+                        token = uuid.uuid4().hex
+                        mark("apply_async")
+                        echo.apply_async(("timeline-reply", token), queue="timeline")
+                        deadline = time.monotonic() + 30
+                        while token not in got:
+                            conn.drain_events(timeout=max(0.01, deadline - time.monotonic()))
+                        got.clear()
+            app.close()   # the worker has stopped and written its marks
+            dump(path, "client")
+    finally:
+        procs.stop_all()
+    print(f"median over {args.samples} round trips (ms; offset from apply_async, gap from "
+          f"the step before)\n")
+    print(f"{'process':8s} {'step':12s} {'offset':>7s} {'gap':>6s}  n     meaning")
+    for role, step, meaning, offset, gap, count in timeline(path, warm_up):
+        print(f"{role:8s} {step:12s} {offset:7.2f} {gap:6.2f}  {count:<5d} {meaning}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

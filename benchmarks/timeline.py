@@ -97,11 +97,11 @@ def install_in_worker() -> None:
 
 def timeline(path: str, warm_up: int) -> list[tuple[str, str, str, float, float, int]]:
     """Per step: (role, step, meaning, median offset ms, median gap ms, trips seen)."""
-    rows = []
+    rows: list[tuple[float, str, str]] = []
     with open(path, encoding="utf-8") as fh:
         for line in fh:
-            ts, role, step = line.split()
-            rows.append((float(ts), role, step))
+            stamp, role, step = line.split()
+            rows.append((float(stamp), role, step))
     rows.sort()
     trips: list[dict[tuple[str, str], list[float]]] = []
     for ts, role, step in rows:

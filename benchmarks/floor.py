@@ -24,6 +24,12 @@ Modes (each sample: the client sends one message and waits for the answer):
 * ``result``: the request side as ``claim``; the worker side then writes a
   done node and its expiry-index entry in one multi (the result backend's
   write) and the client, woken by an exists watch on that node, reads it.
+* ``handoff``: a design celery_zk does **not** implement, measured to see
+  what it would save. An idle receiver leaves an ephemeral *offer* node; the
+  sender publishes by deleting the offer and creating the message directly in
+  ``owned/`` in one multi, so the receiver, woken by the offer's deletion,
+  reads the message and has no claim to make. The receiver makes its next
+  offer after it has answered (untimed), as a consumer would once idle again.
 
 Run alone: ``.venv/bin/python benchmarks/floor.py [--samples 200]``.
 """
@@ -44,7 +50,7 @@ from kazoo.client import KazooClient
 from celery_zk.watches import NODE_CREATED, TreeWatches
 
 PAYLOAD = b"x" * 1200   # about one Celery task message
-MODES = ("claim", "claim-listing", "get-delete", "result")
+MODES = ("claim", "claim-listing", "get-delete", "result", "handoff")
 WARM_UP = 5
 
 
@@ -76,7 +82,11 @@ class _Receiver:
         self.waiter = _Waiter()
         self.arrivals: deque[str] = deque()
         self.reads: dict[str, Any] = {}
-        if mode in ("claim", "result"):
+        self.offers = 0   # handoff: offers made so far; the sender counts the same way
+        self.tree = False
+        if mode == "handoff":
+            self.offer()
+        elif mode in ("claim", "result"):
             def on_tree(event_type: int, name: str) -> None:   # kazoo's connection thread
                 if event_type == NODE_CREATED and name:
                     # As celery_zk's idle consumer: the read starts from the callback.
@@ -86,8 +96,20 @@ class _Receiver:
             if not TreeWatches(_Handle(client)).watch(f"{queue}/unowned", on_tree):  # type: ignore[arg-type]
                 raise RuntimeError("floor: this ZooKeeper has no persistent watches")
             self.tree = True
-        else:
-            self.tree = False
+
+    def offer(self) -> None:
+        """handoff: offer to take the next message directly (ephemeral, so it dies with us)."""
+        client, queue, number = self.client, self.queue, self.offers
+        self.offers += 1
+
+        def on_taken(_event: Any) -> None:   # the sender deleted the offer
+            self.reads[handoff_name(number)] = client.get_async(
+                f"{queue}/owned/{handoff_name(number)}")
+            self.arrivals.append(handoff_name(number))
+            self.waiter.event.set()
+        path = f"{queue}/offers/{handoff_name(number)}"
+        client.create(path, ephemeral=True)
+        client.exists(path, watch=on_taken)
 
     def _next_name(self) -> str:
         if self.tree:
@@ -104,6 +126,14 @@ class _Receiver:
 
     def receive(self) -> bytes:
         client, queue = self.client, self.queue
+        if self.mode == "handoff":
+            while not self.arrivals:
+                self.waiter.event.wait()
+                self.waiter.event.clear()
+            name = self.arrivals.popleft()
+            data, _ = self.reads.pop(name).get()
+            client.delete_async(f"{queue}/owned/{name}")   # the ack
+            return bytes(data)
         name = self._next_name()
         path = f"{queue}/unowned/{name}"
         read = self.reads.pop(name, None)
@@ -119,6 +149,23 @@ class _Receiver:
         return bytes(data)
 
 
+def handoff_name(number: int) -> str:
+    return f"h-{number:010d}"
+
+
+def _send(client: KazooClient, queue: str, mode: str, number: int, data: bytes) -> None:
+    """Publish message ``number`` to ``queue`` (handoff: to the receiver's offer)."""
+    if mode != "handoff":
+        client.create(f"{queue}/unowned/m-", data, sequence=True)
+        return
+    txn = client.transaction()
+    txn.delete(f"{queue}/offers/{handoff_name(number)}")
+    txn.create(f"{queue}/owned/{handoff_name(number)}", data)
+    results = txn.commit()
+    if results[0] is not True:
+        raise RuntimeError(f"floor: hand-off {number} to {queue} failed: {results!r}")
+
+
 def _worker_side(hosts: str, root: str, mode: str, count: int,
                  ready: Any) -> None:
     client = KazooClient(hosts)
@@ -126,7 +173,7 @@ def _worker_side(hosts: str, root: str, mode: str, count: int,
     receiver = _Receiver(client, f"{root}/requests", mode)
     ready.set()
     try:
-        for _ in range(count):
+        for number in range(count):
             data = receiver.receive()
             if mode == "result":
                 reply_id = data[:32].decode()
@@ -135,7 +182,9 @@ def _worker_side(hosts: str, root: str, mode: str, count: int,
                 txn.create(f"{root}/expiry/{reply_id}")
                 txn.commit()
             else:
-                client.create(f"{root}/replies/unowned/m-", PAYLOAD, sequence=True)
+                _send(client, f"{root}/replies", mode, number, PAYLOAD)
+            if mode == "handoff":
+                receiver.offer()   # idle again, once the answer is out
     finally:
         client.stop()
         client.close()
@@ -148,8 +197,8 @@ def measure(hosts: str, mode: str, samples: int, seed: int = 1) -> list[float]:
     root = f"/floor-{mode}-{random.getrandbits(32):08x}"
     client = KazooClient(hosts)
     client.start()
-    for path in ("requests/unowned", "requests/owned", "replies/unowned", "replies/owned",
-                 "done", "expiry"):
+    for path in ("requests/unowned", "requests/owned", "requests/offers", "replies/unowned",
+                 "replies/owned", "replies/offers", "done", "expiry"):
         client.ensure_path(f"{root}/{path}")
     total = samples + WARM_UP
     context = multiprocessing.get_context("spawn")  # no kazoo client crosses a fork
@@ -172,8 +221,7 @@ def measure(hosts: str, mode: str, samples: int, seed: int = 1) -> list[float]:
             time.sleep(pauses.uniform(0.020, 0.050))
             reply_id = f"{index:032d}"
             start = time.perf_counter()
-            client.create(f"{root}/requests/unowned/m-", reply_id.encode() + PAYLOAD,
-                          sequence=True)
+            _send(client, f"{root}/requests", mode, index, reply_id.encode() + PAYLOAD)
             if mode == "result":
                 done = f"{root}/done/{reply_id}"
                 while True:
@@ -187,6 +235,8 @@ def measure(hosts: str, mode: str, samples: int, seed: int = 1) -> list[float]:
                 replies.receive()
             if index >= WARM_UP:
                 values.append((time.perf_counter() - start) * 1000)
+            if replies is not None and mode == "handoff":
+                replies.offer()
         worker.join(30)
     finally:
         if worker.is_alive():

@@ -75,7 +75,7 @@ def test_get_is_woken_by_the_watch_without_polling(
     assert result.get(timeout=10) == "done"
     waited = time.monotonic() - started
     timer.join()
-    assert 1.9 < waited < 3.0
+    assert waited > 1.9   # not before it was written (the reads below show what woke it)
     # Two reads in two seconds: the first (arms the watch), the one the watch woke.
     path = backend.result_path("late")
     assert [p for p, _ in reads] == [path, path], reads

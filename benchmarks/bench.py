@@ -537,7 +537,7 @@ def run(args: argparse.Namespace) -> int:
         selected = [b for b in BROKERS if b in args.only]
         if "floor" not in args.skip and "zk" in args.only:
             floor: dict[str, list[float]] = {}
-            for mode in ("claim", "claim-listing", "get-delete", "result", "handoff"):
+            for mode in ("claim", "claim-listing", "get-delete", "result", "handoff", "split"):
                 log(f"{FLOOR}: (e) bare ZooKeeper round trip '{mode}' x{args.latency_samples}")
                 floor[mode] = measure_floor(zk.hosts, mode, args.latency_samples)
             bench.results[FLOOR] = {
@@ -552,7 +552,9 @@ def run(args: argparse.Namespace) -> int:
                 "get_delete_p50": percentile(floor["get-delete"], 50),
                 "get_delete_p99": percentile(floor["get-delete"], 99),
                 "handoff_p50": percentile(floor["handoff"], 50),
-                "handoff_p99": percentile(floor["handoff"], 99)}
+                "handoff_p99": percentile(floor["handoff"], 99),
+                "split_p50": percentile(floor["split"], 50),
+                "split_p99": percentile(floor["split"], 99)}
             bench.notes.append(
                 f"{FLOOR}: two plain kazoo processes doing only the ZooKeeper requests of "
                 "one round trip (benchmarks/floor.py), same pauses; rt = celery_zk's claim "
@@ -562,7 +564,9 @@ def run(args: argparse.Namespace) -> int:
                 "deleting instead of claiming (kombu's built-in protocol) "
                 f"{percentile(floor['get-delete'], 50):.1f} ms; handing the message "
                 "straight to an idle receiver's offer, no claim (a design not built, "
-                f"see floor.py) {percentile(floor['handoff'], 50):.1f} ms")
+                f"see floor.py) {percentile(floor['handoff'], 50):.1f} ms; the body in a "
+                "node of its own, so the claim needs no read first (not built either) "
+                f"{percentile(floor['split'], 50):.1f} ms")
         if "publish" not in args.skip:
             # Interleaved rounds, median: no broker gets a warmer server by its position.
             publishers = list(selected)

@@ -30,6 +30,11 @@ Modes (each sample: the client sends one message and waits for the answer):
   ``owned/`` in one multi, so the receiver, woken by the offer's deletion,
   reads the message and has no claim to make. The receiver makes its next
   offer after it has answered (untimed), as a consumer would once idle again.
+* ``split``: another design celery_zk does **not** implement. The message
+  body lives in a node of its own (``data/{uid}``, created in the same multi
+  as the empty ``unowned/`` node), so a claim needs no read first: the watch
+  callback sends the claim multi and the body's read together, and the ack
+  deletes both nodes.
 
 Run alone: ``.venv/bin/python benchmarks/floor.py [--samples 200]``.
 """
@@ -42,6 +47,7 @@ import statistics
 import sys
 import threading
 import time
+import uuid
 from collections import deque
 from typing import Any
 
@@ -50,7 +56,7 @@ from kazoo.client import KazooClient
 from celery_zk.watches import NODE_CREATED, TreeWatches
 
 PAYLOAD = b"x" * 1200   # about one Celery task message
-MODES = ("claim", "claim-listing", "get-delete", "result", "handoff")
+MODES = ("claim", "claim-listing", "get-delete", "result", "handoff", "split")
 WARM_UP = 5
 
 
@@ -86,13 +92,21 @@ class _Receiver:
         self.tree = False
         if mode == "handoff":
             self.offer()
-        elif mode in ("claim", "result"):
+        elif mode in ("claim", "result", "split"):
             def on_tree(event_type: int, name: str) -> None:   # kazoo's connection thread
-                if event_type == NODE_CREATED and name:
+                if event_type != NODE_CREATED or not name:
+                    return
+                if mode == "split":   # claim and read at once: the claim needs no body
+                    txn = client.transaction()
+                    txn.delete(f"{queue}/unowned/{name}")
+                    txn.create(f"{queue}/owned/{name}")
+                    self.reads[name] = (txn.commit_async(),
+                                        client.get_async(f"{queue}/data/{split_uid(name)}"))
+                else:
                     # As celery_zk's idle consumer: the read starts from the callback.
                     self.reads[name] = client.get_async(f"{queue}/unowned/{name}")
-                    self.arrivals.append(name)
-                    self.waiter.event.set()
+                self.arrivals.append(name)
+                self.waiter.event.set()
             if not TreeWatches(_Handle(client)).watch(f"{queue}/unowned", on_tree):  # type: ignore[arg-type]
                 raise RuntimeError("floor: this ZooKeeper has no persistent watches")
             self.tree = True
@@ -135,6 +149,16 @@ class _Receiver:
             client.delete_async(f"{queue}/owned/{name}")   # the ack
             return bytes(data)
         name = self._next_name()
+        if self.mode == "split":
+            claim, read = self.reads.pop(name)
+            if claim.get()[0] is not True:
+                raise RuntimeError(f"floor: claim of {name} failed")
+            data, _ = read.get()
+            txn = client.transaction()   # the ack: message and body
+            txn.delete(f"{queue}/owned/{name}")
+            txn.delete(f"{queue}/data/{split_uid(name)}")
+            txn.commit_async()
+            return bytes(data)
         path = f"{queue}/unowned/{name}"
         read = self.reads.pop(name, None)
         data, stat = read.get() if read is not None else client.get(path)
@@ -153,8 +177,21 @@ def handoff_name(number: int) -> str:
     return f"h-{number:010d}"
 
 
+def split_uid(name: str) -> str:
+    return name.split("-")[1]
+
+
 def _send(client: KazooClient, queue: str, mode: str, number: int, data: bytes) -> None:
     """Publish message ``number`` to ``queue`` (handoff: to the receiver's offer)."""
+    if mode == "split":
+        uid = uuid.uuid4().hex
+        txn = client.transaction()
+        txn.create(f"{queue}/unowned/m-{uid}-", sequence=True)
+        txn.create(f"{queue}/data/{uid}", data)
+        results = txn.commit()
+        if isinstance(results[0], Exception):
+            raise results[0]
+        return
     if mode != "handoff":
         client.create(f"{queue}/unowned/m-", data, sequence=True)
         return
@@ -197,8 +234,9 @@ def measure(hosts: str, mode: str, samples: int, seed: int = 1) -> list[float]:
     root = f"/floor-{mode}-{random.getrandbits(32):08x}"
     client = KazooClient(hosts)
     client.start()
-    for path in ("requests/unowned", "requests/owned", "requests/offers", "replies/unowned",
-                 "replies/owned", "replies/offers", "done", "expiry"):
+    for path in ("requests/unowned", "requests/owned", "requests/offers", "requests/data",
+                 "replies/unowned", "replies/owned", "replies/offers", "replies/data",
+                 "done", "expiry"):
         client.ensure_path(f"{root}/{path}")
     total = samples + WARM_UP
     context = multiprocessing.get_context("spawn")  # no kazoo client crosses a fork

@@ -10,7 +10,8 @@ from kazoo.client import KazooClient
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-@pytest.mark.parametrize("mode", ["claim", "claim-listing", "get-delete", "result", "handoff"])
+@pytest.mark.parametrize(
+    "mode", ["claim", "claim-listing", "get-delete", "result", "handoff", "split"])
 def test_floor_round_trips_complete_and_clean_up(zk_client: KazooClient, zk_hosts: str,
                                                  mode: str) -> None:
     sys.path.insert(0, str(BENCHMARKS))  # the spawned side imports floor too

@@ -35,6 +35,7 @@ from itertools import islice
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
+from .client import CONNECTION_ERRORS
 from .layout import parse_message_name, sort_messages
 from .queue import Claimed
 from .watches import NODE_CREATED
@@ -87,7 +88,10 @@ class QueueView:
                 if self.armed and not self.closed:
                     # Idle and able to take it: its read (which the claim needs
                     # first) is on the wire while the consuming thread wakes up.
-                    self.reads[name] = self.transport.store.read_async(self.queue, name)
+                    try:
+                        self.reads[name] = self.transport.store.read_async(self.queue, name)
+                    except CONNECTION_ERRORS:
+                        pass   # closing meanwhile: the claim reads it, or reports why not
                 self.arrivals.append(name)
         elif name:
             return   # below a message node: not ours

@@ -112,8 +112,11 @@ class ResultConsumer(BaseResultConsumer):
             return
         client = self._client
         if client is not None and client.connected:
-            # Read (and watch again) now: kazoo only queues the requests.
-            self._early[task_id] = read_async(client, event.path, self._on_watch)
+            try:
+                # Read (and watch again) now: kazoo only queues the requests.
+                self._early[task_id] = read_async(client, event.path, self._on_watch)
+            except CONNECTION_ERRORS:
+                pass   # closing meanwhile: the waiting thread reads, and reports, itself
         self._woken.put(task_id)
 
     def _on_state(self, state: str) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from celery import Celery, states
-from kazoo.exceptions import ConnectionLoss
+from kazoo.exceptions import ConnectionClosedError, ConnectionLoss
 from kazoo.protocol.connection import _CONNECTION_DROP
 
 import celery_zk.result_consumer as result_consumer
@@ -84,8 +84,10 @@ def test_get_is_woken_by_the_watch_without_polling(
     assert reads[0][1] == waiter and reads[1][1] != waiter, reads
 
 
+@pytest.mark.parametrize("how", ["reply lost", "refused"])
 def test_a_woken_read_lost_with_the_connection_is_read_again(
-        app: Celery, backend: ZooKeeperBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+        app: Celery, backend: ZooKeeperBackend, monkeypatch: pytest.MonkeyPatch,
+        how: str) -> None:
     real = result_consumer.read_async
     lost: list[str] = []
 
@@ -93,7 +95,9 @@ def test_a_woken_read_lost_with_the_connection_is_read_again(
         started = real(client, path, watch)
         if threading.current_thread() is threading.main_thread():
             return started
-        lost.append(path)   # the read a watch callback started: its reply is "lost"
+        lost.append(path)   # the read a watch callback started
+        if how == "refused":   # kazoo raises at once when the client is closing
+            raise ConnectionClosedError("Connection has been closed")
         failed = client.handler.async_result()
         failed.set_exception(ConnectionLoss())
         return failed

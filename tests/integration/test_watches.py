@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import ConnectionClosedError
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk.client import ClientHandle
@@ -232,6 +233,30 @@ def test_an_idle_consumer_starts_reading_a_new_message_from_the_watch(zk_url: st
             # thread, and the claim used it instead of reading again.
             assert len(readers) == 1 and "zk_loop" in readers[0], readers
         assert got == [0, 1, 2]
+
+
+def test_a_refused_early_read_still_wakes_the_consumer(zk_url: str) -> None:
+    """kazoo raises from get_async when its client is closing; the watch callback
+    must still record the arrival and wake the consumer, whose claim reads again."""
+    queue = Queue("refused", Exchange("refused", "direct"), "refused")
+    with Connection(zk_url) as conn:
+        queue(conn.channel()).declare()
+        store = conn.transport.store
+        refused: list[str] = []
+
+        def read_async(queue_name: str, name: str) -> Any:
+            refused.append(name)
+            raise ConnectionClosedError("Connection has been closed")
+
+        store.read_async = read_async  # type: ignore[method-assign]
+        got: list[Any] = []
+        with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())]):
+            for n in range(2):
+                with pytest.raises(TimeoutError):
+                    conn.drain_events(timeout=0.3)
+                _publish(zk_url, queue, n)
+                conn.drain_events(timeout=5)
+        assert got == [0, 1] and refused   # the early reads were refused, not skipped
 
 
 def test_removing_the_tree_watch_makes_the_connections_other_views_look_again(

@@ -36,7 +36,8 @@ Modes (each sample: the client sends one message and waits for the answer):
   callback sends the claim multi and the body's read together, and the ack
   deletes both nodes.
 
-Run alone: ``.venv/bin/python benchmarks/floor.py [--samples 200]``.
+Run alone: ``.venv/bin/python benchmarks/floor.py [--samples 200] [--modes claim,split]
+[--rounds 3]``.
 """
 from __future__ import annotations
 
@@ -289,19 +290,29 @@ def measure(hosts: str, mode: str, samples: int, seed: int = 1) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=200)
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated modes to run (default all: {','.join(MODES)})")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the modes this many times, every other round in reverse "
+                             "order, so no mode always gets the warmer server")
     sys.path.insert(0, __file__.rpartition("/")[0])
     from bench import add_server_options, measured_server, percentile, warm_up_zookeeper
 
     add_server_options(parser)
     args = parser.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
     with measured_server(args) as zk:
         zk.start()
         warm_up_zookeeper(zk.hosts)
-        for mode in MODES:
-            values = measure(zk.hosts, mode, args.samples)
-            print(f"{mode:10s} p50 {percentile(values, 50):6.2f} ms  "
-                  f"p99 {percentile(values, 99):6.2f} ms  "
-                  f"mean {statistics.fmean(values):6.2f} ms  (n={len(values)})", flush=True)
+        for round_ in range(args.rounds):
+            for mode in modes if round_ % 2 == 0 else modes[::-1]:
+                values = measure(zk.hosts, mode, args.samples)
+                print(f"round {round_ + 1}  {mode:13s} p50 {percentile(values, 50):6.2f} ms  "
+                      f"p99 {percentile(values, 99):6.2f} ms  "
+                      f"mean {statistics.fmean(values):6.2f} ms  (n={len(values)})", flush=True)
     return 0
 
 

@@ -64,6 +64,7 @@ from time import monotonic
 from typing import Any
 
 import kazoo
+from celery.signals import worker_shutting_down
 from kazoo.client import KazooState
 from kombu.transport import virtual
 
@@ -79,6 +80,22 @@ from .unconfirmed import UnconfirmedPublisher
 from .watches import TreeWatches
 
 logger = logging.getLogger(__name__)
+
+#: How often a waiting drain_events looks whether a worker shutdown began.
+SHUTDOWN_CHECK = 0.25
+
+#: Bumped (from a signal handler: a plain int, no lock) when a Celery worker
+#: in this process starts a warm or cold shutdown. Transports that existed
+#: then stop waiting in drain_events; ones made later are not affected.
+_shutdowns = 0
+
+
+@worker_shutting_down.connect(weak=False)
+def _on_worker_shutting_down(**_: Any) -> None:
+    # Celery runs this inside its SIGTERM/SIGINT handler, which may have
+    # interrupted drain_events with a lock held: flag it, take no lock.
+    global _shutdowns
+    _shutdowns += 1
 
 
 class QoS(virtual.QoS):
@@ -386,6 +403,7 @@ class Transport(virtual.Transport):
         self.unconfirmed = (None if self.settings.options.confirm_publish
                             else UnconfirmedPublisher(self.store))
         self._wake = threading.Event()
+        self._shutdowns_seen = _shutdowns
         self.handle.add_listener(self._on_state)
 
     @staticmethod
@@ -439,6 +457,11 @@ class Transport(virtual.Transport):
                      **kwargs: Any) -> None:
         deadline = None if timeout is None else monotonic() + timeout
         while True:
+            if self._shutdowns_seen != _shutdowns:
+                # A worker shutdown began. Celery's synchronous loop notices it
+                # only when this returns (and then calls it once more): return
+                # at once, and deliver nothing new, from now on.
+                raise socket.timeout()
             self._wake.clear()
             # After a session expiry (else no-ops): queues first, then what routes to them.
             self.auto_delete.restore()
@@ -451,7 +474,10 @@ class Transport(virtual.Transport):
             remaining = None if deadline is None else deadline - monotonic()
             if remaining is not None and remaining <= 0:
                 raise socket.timeout()
-            self._wake.wait(remaining)
+            # Short waits: the shutdown signal may land on another thread and
+            # not interrupt this one.
+            self._wake.wait(SHUTDOWN_CHECK if remaining is None
+                            else min(remaining, SHUTDOWN_CHECK))
 
     def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
         return uri if include_password else mask_password(uri)

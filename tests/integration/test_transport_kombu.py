@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -362,3 +363,45 @@ def test_a_claim_repeats_a_read_whose_reply_was_lost(
     claimed, gone = transport.store.claim("lost-read", names, consumer_id)
     assert lost and [json.loads(c.data)["i"] for c in claimed] == [0, 1, 2]
     assert gone == set()
+
+
+def test_a_worker_shutdown_stops_drain_events_waiting(
+        zk_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Celery's synchronous loop sees a SIGTERM only when drain_events returns, and
+    then calls it once more: both must return at once, not after their timeout."""
+    from celery.signals import worker_shutting_down
+
+    import celery_zk.transport as transport_module
+
+    monkeypatch.setattr(transport_module, "_shutdowns", transport_module._shutdowns)
+    queue = Queue("stopping", Exchange("stopping", "direct"), "stopping")
+    with Connection(zk_url) as conn, Connection(zk_url) as other:
+        queue(conn.channel()).declare()
+        got: list[Any] = []
+        with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())]):
+            outcome: dict[str, Any] = {}
+
+            def wait() -> None:
+                started = time.monotonic()
+                try:
+                    conn.drain_events(timeout=30)
+                except TimeoutError:
+                    outcome["waited"] = time.monotonic() - started
+
+            waiter = threading.Thread(target=wait)
+            waiter.start()
+            time.sleep(0.5)   # blocked in drain_events
+            # What Celery's SIGTERM handler sends (from the main thread; the wait is elsewhere).
+            worker_shutting_down.send(sender="test", sig="SIGTERM", how="Warm", exitcode=0)
+            waiter.join(10)
+            assert not waiter.is_alive() and outcome["waited"] < 10
+            Producer(other.channel()).publish("late", exchange=queue.exchange,
+                                              routing_key="stopping")
+            with pytest.raises(TimeoutError):   # the loop's last call: no wait, no delivery
+                conn.drain_events(timeout=30)
+        assert got == []
+    # A connection made after the shutdown began waits and delivers as usual.
+    with Connection(zk_url) as fresh:
+        with Consumer(fresh, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())]):
+            fresh.drain_events(timeout=10)
+    assert got == ["late"]

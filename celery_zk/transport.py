@@ -471,13 +471,21 @@ class Transport(virtual.Transport):
                 return self.cycle.get(self._deliver)
             except Empty:
                 pass
+            if deadline is not None and deadline <= monotonic():
+                raise socket.timeout()
+            self._wait(deadline)
+
+    def _wait(self, deadline: float | None) -> None:
+        """Until woken, the deadline or a worker shutdown, whichever comes first."""
+        while self._shutdowns_seen == _shutdowns:
             remaining = None if deadline is None else deadline - monotonic()
             if remaining is not None and remaining <= 0:
-                raise socket.timeout()
+                return
             # Short waits: the shutdown signal may land on another thread and
             # not interrupt this one.
-            self._wake.wait(SHUTDOWN_CHECK if remaining is None
-                            else min(remaining, SHUTDOWN_CHECK))
+            if self._wake.wait(SHUTDOWN_CHECK if remaining is None
+                               else min(remaining, SHUTDOWN_CHECK)):
+                return
 
     def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
         return uri if include_password else mask_password(uri)

@@ -183,25 +183,22 @@ def split_uid(name: str) -> str:
 
 
 def _send(client: KazooClient, queue: str, mode: str, number: int, data: bytes) -> None:
-    """Publish message ``number`` to ``queue`` (handoff: to the receiver's offer)."""
-    if mode == "split":
+    """Publish message ``number`` to ``queue`` the way ``mode`` does."""
+    if mode == "handoff":   # straight into owned/, in place of the receiver's offer
+        txn = client.transaction()
+        txn.delete(f"{queue}/offers/{handoff_name(number)}")
+        txn.create(f"{queue}/owned/{handoff_name(number)}", data)
+    elif mode == "split":   # an empty unowned/ node, the body beside it
         uid = uuid.uuid4().hex
         txn = client.transaction()
         txn.create(f"{queue}/unowned/m-{uid}-", sequence=True)
         txn.create(f"{queue}/data/{uid}", data)
-        results = txn.commit()
-        if isinstance(results[0], Exception):
-            raise results[0]
-        return
-    if mode != "handoff":
+    else:
         client.create(f"{queue}/unowned/m-", data, sequence=True)
         return
-    txn = client.transaction()
-    txn.delete(f"{queue}/offers/{handoff_name(number)}")
-    txn.create(f"{queue}/owned/{handoff_name(number)}", data)
     results = txn.commit()
-    if results[0] is not True:
-        raise RuntimeError(f"floor: hand-off {number} to {queue} failed: {results!r}")
+    if any(isinstance(result, Exception) for result in results):
+        raise RuntimeError(f"floor: {mode} publish {number} to {queue} failed: {results!r}")
 
 
 def _worker_side(hosts: str, root: str, mode: str, count: int,

@@ -40,6 +40,7 @@ import contextvars
 import logging
 import queue
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from typing import Any, Optional
@@ -340,8 +341,18 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
 
     # -- groups and chords ----------------------------------------------------
     def _apply_chord_incr(self, header_result_args: Any, body: Any, **kwargs: Any) -> Any:
-        super()._apply_chord_incr(header_result_args, body, **kwargs)
         header_id = header_result_args[0]
+        ids = Counter(getattr(r, "id", r) for r in header_result_args[1] or ())
+        repeated = sorted(str(task_id) for task_id, n in ids.items() if n > 1)
+        if repeated:
+            # Celery sends the header after this returns: refusing here sends nothing.
+            raise ValueError(
+                f"chord {header_id}: header task id(s) {', '.join(repeated)} appear more "
+                "than once. celery_zk counts each header task once (so a task that runs "
+                "twice is not counted twice), and this chord could never complete. Give "
+                "every header task its own id (leave task_id unset, or make the ids "
+                "unique). Nothing was sent.")
+        super()._apply_chord_incr(header_result_args, body, **kwargs)
         # Made up front so it is indexed for expiry even if the chord never ends.
         self._write(self.get_key_for_chord(header_id), b"0", create_only=True)
 

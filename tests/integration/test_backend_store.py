@@ -287,3 +287,23 @@ def test_chord_counter_counts_each_part_once(backend: ZooKeeperBackend) -> None:
     for thread in threads:
         thread.join()
     assert sorted(c for c in counts if c is not None) == list(range(1, 21))
+
+
+def test_a_chord_with_a_repeated_header_task_id_is_refused_before_sending(
+        app: Celery, backend: ZooKeeperBackend) -> None:
+    """Each header task is counted once, so two with one id would never complete."""
+    from celery import chord
+
+    @app.task(name="store.add", shared=False)
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    header = [add.s(1, 1).set(task_id="twice"), add.s(2, 2).set(task_id="twice"),
+              add.s(3, 3)]
+    with pytest.raises(ValueError, match=r"twice appear more than once.*Nothing was sent"):
+        chord(header)(add.s(0))
+    client = backend.client
+    assert not client.exists(backend.layout.chords) or client.get_children(
+        backend.layout.chords) == []   # no counter made
+    with app.connection_for_write() as conn:   # no header task was published
+        assert conn.default_channel.queue_declare("celery", passive=False).message_count == 0

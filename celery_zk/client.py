@@ -145,8 +145,8 @@ def multi_failure(results: list[Any]) -> tuple[int, Exception] | None:
     return None
 
 
-#: What kazoo's command retry retries (KazooRetry's defaults).
-_RETRIED = (ConnectionLoss, OperationTimeoutError, SessionExpiredError)
+#: What kazoo's command retry retries (KazooRetry's defaults, ignore_expire on).
+_RETRIED = KazooRetry.RETRY_EXCEPTIONS + KazooRetry.EXPIRED_EXCEPTIONS
 
 
 def create_once(client: KazooClient, create: Callable[[], str],

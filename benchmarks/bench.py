@@ -180,6 +180,38 @@ class RedisServer:
         return str(redis.Redis(port=self.port).info("server")["redis_version"])
 
 
+def spawn_worker(procs: Processes, work_dir: str, name: str, broker: str, queue: str,
+                 backend: str | None = None, env: dict[str, str] | None = None,
+                 pool: str = "threads", concurrency: int = 4,
+                 wait: bool = True) -> subprocess.Popen[bytes]:
+    """Start ``celery -A bench_app worker`` on ``queue`` (output in ``{name}.out``);
+    with ``wait``, return once it consumes (bench_app's ready file)."""
+    ready = os.path.join(work_dir, f"{name}.ready")
+    out = os.path.join(work_dir, f"{name}.out")
+    full_env = dict(os.environ)
+    full_env.update({
+        "BENCH_BROKER": broker, "BENCH_BACKEND": backend or "",
+        "BENCH_READY_FILE": ready,
+        "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])),
+    })
+    full_env.update(env or {})
+    args = [sys.executable, "-m", "celery", "-A", "bench_app", "worker",
+            f"--pool={pool}", "-c", str(concurrency), "--loglevel=WARNING",
+            f"--hostname={name}@%h", "-Q", queue,
+            "--without-mingle", "--without-gossip", "--without-heartbeat"]
+    proc = procs.spawn(args, out, full_env)
+    if wait:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(ready):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                procs.stop(proc)
+                procs.procs.remove(proc)
+                raise RuntimeError(f"worker for {broker} did not become ready "
+                                   f"(exit {proc.poll()}):\n{tail(out)}")
+            time.sleep(0.02)
+    return proc
+
+
 @dataclass
 class Bench:
     """Shared state of one run: servers, work dir, options, results."""
@@ -201,30 +233,13 @@ class Bench:
         """A ``celery worker`` on ``queue``; yields (process, time.time() at spawn)."""
         self._workers += 1
         name = f"bench{self._workers}"
-        ready = os.path.join(self.work_dir, f"{name}.ready")
-        out = os.path.join(self.work_dir, f"{name}.out")
-        full_env = dict(os.environ)
-        full_env.update({
-            "BENCH_BROKER": broker, "BENCH_BACKEND": backend or "",
-            "BENCH_READY_FILE": ready,
-            "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])),
-        })
-        full_env.update(env or {})
-        args = [sys.executable, "-m", "celery", "-A", "bench_app", "worker",
-                "--pool=threads", "-c", "4", "--loglevel=WARNING", f"--hostname={name}@%h",
-                "-Q", queue, "--without-mingle", "--without-gossip", "--without-heartbeat"]
         spawned = time.time()
-        proc = self.procs.spawn(args, out, full_env)
+        proc = spawn_worker(self.procs, self.work_dir, name, broker, queue, backend=backend,
+                            env=env, wait=wait)
         try:
-            if wait:
-                deadline = time.monotonic() + 60
-                while not os.path.exists(ready):
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"worker for {broker} did not become ready "
-                                           f"(exit {proc.poll()}):\n{tail(out)}")
-                    time.sleep(0.02)
             yield proc, spawned
             if proc.poll() is not None:
+                out = os.path.join(self.work_dir, f"{name}.out")
                 raise RuntimeError(f"worker exited early ({proc.returncode}):\n{tail(out)}")
         finally:
             self.procs.stop(proc)

@@ -19,25 +19,15 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench import REDIS_SERVER, Processes, RedisServer  # noqa: E402
+from bench import REDIS_SERVER, Processes, RedisServer, spawn_worker  # noqa: E402
 
 from celery_zk.server import ZooKeeperServer  # noqa: E402
 
 
 def time_shutdown(broker: str, pool: str, work_dir: str, procs: Processes) -> float:
     """Seconds from SIGTERM to exit of an idle worker that consumes from ``broker``."""
-    ready = os.path.join(work_dir, f"ready-{time.monotonic_ns()}")
-    env = dict(os.environ, BENCH_BROKER=broker, BENCH_BACKEND="", BENCH_READY_FILE=ready,
-               PYTHONPATH=os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])))
-    args = [sys.executable, "-m", "celery", "-A", "bench_app", "worker", f"--pool={pool}",
-            "-c", "2", "--loglevel=WARNING", "-Q", "shutdown", "--without-mingle",
-            "--without-gossip", "--without-heartbeat"]
-    proc = procs.spawn(args, os.path.join(work_dir, "worker.out"), env)
-    deadline = time.monotonic() + 60
-    while not os.path.exists(ready):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the {pool} worker on {broker} did not start")
-        time.sleep(0.05)
+    proc = spawn_worker(procs, work_dir, f"shutdown-{time.monotonic_ns()}", broker,
+                        "shutdown", pool=pool, concurrency=2)
     time.sleep(1.0)   # idle, waiting in drain_events
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)

@@ -90,7 +90,9 @@ class _Receiver:
         self.arrivals: deque[str] = deque()
         self.reads: dict[str, Any] = {}
         self.offers = 0   # handoff: offers made so far; the sender counts the same way
-        self.tree = False
+        # Woken with the new message's name (tree watch, or a taken offer), not
+        # by a child watch that needs a listing.
+        self.named = mode not in ("claim-listing", "get-delete")
         if mode == "handoff":
             self.offer()
         elif mode in ("claim", "result", "split"):
@@ -110,7 +112,6 @@ class _Receiver:
                 self.waiter.event.set()
             if not TreeWatches(_Handle(client)).watch(f"{queue}/unowned", on_tree):  # type: ignore[arg-type]
                 raise RuntimeError("floor: this ZooKeeper has no persistent watches")
-            self.tree = True
 
     def offer(self) -> None:
         """handoff: offer to take the next message directly (ephemeral, so it dies with us)."""
@@ -127,7 +128,7 @@ class _Receiver:
         client.exists(path, watch=on_taken)
 
     def _next_name(self) -> str:
-        if self.tree:
+        if self.named:
             while not self.arrivals:
                 self.waiter.event.wait()
                 self.waiter.event.clear()
@@ -141,15 +142,11 @@ class _Receiver:
 
     def receive(self) -> bytes:
         client, queue = self.client, self.queue
-        if self.mode == "handoff":
-            while not self.arrivals:
-                self.waiter.event.wait()
-                self.waiter.event.clear()
-            name = self.arrivals.popleft()
-            data, _ = self.reads.pop(name).get()
-            client.delete_async(f"{queue}/owned/{name}")   # the ack
-            return bytes(data)
         name = self._next_name()
+        if self.mode == "handoff":   # already ours: read it, ack it
+            data, _ = self.reads.pop(name).get()
+            client.delete_async(f"{queue}/owned/{name}")
+            return bytes(data)
         if self.mode == "split":
             claim, read = self.reads.pop(name)
             if claim.get()[0] is not True:

@@ -127,6 +127,12 @@ def test_server_without_add_watch_turns_them_off(handle: ClientHandle,
     assert not watches.watch(f"{handle.settings.root}/old", Recorder())   # not tried again
 
 
+def _expect_idle(conn: Connection) -> None:
+    """Nothing to deliver: the consumer waits out the timeout, idle and armed."""
+    with pytest.raises(TimeoutError):
+        conn.drain_events(timeout=0.3)
+
+
 def _publish(zk_url: str, queue: Queue, *bodies: Any) -> None:
     with Connection(zk_url) as other:
         producer = Producer(other.channel())
@@ -145,8 +151,7 @@ def test_idle_consumer_claims_a_new_message_without_listing(
         got: list[Any] = []
         with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())]):
             for expected in (1, 2, 3):
-                with pytest.raises(TimeoutError):
-                    conn.drain_events(timeout=0.3)   # idle, armed
+                _expect_idle(conn)
                 calls.clear()
                 _publish(zk_url, queue, {"n": expected})
                 conn.drain_events(timeout=5)
@@ -167,18 +172,15 @@ def test_a_backlog_drops_the_tree_watch_and_an_empty_queue_takes_it_back(
         got: list[Any] = []
         with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())],
                       prefetch_count=2):
-            with pytest.raises(TimeoutError):
-                conn.drain_events(timeout=0.3)
+            _expect_idle(conn)
             assert transport.watches.active(path)   # idle: held
             _publish(zk_url, queue, *range(12))       # more than claim_batch
             conn.drain_events(timeout=5)
             assert not transport.watches.active(path)   # busy: dropped
             while len(got) < 12:
                 conn.drain_events(timeout=5)
-            with pytest.raises(TimeoutError):
-                conn.drain_events(timeout=0.3)
-            with pytest.raises(TimeoutError):
-                conn.drain_events(timeout=0.3)
+            _expect_idle(conn)
+            _expect_idle(conn)
             _publish(zk_url, queue, "again")   # the empty listing armed a child watch
             conn.drain_events(timeout=5)
             assert transport.watches.active(path)   # idle again: held again
@@ -193,8 +195,7 @@ def test_consumer_gets_messages_published_across_a_connection_drop(zk_url: str) 
         got: list[Any] = []
         with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())]):
             for n in range(2):   # the second wake-up comes through the tree watch
-                with pytest.raises(TimeoutError):
-                    conn.drain_events(timeout=0.3)
+                _expect_idle(conn)
                 _publish(zk_url, queue, n)
                 conn.drain_events(timeout=5)
             assert transport.watches.active(transport.layout.unowned("blip"))
@@ -224,8 +225,7 @@ def test_an_idle_consumer_starts_reading_a_new_message_from_the_watch(zk_url: st
         got: list[Any] = []
         with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())]):
             for n in range(3):
-                with pytest.raises(TimeoutError):
-                    conn.drain_events(timeout=0.3)
+                _expect_idle(conn)
                 readers.clear()
                 _publish(zk_url, queue, n)
                 conn.drain_events(timeout=5)
@@ -252,8 +252,7 @@ def test_a_refused_early_read_still_wakes_the_consumer(zk_url: str) -> None:
         got: list[Any] = []
         with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())]):
             for n in range(2):
-                with pytest.raises(TimeoutError):
-                    conn.drain_events(timeout=0.3)
+                _expect_idle(conn)
                 _publish(zk_url, queue, n)
                 conn.drain_events(timeout=5)
         assert got == [0, 1] and refused   # the early reads were refused, not skipped

@@ -132,18 +132,18 @@ class AutoDeleteQueues:
         """Delete ``queue`` and its messages if its ``holders/`` is empty. True if deleted."""
         layout = self.layout
         for _ in range(DELETE_ATTEMPTS):
-            nodes = self._message_nodes(queue)
-            if nodes is None:
+            found = self._message_nodes(queue)
+            if found is None:
                 return False
+            nodes, directories = found
             try:
                 # Big backlogs go in batches, each guarded by the empty holders/ (deleted
                 # and re-made in the same transaction).
                 while len(nodes) > DELETE_BATCH:
                     batch, nodes = nodes[:DELETE_BATCH], nodes[DELETE_BATCH:]
                     self._guarded_delete(queue, batch, keep_holders=True)
-                self._guarded_delete(queue, nodes + [
-                    layout.unowned(queue), layout.owned(queue), layout.dead(queue),
-                    layout.queue(queue)], keep_holders=False)
+                self._guarded_delete(queue, nodes + directories + [layout.queue(queue)],
+                                     keep_holders=False)
                 logger.debug("celery_zk: deleted auto-delete queue %r", queue)
                 return True
             except _Held:
@@ -154,23 +154,25 @@ class AutoDeleteQueues:
                     queue)
         return False
 
-    def _message_nodes(self, queue: str) -> list[str] | None:
-        """Paths of every message node in the queue; None when it is not auto-delete."""
+    def _message_nodes(self, queue: str) -> tuple[list[str], list[str]] | None:
+        """Paths of every node in the queue's directories, and of the directories
+        that exist; None when the queue is not auto-delete (or is held)."""
         layout, client = self.layout, self.client
         try:
             if client.retry(client.get_children, layout.holders(queue)):
                 return None
         except NoNodeError:
             return None
-        dirs = (layout.unowned(queue), layout.owned(queue), layout.dead(queue))
-        pending = [(d, client.get_children_async(d)) for d in dirs]
+        pending = [(d, client.get_children_async(d)) for d in layout.queue_directories(queue)]
         nodes: list[str] = []
+        directories: list[str] = []
         for directory, result in pending:
             try:
                 nodes += [f"{directory}/{name}" for name in result.get()]
+                directories.append(directory)
             except NoNodeError:
                 pass
-        return nodes
+        return nodes, directories
 
     @property
     def client(self) -> KazooClient:

@@ -69,6 +69,10 @@ class ZKOptions:
                                     "listing per delivery; ZooKeeper 3.6+, falls back "
                                     "by itself on older servers). False: one-shot child "
                                     "watches only.")
+    handoff: bool = _opt(True, "Let a publisher hand a message straight to an idle "
+                         "consumer (one durable write per delivery instead of two: "
+                         "see celery_zk.handoff). Needs persistent watches; set it "
+                         "on the consumers' side, publishers follow the offers they see.")
     dead_letter_rejected: bool = _opt(False, "Keep messages rejected with requeue=False "
                                       "under the queue's dead/ directory instead of "
                                       "deleting them.")

@@ -7,6 +7,9 @@
         unowned/m{P}-{uid}-{seq}      waiting message; P = 9 - priority
         unowned/m{P}-{uid}-r{orig}-{seq}   requeued message, keeps its first seq
         owned/{consumer}~{unowned name}   claimed by a live consumer
+        owned/{consumer}~m{P}-{token}-0000000000   handed straight to that consumer
+        offers/{consumer}~{token}     ephemeral: an idle consumer offers to take the
+                                      next message (celery_zk.handoff)
         dead/{unowned name}           dead-lettered (rejected / undecodable)
         holders/s{session}            auto-delete queues only: ephemeral, one per
                                       session that declared it; none left = deleted
@@ -42,6 +45,7 @@ RESULT_SHARDS_HEX = 2  # 256 shards: a million results is ~4,000 per directory
 
 _MESSAGE_RE = re.compile(r"^m(\d)-([0-9a-f]{1,32})-(?:r(\d{10})-)?(\d{10})$")
 _CONSUMER_RE = re.compile(r"^(c[0-9a-f]{1,32})-(\d{10})$")
+_OFFER_RE = re.compile(r"^(c[0-9a-f]{1,32})~([0-9a-f]{1,32})$")
 # Characters that cannot appear raw in a node name, or that we use as separators.
 _ESCAPE_RE = re.compile(r"[%/,~\x00-\x1f\x7f]")
 
@@ -78,8 +82,10 @@ class MessageName(NamedTuple):
         return self.first_seq if self.first_seq is not None else self.seq
 
     @property
-    def sort_key(self) -> tuple[int, int, int]:
-        return (self.inverted_priority, self.order, self.seq)
+    def sort_key(self) -> tuple[int, int, int, int]:
+        # On equal order a requeued message goes first: the tie is a handed
+        # message (order 0, see handed_name) against unowned/'s very first one.
+        return (self.inverted_priority, self.order, self.first_seq is None, self.seq)
 
 
 def clamp_priority(priority: int | None) -> int:
@@ -107,7 +113,7 @@ def parse_message_name(name: str) -> MessageName | None:
 
 def sort_messages(names: list[str]) -> tuple[list[str], list[str]]:
     """Split a listing into (ours in delivery order, foreign names)."""
-    parsed: list[tuple[tuple[int, int, int], str]] = []
+    parsed: list[tuple[tuple[int, int, int, int], str]] = []
     foreign = []
     for name in names:
         msg = parse_message_name(name)
@@ -117,6 +123,27 @@ def sort_messages(names: list[str]) -> tuple[list[str], list[str]]:
             parsed.append((msg.sort_key, name))
     parsed.sort()
     return [name for _, name in parsed], foreign
+
+
+def handed_name(priority: int | None, token: str) -> str:
+    """The name a message handed over in place of offer ``token`` gets.
+
+    The consumer knows all of it but the priority, so the creation its watch
+    reports is recognisably its own. The sequence is zero: the message was
+    handed over while its queue was empty, so a requeue puts it back ahead of
+    its priority's later arrivals, where it belongs.
+    """
+    return message_prefix(priority, token) + "0" * SEQ_DIGITS
+
+
+def offer_name(consumer_id: str, token: str) -> str:
+    return f"{consumer_id}{OWNER_SEP}{token}"
+
+
+def parse_offer_name(name: str) -> tuple[str, str] | None:
+    """``(consumer id, token)`` of an offer node, or ``None`` if foreign."""
+    match = _OFFER_RE.match(name)
+    return (match.group(1), match.group(2)) if match else None
 
 
 def owned_name(consumer_id: str, message_name: str) -> str:
@@ -198,12 +225,22 @@ class Layout:
     def dead(self, queue: str) -> str:
         return join(self.queue(queue), "dead")
 
+    def offers(self, queue: str) -> str:
+        return join(self.queue(queue), "offers")
+
+    def offer(self, queue: str, name: str) -> str:
+        return join(self.offers(queue), name)
+
     def holders(self, queue: str) -> str:
         """Exists only for auto-delete queues: the sessions that declared it."""
         return join(self.queue(queue), "holders")
 
     def holder(self, queue: str, session_id: int) -> str:
         return join(self.holders(queue), holder_name(session_id))
+
+    def queue_directories(self, queue: str) -> tuple[str, ...]:
+        """The directories every queue has (queues made before offers/ existed lack it)."""
+        return (self.unowned(queue), self.owned(queue), self.dead(queue), self.offers(queue))
 
     def unowned_message(self, queue: str, name: str) -> str:
         return join(self.unowned(queue), name)

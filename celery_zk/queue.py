@@ -76,7 +76,7 @@ class QueueStore:
     def client(self) -> KazooClient:
         return self._client()
 
-    def _commit(self, build: Callable[[TransactionRequest], None]) -> list[Any]:
+    def commit(self, build: Callable[[TransactionRequest], None]) -> list[Any]:
         """Build and commit a transaction, rebuilt per retry (kazoo commits one once)."""
         client = self.client
 
@@ -101,13 +101,13 @@ class QueueStore:
 
         def build(txn: TransactionRequest) -> None:
             txn.create(layout.queue(queue), meta)
-            for path in (layout.unowned(queue), layout.owned(queue), layout.dead(queue)):
+            for path in layout.queue_directories(queue):
                 txn.create(path)
             if holder is not None:
                 txn.create(layout.holders(queue))
                 txn.create(holder, ephemeral=True)
 
-        failure = multi_failure(self._commit(build))
+        failure = multi_failure(self.commit(build))
         if failure and not isinstance(failure[1], NodeExistsError):
             raise failure[1]
         return failure is None
@@ -185,6 +185,14 @@ class QueueStore:
         """Start reading a waiting message (non-blocking: a watch callback may call it)."""
         return self.client.get_async(self.layout.unowned_message(queue, name))
 
+    def read_owned_async(self, queue: str, name: str) -> Any:
+        """Start reading an owned message (non-blocking: a watch callback may call it)."""
+        return self.client.get_async(self.layout.owned_message(queue, name))
+
+    def read_owned(self, owned_path: str) -> tuple[bytes, Any]:
+        client = self.client
+        return client.retry(client.get, owned_path)
+
     def claim(self, queue: str, names: list[str], consumer_id: str,
               reads: dict[str, Any] | None = None) -> tuple[list[Claimed], set[str]]:
         """Move ``names`` from unowned to owned in one transaction.
@@ -254,7 +262,7 @@ class QueueStore:
     def ack(self, owned_path: str, consumer_node: str) -> bool:
         """Delete an owned message if the session that claimed it still lives."""
         try:
-            results = self._commit(self._ack_ops(owned_path, consumer_node))
+            results = self.commit(self._ack_ops(owned_path, consumer_node))
         except NoNodeError:
             return False
         return self._ack_outcome(owned_path, consumer_node, results)
@@ -367,7 +375,7 @@ class QueueStore:
             txn.delete(source, version=stat.version)
             txn.create(target, data)
 
-        failure = multi_failure(self._commit(build))
+        failure = multi_failure(self.commit(build))
         if failure is None:
             logger.error("celery_zk: moved %s to %s: %s", source, target, reason)
             return True

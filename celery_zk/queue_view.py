@@ -22,21 +22,31 @@ When persistent watches are off (option ``persistent_watches``, or a server
 before 3.6) every listing sets a one-shot child watch, and a woken consumer
 lists the queue.
 
+An idle view that may take more also leaves an *offer* (:mod:`celery_zk.handoff`)
+and watches ``owned/`` the same way: a publisher that sees the offer creates
+the message there, in this consumer's name, and the view delivers it without
+a claim. Handed messages and arrivals are delivered in the order their watch
+events came, so one publisher's messages keep their order.
+
 Watch callbacks run on kazoo's threads and only record what happened and wake
 the transport. Requests are made from the consuming thread, with one
 exception: when a message arrives at an idle view, the tree callback starts
-(without waiting) the read its claim begins with, so the read is on the wire
-while the consuming thread wakes up.
+(without waiting) the read its claim (or delivery) begins with, so the read
+is on the wire while the consuming thread wakes up.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from itertools import islice
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
-from .client import CONNECTION_ERRORS
-from .layout import parse_message_name, sort_messages
+from kazoo.exceptions import NoNodeError
+
+from .client import CONNECTION_ERRORS, log_failure, reply_or_retry
+from .handoff import Offer
+from .layout import parse_message_name, sort_messages, split_owned_name
 from .queue import Claimed
 from .watches import NODE_CREATED
 
@@ -44,6 +54,8 @@ if TYPE_CHECKING:
     from .transport import Transport
 
 __all__ = ["QueueView"]
+
+logger = logging.getLogger(__name__)
 
 
 class QueueView:
@@ -53,6 +65,7 @@ class QueueView:
         self.transport = transport
         self.queue = queue
         self.path = transport.layout.unowned(queue)
+        self.owned_path = transport.layout.owned(queue)
         self.options = transport.settings.options
         self.listing: deque[str] = deque()   # sorted, not yet tried
         self.listed_at = 0.0
@@ -61,10 +74,16 @@ class QueueView:
         self.events = 0       # bumped by every watch; detects a fire during a listing
         self.idle = True      # the last listing was empty: the next one adds the tree watch
         self.stale = False    # the tree watch may have missed something: list next time
-        self.arrivals: deque[str] = deque()   # names the tree watch reported since
+        self.arrivals: deque[tuple[int, str]] = deque()   # (order, name) the tree watch reported
         self.reads: dict[str, Any] = {}   # arrivals whose read an idle view started at once
+        # (order, owned name, read under way): messages handed to us, ours to deliver.
+        self.handed: deque[tuple[int, str, Any]] = deque()
+        self.order = 0        # watch events so far: orders arrivals against hand-offs
+        self.consuming = False   # the channel consumes this queue (a basic_get view never offers)
+        self.offer = Offer(transport.handoff, queue) if transport.handoff is not None else None
         self.closed = False
         self._tree_held = False   # our _on_tree is registered with the tree watch
+        self._owned_held = False   # our _on_owned is registered with the owned/ watch
 
     # -- kazoo threads: record and wake, nothing else ---------------------------
     def _woken(self) -> None:
@@ -92,11 +111,27 @@ class QueueView:
                         self.reads[name] = self.transport.store.read_async(self.queue, name)
                     except CONNECTION_ERRORS:
                         pass   # closing meanwhile: the claim reads it, or reports why not
-                self.arrivals.append(name)
+                self.order += 1
+                self.arrivals.append((self.order, name))
         elif name:
             return   # below a message node: not ours
         else:
             self.stale = True   # unowned/ itself was deleted or created (queue re-declared)
+        self._woken()
+
+    def _on_owned(self, event_type: int, name: str) -> None:
+        if event_type != NODE_CREATED or not name or "/" in name or self.offer is None:
+            return
+        parts = split_owned_name(name)
+        message = parse_message_name(parts[1]) if parts is not None else None
+        if parts is None or message is None or not self.offer.taken(parts[0], message.uid):
+            return   # someone's claim, or not handed in answer to our offer
+        try:
+            read = self.transport.store.read_owned_async(self.queue, name)
+        except CONNECTION_ERRORS:
+            read = None   # closing meanwhile: delivering it reads again
+        self.order += 1
+        self.handed.append((self.order, name, read))
         self._woken()
 
     # -- the consuming thread ---------------------------------------------------
@@ -116,21 +151,29 @@ class QueueView:
 
     def fill(self, limit: int) -> None:
         """Claim up to ``limit`` messages into :attr:`buffer`, if any are waiting."""
+        if self.handed and (not self.arrivals or self.handed[0][0] < self.arrivals[0][0]):
+            self._take_handed(limit)
+            return
         if self.armed:
             return   # empty at last look and nothing changed since: no request needed
         if limit <= 0:
+            self.withdraw()
             if self.stale and self._tree_held:
                 self._stop_tree()   # arrivals overflow while we cannot take any: busy
             return
         transport = self.transport
         consumer_id, _ = transport.session.ensure_registered()
+        if self.stale:
+            self.withdraw()   # a reconnect may have hidden a hand-off from the watch
         while True:
             if not self.listing and not self.stale and self._tree_active():
                 if not self._take_arrivals():
+                    self._make_offer(limit)
                     return
             elif (not self.listing or self.stale
                   or monotonic() - self.listed_at > self.options.listing_max_age):
                 if not self._list():
+                    self._make_offer(limit)
                     return
             if not self.listing:
                 continue   # only foreign names arrived
@@ -148,8 +191,8 @@ class QueueView:
         """Use what the tree watch reported as the listing; False when nothing came."""
         generation = self.events
         names = []
-        while self.arrivals:
-            names.append(self.arrivals.popleft())
+        while self.arrivals and (not self.handed or self.arrivals[0][0] < self.handed[0][0]):
+            names.append(self.arrivals.popleft()[1])   # those before the next hand-off
         if not names:
             self.armed = self.events == generation
             return False
@@ -185,11 +228,17 @@ class QueueView:
         if not self._tree_held and not self.idle:
             return False
         self._tree_held = watches.watch(self.path, self._on_tree)
+        if self._tree_held and self.offer is not None:
+            self._owned_held = watches.watch(self.owned_path, self._on_owned)
         return self._tree_held
 
     def _stop_tree(self) -> None:
         held, self._tree_held = self._tree_held, False
+        owned, self._owned_held = self._owned_held, False
         watches = self.transport.watches
+        if owned and watches is not None:
+            watches.unwatch(self.owned_path, self._on_owned)
+        self.withdraw()   # after the watch went: a hand-off meanwhile is found by this
         if held and watches is not None:
             self.arrivals.clear()
             self.reads.clear()
@@ -197,6 +246,59 @@ class QueueView:
                 # That also removed any one-shot watch this client held on the
                 # path (another channel's): make those look again.
                 self.transport.watch_removed(self.queue, self)
+
+    # -- hand-off ---------------------------------------------------------------
+    def _make_offer(self, capacity: int) -> None:
+        """Offer to take the next message directly, when idle and able to take one."""
+        offer, watches = self.offer, self.transport.watches
+        if (offer is None or offer.outstanding or not self.consuming or capacity <= 0
+                or self.closed or self.arrivals or self.stale or watches is None
+                or not self._tree_active() or not self._owned_held
+                or not watches.active(self.owned_path)):
+            return
+        consumer_id, _ = self.transport.session.ensure_registered()
+        offer.make(consumer_id)
+
+    def _take_handed(self, limit: int) -> None:
+        """Move the messages handed to us (up to the next arrival) into the buffer."""
+        store = self.transport.store
+        while self.handed and (not self.arrivals or self.handed[0][0] < self.arrivals[0][0]):
+            _, name, read = self.handed[0]
+            path = self.transport.layout.owned_message(self.queue, name)
+            try:
+                data, _stat = (store.read_owned(path) if read is None
+                               else reply_or_retry(store.client, read, store.client.get, path))
+            except NoNodeError:
+                data = None   # our session ended and the recovery leader requeued it
+            self.handed.popleft()
+            parts = split_owned_name(name)
+            if data is not None and parts is not None:
+                self.buffer.append(Claimed(self.queue, parts[1], path, data))
+        # Still idle: offer again now, so the next message can be handed over
+        # while this one is processed.
+        self._make_offer(limit - len(self.buffer))
+
+    def withdraw(self) -> None:
+        """Withdraw our offer; keep the message a publisher handed over first."""
+        if self.offer is None or not self.offer.outstanding:
+            return
+        try:
+            found = self.offer.withdraw()
+        except CONNECTION_ERRORS as exc:   # redone in the background (see Offer.withdraw)
+            log_failure(logger, exc, "celery_zk: could not withdraw the offer on %s now; "
+                        "retrying in the background", self.queue)
+            return
+        if found is None:
+            return
+        consumer_id, path = found
+        if consumer_id != self.transport.session.consumer_id:
+            return   # made by an ended session: the recovery leader requeues it
+        try:
+            data, _stat = self.transport.store.read_owned(path)
+        except NoNodeError:
+            return
+        name = self.transport.layout.split_owned_path(path)[2]
+        self.buffer.append(Claimed(self.queue, name, path, data))
 
     def _use_listing(self, names: list[str]) -> None:
         ordered, foreign = sort_messages(names)

@@ -39,6 +39,10 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   without listing the queue (ZooKeeper 3.6+; older servers fall back by
   themselves). False: one-shot child watches only (see
   :mod:`celery_zk.queue_view`).
+* ``handoff`` (bool, True): an idle consumer leaves an offer, and a
+  publisher that sees it creates the message directly in that consumer's
+  name: one durable write per delivery instead of two (see
+  :mod:`celery_zk.handoff`). Needs persistent watches.
 * ``dead_letter_rejected`` (bool, False): keep messages rejected with
   ``requeue=False`` under the queue's ``dead/`` directory.
 * ``confirm_publish`` (bool, True): wait for ZooKeeper to store each message
@@ -72,6 +76,7 @@ from .autodelete import AutoDeleteQueues
 from .bindings import Bindings
 from .client import CONNECTION_ERRORS, ClientHandle
 from .config import DEFAULT_PORT, ZKSettings, mask_password, parse_url
+from .handoff import HandOff
 from .layout import Layout, parse_message_name
 from .liveness import ConsumerSession
 from .queue import Claimed, QueueStore
@@ -199,9 +204,13 @@ class Channel(virtual.Channel):
         while view.buffer and store is not None:
             claimed = view.buffer.popleft()
             store.requeue(claimed.owned_path, claimed.data)
+        while view.handed and store is not None:   # handed over, not yet delivered
+            _, name, _ = view.handed.popleft()
+            store.requeue(self.connection.layout.owned_message(queue, name))
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         view = self._view(queue)
+        view.consuming = queue in self._active_queues
         while True:
             if not view.buffer:
                 view.fill(self._claim_limit())
@@ -243,6 +252,12 @@ class Channel(virtual.Channel):
         estimate = self.qos.can_consume_max_estimate()
         return limit if estimate is None else min(limit, estimate)
 
+    def withdraw_offers_if_full(self) -> None:
+        """A channel that cannot take more must not be handed any (idle workers can)."""
+        if self._views and not self.qos.can_consume():
+            for view in list(self._views.values()):
+                view.withdraw()
+
     def requeue_owned(self, owned_path: str, message: Any = None) -> None:
         # Our cached listing predates the requeued message, which sorts ahead of it.
         queue = self.connection.layout.split_owned_path(owned_path)[0]
@@ -259,8 +274,10 @@ class Channel(virtual.Channel):
         transport = self.connection
         if transport.unconfirmed is not None:
             transport.unconfirmed.put(queue, data, priority)
-        else:
-            transport.store.put(queue, data, priority)
+            return
+        new = transport.store.new_message(queue, data, priority)   # checks the size
+        if transport.handoff is None or not transport.handoff.give(queue, data, priority):
+            transport.store.put_new(new)
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
@@ -399,6 +416,9 @@ class Transport(virtual.Transport):
                                        leader_duties=[self.auto_delete.sweep])
         self.watches = (TreeWatches(self.handle) if self.settings.options.persistent_watches
                         else None)
+        self.handoff = (HandOff(self.handle, self.layout, self.store)
+                        if self.settings.options.handoff and self.watches is not None
+                        else None)
         self.declared_queues: set[str] = set()
         self.unconfirmed = (None if self.settings.options.confirm_publish
                             else UnconfirmedPublisher(self.store))
@@ -471,6 +491,9 @@ class Transport(virtual.Transport):
                 return self.cycle.get(self._deliver)
             except Empty:
                 pass
+            channels: list[Channel] = list(self.channels or ())
+            for channel in channels:
+                channel.withdraw_offers_if_full()
             if deadline is not None and deadline <= monotonic():
                 raise socket.timeout()
             self._wait(deadline)

@@ -162,10 +162,11 @@ def test_idle_consumer_claims_a_new_message_without_listing(
                     assert "get_children" in calls, calls
 
 
+@pytest.mark.parametrize("handoff", ["true", "false"])
 def test_a_backlog_drops_the_tree_watch_and_an_empty_queue_takes_it_back(
-        zk_url: str) -> None:
+        zk_url: str, handoff: str) -> None:
     queue = Queue("busy", Exchange("busy", "direct"), "busy")
-    with Connection(f"{zk_url}?claim_batch=4") as conn:
+    with Connection(f"{zk_url}?claim_batch=4&handoff={handoff}") as conn:
         queue(conn.channel()).declare()
         transport = conn.transport
         path = transport.layout.unowned("busy")
@@ -176,6 +177,8 @@ def test_a_backlog_drops_the_tree_watch_and_an_empty_queue_takes_it_back(
             assert transport.watches.active(path)   # idle: held
             _publish(zk_url, queue, *range(12))       # more than claim_batch
             conn.drain_events(timeout=5)
+            if handoff == "true":   # the first was handed over; the rest is a backlog
+                conn.drain_events(timeout=5)
             assert not transport.watches.active(path)   # busy: dropped
             while len(got) < 12:
                 conn.drain_events(timeout=5)
@@ -208,16 +211,21 @@ def test_consumer_gets_messages_published_across_a_connection_drop(zk_url: str) 
         assert got == [0, 1, "during", "after"]
 
 
-def test_an_idle_consumer_starts_reading_a_new_message_from_the_watch(zk_url: str) -> None:
+@pytest.mark.parametrize("handoff", ["false", "true"])
+def test_an_idle_consumer_starts_reading_a_new_message_from_the_watch(
+        zk_url: str, handoff: str) -> None:
+    """Claimed (handoff off) or handed over (on), the message's read starts on
+    kazoo's thread, from the watch that reported it."""
     queue = Queue("early", Exchange("early", "direct"), "early")
-    with Connection(zk_url) as conn:
+    where = "/owned/" if handoff == "true" else "/unowned/"
+    with Connection(f"{zk_url}?handoff={handoff}") as conn:
         queue(conn.channel()).declare()
         client = conn.transport.handle.client
         readers: list[str] = []
         original = client.get_async
 
         def get_async(path: str, *args: Any, **kwargs: Any) -> Any:
-            if "/unowned/" in path:
+            if where in path:
                 readers.append(threading.current_thread().name)
             return original(path, *args, **kwargs)
 
@@ -235,11 +243,13 @@ def test_an_idle_consumer_starts_reading_a_new_message_from_the_watch(zk_url: st
         assert got == [0, 1, 2]
 
 
-def test_a_refused_early_read_still_wakes_the_consumer(zk_url: str) -> None:
+@pytest.mark.parametrize("handoff", ["false", "true"])
+def test_a_refused_early_read_still_wakes_the_consumer(zk_url: str, handoff: str) -> None:
     """kazoo raises from get_async when its client is closing; the watch callback
-    must still record the arrival and wake the consumer, whose claim reads again."""
+    must still record the arrival (or hand-off) and wake the consumer, which
+    then reads the message itself."""
     queue = Queue("refused", Exchange("refused", "direct"), "refused")
-    with Connection(zk_url) as conn:
+    with Connection(f"{zk_url}?handoff={handoff}") as conn:
         queue(conn.channel()).declare()
         store = conn.transport.store
         refused: list[str] = []
@@ -248,7 +258,10 @@ def test_a_refused_early_read_still_wakes_the_consumer(zk_url: str) -> None:
             refused.append(name)
             raise ConnectionClosedError("Connection has been closed")
 
-        store.read_async = read_async  # type: ignore[method-assign]
+        if handoff == "true":
+            store.read_owned_async = read_async  # type: ignore[method-assign]
+        else:
+            store.read_async = read_async  # type: ignore[method-assign]
         got: list[Any] = []
         with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())]):
             for n in range(2):

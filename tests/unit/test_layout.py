@@ -7,11 +7,14 @@ from celery_zk.layout import (
     binding_name,
     clamp_priority,
     escape,
+    handed_name,
     message_prefix,
+    offer_name,
     owned_name,
     parse_binding_name,
     parse_consumer_name,
     parse_message_name,
+    parse_offer_name,
     result_shard,
     sort_messages,
     split_owned_name,
@@ -109,3 +112,23 @@ def test_result_shards_bound_directory_size() -> None:
     assert {Layout.parent(layout.expiry_entry(7, "r", f"task-{i}")) for i in range(20000)} == set(
         layout.shards(layout.expiry_bucket(7)))
     assert Layout.parent(layout.group("g")) in layout.shards(layout.groups)
+
+
+def test_offer_and_handed_names() -> None:
+    offer = offer_name("c0123456789ab", "abcdef0123456789")
+    assert parse_offer_name(offer) == ("c0123456789ab", "abcdef0123456789")
+    assert parse_offer_name("x~y") is None and parse_offer_name("c01") is None
+    handed = parse_message_name(handed_name(7, "abcdef0123456789"))
+    assert handed is not None
+    assert (handed.priority, handed.uid, handed.first_seq, handed.seq) == (
+        7, "abcdef0123456789", None, 0)
+
+
+def test_a_requeued_handed_message_sorts_ahead_of_the_first_arrival() -> None:
+    """Both have order 0 (the handed one from its name, the other as unowned/'s
+    first node): the requeued one was there first."""
+    first_arrival = message_prefix(0, "b" * 16) + seq(0)
+    requeued = message_prefix(0, "a" * 16, first_seq=0) + seq(1)
+    later = message_prefix(0, "c" * 16) + seq(2)
+    ordered, _ = sort_messages([later, first_arrival, requeued])
+    assert ordered == [requeued, first_arrival, later]

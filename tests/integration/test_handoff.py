@@ -1,0 +1,349 @@
+"""Hand-off: idle consumers' offers, publishers taking them, and every way an offer ends."""
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kazoo.client import KazooClient
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+
+from celery_zk.handoff import Offer
+from celery_zk.layout import Layout, parse_message_name, split_owned_name
+
+from .workers import wait_until
+
+LAYOUT = Layout("/")   # as the zk_client fixture sees it: chrooted at the URL's path
+
+
+def offers(zk_client: KazooClient, queue: str) -> list[str]:
+    return zk_client.get_children(LAYOUT.offers(queue))
+
+
+def unowned_creations(zk_client: KazooClient, queue: str) -> int:
+    """How many children unowned/ ever had made or removed (its cversion)."""
+    return zk_client.exists(LAYOUT.unowned(queue)).cversion
+
+
+def publish(zk_url: str, queue: Queue, *bodies: Any, **kwargs: Any) -> None:
+    with Connection(zk_url) as other:
+        producer = Producer(other.channel())
+        for body in bodies:
+            producer.publish(body, exchange=queue.exchange, routing_key=queue.routing_key,
+                             **kwargs)
+
+
+def expect_idle(conn: Connection) -> None:
+    with pytest.raises(TimeoutError):
+        conn.drain_events(timeout=0.3)
+
+
+@pytest.fixture
+def conn(zk_url: str) -> Iterator[Connection]:
+    with Connection(zk_url) as conn:
+        yield conn
+
+
+def consumer(conn: Connection, queue: Queue, got: list[Any], ack: bool = True,
+             **kwargs: Any) -> Consumer:
+    def on_message(body: Any, message: Any) -> None:
+        got.append((body, message))
+        if ack:
+            message.ack()
+    queue(conn.channel()).declare()
+    return Consumer(conn, [queue], callbacks=[on_message], **kwargs)
+
+
+def test_an_idle_consumer_is_handed_each_message_without_a_claim(
+        conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
+    queue = Queue("hand", Exchange("hand", "direct"), "hand")
+    got: list[Any] = []
+    with consumer(conn, queue, got):
+        for n in range(3):
+            expect_idle(conn)
+            wait_until(lambda: offers(zk_client, "hand"), 5, 0.02, "no offer was made")
+            before = unowned_creations(zk_client, "hand")
+            publish(zk_url, queue, n)
+            conn.drain_events(timeout=5)
+            # Straight into owned/: unowned/ never had the message.
+            assert unowned_creations(zk_client, "hand") == before
+            tag = got[-1][1].delivery_tag
+            consumer_id, name = split_owned_name(tag.rpartition("/")[2])
+            assert consumer_id == conn.transport.session.consumer_id
+            assert parse_message_name(name).seq == 0   # the handed name
+            assert not got[-1][1].delivery_info.get("redelivered")
+    assert [body for body, _ in got] == [0, 1, 2]
+    wait_until(lambda: not offers(zk_client, "hand"), 5, 0.05, "offer left behind")
+    assert zk_client.get_children(LAYOUT.owned("hand")) == []   # all acked
+
+
+def test_no_offers_with_handoff_off(zk_url: str, zk_client: KazooClient) -> None:
+    queue = Queue("nohand", Exchange("nohand", "direct"), "nohand")
+    got: list[Any] = []
+    with Connection(f"{zk_url}?handoff=false") as conn, consumer(conn, queue, got):
+        expect_idle(conn)
+        before = unowned_creations(zk_client, "nohand")
+        publish(zk_url, queue, "x")
+        conn.drain_events(timeout=5)
+        assert offers(zk_client, "nohand") == []
+        assert unowned_creations(zk_client, "nohand") == before + 2   # put, then claimed
+    assert [body for body, _ in got] == ["x"]
+
+
+def test_a_basic_get_makes_no_offer(conn: Connection, zk_client: KazooClient) -> None:
+    """Only a consuming channel offers: nobody would deliver what a poller was handed."""
+    queue = Queue("poll", Exchange("poll", "direct"), "poll")
+    channel = conn.channel()
+    queue(channel).declare()
+    assert channel.basic_get("poll") is None
+    assert offers(zk_client, "poll") == []
+
+
+def test_a_full_prefetch_withdraws_the_offers_of_the_other_queues(
+        conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
+    """A busy consumer must not be handed work an idle one could do."""
+    first = Queue("pf-a", Exchange("pf-a", "direct"), "pf-a")
+    second = Queue("pf-b", Exchange("pf-b", "direct"), "pf-b")
+    got: list[Any] = []
+    channel = conn.channel()
+    for queue in (first, second):
+        queue(channel).declare()
+    with Consumer(channel, [first, second], prefetch_count=1,
+                  callbacks=[lambda body, message: got.append((body, message))]):
+        expect_idle(conn)
+        wait_until(lambda: offers(zk_client, "pf-a") and offers(zk_client, "pf-b"), 5, 0.02)
+        publish(zk_url, first, "a")
+        conn.drain_events(timeout=5)   # delivered, not acked: the prefetch is full
+        expect_idle(conn)
+        assert offers(zk_client, "pf-b") == []
+        publish(zk_url, second, "b")
+        assert zk_client.get_children(LAYOUT.unowned("pf-b")) != []   # waits for anyone
+        expect_idle(conn)
+        got[0][1].ack()
+        conn.drain_events(timeout=5)
+    assert [body for body, _ in got] == ["a", "b"]
+
+
+@pytest.mark.parametrize("seen_by", ["watch", "withdrawal"])
+def test_a_message_handed_to_a_consumer_that_stops_goes_back_to_its_queue(
+        conn: Connection, zk_url: str, zk_client: KazooClient, seen_by: str) -> None:
+    """The consumer stops between the hand-off and its delivery. Whether the
+    watch reported the hand-off first or the withdrawal found the offer gone,
+    the message goes back to unowned/, for the next consumer."""
+    queue = Queue("stop", Exchange("stop", "direct"), "stop")
+    got: list[Any] = []
+    with consumer(conn, queue, got) as cons:
+        expect_idle(conn)
+        wait_until(lambda: offers(zk_client, "stop"), 5, 0.02, "no offer was made")
+        view = conn.default_channel._views["stop"]
+        if seen_by == "withdrawal":   # the watch's report comes too late to count
+            view.offer.taken = lambda consumer_id, token: False
+        publish(zk_url, queue, "orphan?")
+        if seen_by == "watch":
+            wait_until(lambda: view.handed, 5, 0.02, "the watch did not report it")
+        else:
+            wait_until(lambda: zk_client.get_children(LAYOUT.owned("stop")), 5, 0.02)
+        cons.cancel()
+    assert got == []
+    assert zk_client.get_children(LAYOUT.owned("stop")) == []
+    assert offers(zk_client, "stop") == []
+    waiting = zk_client.get_children(LAYOUT.unowned("stop"))
+    assert len(waiting) == 1
+    assert parse_message_name(waiting[0]).first_seq == 0   # ahead of later arrivals
+    again: list[Any] = []
+    with consumer(conn, queue, again):
+        conn.drain_events(timeout=5)
+    assert [body for body, _ in again] == ["orphan?"]
+    assert again[0][1].delivery_info.get("redelivered")
+
+
+def test_withdrawing_a_taken_offer_finds_the_handed_message(
+        conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
+    queue = Queue("race", Exchange("race", "direct"), "race")
+    queue(conn.channel()).declare()
+    transport = conn.transport
+    consumer_id, _ = transport.session.ensure_registered()
+    offer = Offer(transport.handoff, "race")
+    offer.make(consumer_id)
+    wait_until(lambda: offers(zk_client, "race"), 5, 0.02, "no offer was made")
+    with Connection(zk_url) as other:
+        assert other.transport.handoff.give("race", b"body", 5)
+        assert not other.transport.handoff.give("race", b"second", 5)   # offer used up
+        assert zk_client.get_children(LAYOUT.unowned("race")) == []   # give() only hands over
+    found = offer.withdraw()
+    assert found is not None and found[0] == consumer_id
+    assert zk_client.get(found[1].replace(transport.layout.root, "", 1) or "/")[0] == b"body"
+    assert offer.withdraw() is None   # nothing outstanding any more
+
+
+def test_arrivals_and_hand_offs_are_delivered_in_the_order_they_happened(
+        conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
+    """One publisher: the first message went to unowned/ (its view of the offers was
+    behind), the second was handed over. The consumer must still deliver 1, 2."""
+    queue = Queue("order", Exchange("order", "direct"), "order")
+    got: list[Any] = []
+    with consumer(conn, queue, got):
+        expect_idle(conn)
+        wait_until(lambda: offers(zk_client, "order"), 5, 0.02, "no offer was made")
+        view = conn.default_channel._views["order"]
+        with Connection(zk_url) as other:
+            producer = Producer(other.channel())
+            handoff = other.transport.handoff
+            handoff._known_offers("order")
+            handoff._store("order", ())   # behind: no offer known yet
+            producer.publish(1, exchange=queue.exchange, routing_key="order")
+            wait_until(lambda: view.arrivals, 5, 0.01, "the arrival was not reported")
+            handoff._list(other.transport.handle.client, "order")   # caught up
+            producer.publish(2, exchange=queue.exchange, routing_key="order")
+        wait_until(lambda: view.handed, 5, 0.01, "the second was not handed over")
+        while len(got) < 2:
+            conn.drain_events(timeout=5)
+    assert [body for body, _ in got] == [1, 2]
+
+
+@pytest.mark.parametrize("handoff", ["true", "false"])
+def test_a_requeued_handed_message_goes_ahead_of_later_arrivals(
+        zk_url: str, zk_client: KazooClient, handoff: str) -> None:
+    queue = Queue("rq", Exchange("rq", "direct"), "rq")
+    got: list[Any] = []
+    with Connection(f"{zk_url}?handoff={handoff}") as conn, \
+            consumer(conn, queue, got, ack=False, prefetch_count=1):
+        expect_idle(conn)
+        if handoff == "true":
+            wait_until(lambda: offers(zk_client, "rq"), 5, 0.02, "no offer was made")
+        publish(zk_url, queue, "first")
+        conn.drain_events(timeout=5)
+        if handoff == "true":
+            assert unowned_creations(zk_client, "rq") == 0   # handed over
+        publish(zk_url, queue, "second", "third")   # the prefetch is full: no offer
+        got[0][1].requeue()
+        for _ in range(3):
+            conn.drain_events(timeout=5)
+            got[-1][1].ack()
+    assert [body for body, _ in got] == ["first", "first", "second", "third"]
+
+
+def test_a_queue_made_before_offers_existed_gets_its_directory(
+        conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
+    queue = Queue("old", Exchange("old", "direct"), "old")
+    queue(conn.channel()).declare()
+    zk_client.delete(LAYOUT.offers("old"))   # as an older version declared it
+    got: list[Any] = []
+    with consumer(conn, queue, got):
+        expect_idle(conn)
+        wait_until(lambda: zk_client.exists(LAYOUT.offers("old")) and offers(zk_client, "old"),
+                   5, 0.02, "no offer was made")
+        publish(zk_url, queue, "x")
+        conn.drain_events(timeout=5)
+    assert [body for body, _ in got] == ["x"]
+
+
+def test_a_handed_message_of_a_killed_consumer_is_requeued(
+        zk_url: str, zk_client: KazooClient) -> None:
+    """The owner's session ends before it delivers what it was handed: the
+    recovery leader requeues it like any owned message."""
+    queue = Queue("dies", Exchange("dies", "direct"), "dies")
+    doomed = Connection(zk_url)
+    got: list[Any] = []
+    cons = consumer(doomed, queue, got)
+    cons.consume()
+    expect_idle(doomed)
+    wait_until(lambda: offers(zk_client, "dies"), 5, 0.02, "no offer was made")
+    view = doomed.default_channel._views["dies"]
+    view.offer.taken = lambda consumer_id, token: False   # never sees it
+    publish(zk_url, queue, "survives")
+    wait_until(lambda: zk_client.get_children(LAYOUT.owned("dies")), 5, 0.02)
+    # End its session without the transport's close: no withdrawal, no requeue
+    # by the owner, as when a worker is killed.
+    doomed.transport.handle.client.stop()
+    try:
+        with Connection(zk_url) as survivor:   # a live consumer does the recovery
+            again: list[Any] = []
+            with consumer(survivor, queue, again):
+                wait_until(lambda: _drain_one(survivor) or again, 20, 0.0,
+                           "the handed message was not requeued")
+            assert [body for body, _ in again] == ["survives"]
+            assert again[0][1].delivery_info.get("redelivered")
+    finally:
+        try:
+            doomed.release()
+        except Exception:   # its session is gone: closing may complain
+            pass
+    assert got == []
+
+
+def _drain_one(conn: Connection) -> bool:
+    try:
+        conn.drain_events(timeout=0.5)
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_offers_of_every_consumer_are_used_by_concurrent_publishers(
+        zk_url: str, zk_client: KazooClient) -> None:
+    """Several publishers, several idle consumers: every message is delivered
+    exactly once, however the offers were raced for."""
+    queue = Queue("many", Exchange("many", "direct"), "many")
+    conns = [Connection(zk_url) for _ in range(3)]
+    got: list[Any] = []
+    lock = threading.Lock()
+    consumers = []
+    try:
+        for c in conns:
+            queue(c.channel()).declare()
+            cons = Consumer(c, [queue], callbacks=[
+                lambda body, message: (lock.acquire(), got.append(body), lock.release(),
+                                       message.ack())])
+            cons.consume()
+            consumers.append(cons)
+            expect_idle(c)
+        wait_until(lambda: len(offers(zk_client, "many")) == 3, 5, 0.02)
+
+        def publisher(start: int) -> None:
+            publish(zk_url, queue, *range(start, start + 20))
+
+        threads = [threading.Thread(target=publisher, args=(i * 20,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for _ in range(200):
+            if len(got) >= 80:
+                break
+            for c in conns:
+                _drain_one_quick(c)
+    finally:
+        for cons in consumers:
+            cons.cancel()
+        for c in conns:
+            c.close()
+    assert sorted(got) == list(range(80))
+    assert zk_client.get_children(LAYOUT.owned("many")) == []
+    assert zk_client.get_children(LAYOUT.unowned("many")) == []
+
+
+def _drain_one_quick(conn: Connection) -> None:
+    try:
+        conn.drain_events(timeout=0.05)
+    except TimeoutError:
+        pass
+
+
+def test_handed_payload_is_the_published_message(
+        conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
+    queue = Queue("payload", Exchange("payload", "direct"), "payload")
+    got: list[Any] = []
+    with consumer(conn, queue, got):
+        expect_idle(conn)
+        wait_until(lambda: offers(zk_client, "payload"), 5, 0.02)
+        publish(zk_url, queue, {"k": [1, 2]}, priority=7, headers={"h": "v"})
+        conn.drain_events(timeout=5)
+    body, message = got[0]
+    assert body == {"k": [1, 2]} and message.headers == {"h": "v"}
+    assert message.properties.get("priority") == 7
+    name = split_owned_name(message.delivery_tag.rpartition("/")[2])[1]
+    assert parse_message_name(name).priority == 7
+    assert json.loads(message.body) == body

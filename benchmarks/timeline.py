@@ -36,6 +36,7 @@ STEPS = [
     ("client", "apply_async", "the client calls apply_async"),
     ("client", "put", "kombu hands the message to the transport"),
     ("worker", "tree", "the worker's persistent watch reports it"),
+    ("worker", "handed", "... or reports it handed over (hand-off: no claim)"),
     ("worker", "get", "the worker's consuming thread is running"),
     ("worker", "claim", "claim starts (its read is already under way)"),
     ("worker", "claimed", "claim committed"),
@@ -43,6 +44,7 @@ STEPS = [
     ("worker", "task", "the task starts"),
     ("worker", "put", "the task publishes its reply"),
     ("client", "tree", "the client's persistent watch reports the reply"),
+    ("client", "handed", "... or reports it handed over (hand-off: no claim)"),
     ("client", "get", "the client's consuming thread is running"),
     ("client", "claim", "claim of the reply starts"),
     ("client", "claimed", "claim committed"),
@@ -72,10 +74,11 @@ def install() -> None:
             return result
         setattr(cls, name, marked)
 
-    wrap(queue.QueueStore, "put", "put")
+    wrap(transport.Channel, "_put", "put")
     wrap(queue.QueueStore, "claim", "claim", "claimed")
     wrap(queue.QueueStore, "ack_async", "ack")
     wrap(queue_view.QueueView, "_on_tree", "tree")
+    wrap(queue_view.QueueView, "_on_owned", "handed")
     wrap(transport.Channel, "_get", "get")
 
 

@@ -149,8 +149,8 @@ class HandOff:
         watcher = self._watchers.get(queue)
         if watcher is None:
             def watcher(event: Any) -> None:   # kazoo's thread: never block
-                if event.path is None:   # the session ended: the next publish lists again
-                    self._offers = {k: v for k, v in self._offers.items() if k != queue}
+                if event.path is None:   # the connection dropped: the next publish lists again
+                    self._drop(queue)
                     return
                 self._list_async(queue)
             self._watchers[queue] = watcher
@@ -177,16 +177,21 @@ class HandOff:
         except Exception:   # closing: the next publish lists again
             self._drop(queue)
 
+    # Writers copy the dict under the lock (held for no request) so that no
+    # update is lost; readers take whatever dict is current.
     def _store(self, queue: str, names: tuple[str, ...]) -> None:
-        self._offers = {**self._offers, queue: names}
+        with self._lock:
+            self._offers = {**self._offers, queue: names}
 
     def _drop(self, queue: str) -> None:
-        self._offers = {k: v for k, v in self._offers.items() if k != queue}
+        with self._lock:
+            self._offers = {k: v for k, v in self._offers.items() if k != queue}
 
     def _forget(self, queue: str, offer: str) -> None:
-        offers = self._offers.get(queue)
-        if offers is not None and offer in offers:
-            self._store(queue, tuple(o for o in offers if o != offer))
+        with self._lock:
+            offers = self._offers.get(queue)
+            if offers is not None and offer in offers:
+                self._offers = {**self._offers, queue: tuple(o for o in offers if o != offer)}
 
     # -- consuming ----------------------------------------------------------------
     def make_offer(self, queue: str, consumer_id: str, token: str,

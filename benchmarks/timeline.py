@@ -38,6 +38,8 @@ STEPS = [
     ("worker", "tree", "the worker's persistent watch reports it"),
     ("worker", "handed", "... or reports it handed over (hand-off: no claim)"),
     ("worker", "get", "the worker's consuming thread is running"),
+    ("worker", "take", "it takes the handed message (its read is under way)"),
+    ("worker", "taken", "read, and the next offer sent"),
     ("worker", "claim", "claim starts (its read is already under way)"),
     ("worker", "claimed", "claim committed"),
     ("worker", "ack", "celery acks (the pool accepted the task)"),
@@ -46,6 +48,8 @@ STEPS = [
     ("client", "tree", "the client's persistent watch reports the reply"),
     ("client", "handed", "... or reports it handed over (hand-off: no claim)"),
     ("client", "get", "the client's consuming thread is running"),
+    ("client", "take", "it takes the handed message (its read is under way)"),
+    ("client", "taken", "read, and the next offer sent"),
     ("client", "claim", "claim of the reply starts"),
     ("client", "claimed", "claim committed"),
     ("client", "reply", "the reply reaches the client's callback"),
@@ -79,6 +83,7 @@ def install() -> None:
     wrap(queue.QueueStore, "ack_async", "ack")
     wrap(queue_view.QueueView, "_on_tree", "tree")
     wrap(queue_view.QueueView, "_on_owned", "handed")
+    wrap(queue_view.QueueView, "_take_handed", "take", "taken")
     wrap(transport.Channel, "_get", "get")
 
 

@@ -219,6 +219,48 @@ class RedoThread(Generic[T]):
             self._work(item)
 
 
+class Deferred:
+    """Background writes held back briefly, so they do not delay the write that matters.
+
+    ZooKeeper syncs its log to disk once per batch of writes, and a write that
+    arrives while a sync is under way waits for it to finish. An ack or an
+    offer sent the moment a message is delivered starts such a sync just
+    before the task writes its reply or result, which then waits a whole
+    extra sync. Held back ``delay`` seconds (or until this process publishes,
+    see :meth:`flush`), they go after that write, or with it.
+
+    ``send`` callables must not block: each only enqueues a request.
+    """
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self._pending: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    def later(self, send: Callable[[], None]) -> None:
+        with self._lock:
+            self._pending.append(send)
+            if self._timer is None:
+                self._timer = threading.Timer(self.delay, self.flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def flush(self) -> None:
+        """Send everything held back now (after a publish; before closing)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        for send in pending:
+            try:
+                send()
+            except Exception:   # a closed client: what was held back is redone or recovered
+                logging.getLogger(__name__).debug("celery_zk: deferred write failed",
+                                                  exc_info=True)
+
+
 def _tls_hint(settings: ZKSettings) -> str:
     # A plaintext client on a TLS port (or the reverse) only ever sees dropped
     # connections, so the timeout is the one place to say what to check.

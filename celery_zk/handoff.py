@@ -195,13 +195,19 @@ class HandOff:
 
     # -- consuming ----------------------------------------------------------------
     def make_offer(self, queue: str, consumer_id: str, token: str,
+                   still_wanted: Callable[[Callable[[], None]], object],
                    failed: Callable[[], None]) -> None:
-        """Create an offer without waiting; ``failed`` runs (on kazoo's thread)
-        when it could not be made."""
+        """Create an offer, held back briefly (QueueStore.deferred) and never waited for.
+
+        When it is due, ``still_wanted(send)`` decides under the offer's lock
+        whether to send it (a withdrawal meanwhile must not be overtaken by the
+        create). ``failed`` runs on kazoo's thread if it could not be made.
+        """
         client = self.client
         if queue not in self._directories and not self._ensure_directory(client, queue):
             failed()
             return
+        path = self.layout.offer(queue, offer_name(consumer_id, token))
 
         def done(result: Any) -> None:   # kazoo's thread: never block
             try:
@@ -212,8 +218,13 @@ class HandOff:
             except Exception:   # lost with the connection: withdrawing will tell
                 pass
 
-        client.create_async(self.layout.offer(queue, offer_name(consumer_id, token)),
-                            ephemeral=True).rawlink(done)
+        def send() -> None:
+            client.create_async(path, ephemeral=True).rawlink(done)
+
+        def due() -> None:
+            still_wanted(send)
+
+        self.store.deferred.later(due)
 
     def _ensure_directory(self, client: KazooClient, queue: str) -> bool:
         """Make ``offers/`` for a queue declared by an older version; False when
@@ -288,12 +299,21 @@ class Offer:
         with self._lock:
             self.token, self.consumer_id = token, consumer_id
 
+        def still_wanted(send: Callable[[], None]) -> bool:
+            # Under the lock: a withdrawal clears the token first, so its delete
+            # can never be sent before this create.
+            with self._lock:
+                if self.token != token:
+                    return False
+                send()
+                return True
+
         def failed() -> None:   # kazoo's thread. No wake-up: retrying at once could
             with self._lock:     # loop; the next idle moment offers again.
                 if self.token == token:
                     self.token = None
 
-        self.handoff.make_offer(self.queue, consumer_id, token, failed)
+        self.handoff.make_offer(self.queue, consumer_id, token, still_wanted, failed)
 
     def taken(self, consumer_id: str, token: str) -> bool:
         """Kazoo's thread: a message was handed over under this name. True when

@@ -23,7 +23,7 @@ from kazoo.exceptions import (
     NotEmptyError,
 )
 
-from .client import RedoThread, create_once, log_failure, multi_failure, reply_or_retry
+from .client import Deferred, RedoThread, create_once, log_failure, multi_failure, reply_or_retry
 from .config import ZKOptions
 from .exceptions import MessageTooLarge
 from .layout import (
@@ -36,6 +36,10 @@ from .layout import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: Seconds acks and offers are held back (Deferred): longer than a fast task's
+#: reply takes to be sent, short enough to be invisible otherwise.
+DEFERRED_WRITE_DELAY = 0.005
 
 @dataclass(frozen=True)
 class Claimed:
@@ -71,6 +75,8 @@ class QueueStore:
         self.options = options
         self._ack_retries: RedoThread[tuple[str, str]] = RedoThread(
             "celery_zk-ack-retry", self._ack_again)
+        #: Acks and offers wait here briefly (see Deferred): off the critical path.
+        self.deferred = Deferred(DEFERRED_WRITE_DELAY)
 
     @property
     def client(self) -> KazooClient:
@@ -270,10 +276,16 @@ class QueueStore:
     def ack_async(self, owned_path: str, consumer_node: str) -> None:
         """:meth:`ack` without waiting for ZooKeeper, as AMQP's basic.ack.
 
-        The task runs while the ack commits. If the reply is lost the ack is
-        redone by a background thread that waits for the reconnect; until it
-        lands the message stays owned, so nothing is lost either way.
+        The task runs while the ack commits. It is sent after a short delay
+        (:attr:`deferred`), so it does not hold up the task's own writes; if
+        the worker dies in between, the message is redelivered (at-least-once).
+        If the reply is lost the ack is redone by a background thread that
+        waits for the reconnect; until it lands the message stays owned, so
+        nothing is lost either way.
         """
+        self.deferred.later(lambda: self._send_ack(owned_path, consumer_node))
+
+    def _send_ack(self, owned_path: str, consumer_node: str) -> None:
         txn = self.client.transaction()
         self._ack_ops(owned_path, consumer_node)(txn)
 

@@ -151,7 +151,7 @@ class QueueView:
 
     def fill(self, limit: int) -> None:
         """Claim up to ``limit`` messages into :attr:`buffer`, if any are waiting."""
-        if self.handed and (not self.arrivals or self.handed[0][0] < self.arrivals[0][0]):
+        if self._handed_next():
             self._take_handed(limit)
             return
         if self.armed:
@@ -191,8 +191,11 @@ class QueueView:
         """Use what the tree watch reported as the listing; False when nothing came."""
         generation = self.events
         names = []
-        while self.arrivals and (not self.handed or self.arrivals[0][0] < self.handed[0][0]):
-            names.append(self.arrivals.popleft()[1])   # those before the next hand-off
+        while self.arrivals and not self._handed_next():   # those before the next hand-off
+            try:
+                names.append(self.arrivals.popleft()[1])
+            except IndexError:   # cleared meanwhile by an overflow: the view lists
+                break
         if not names:
             self.armed = self.events == generation
             return False
@@ -248,6 +251,18 @@ class QueueView:
                 self.transport.watch_removed(self.queue, self)
 
     # -- hand-off ---------------------------------------------------------------
+    def _handed_next(self) -> bool:
+        """True when a handed message is next in event order (kazoo's thread may
+        append to, or clear, the deques meanwhile)."""
+        try:
+            handed = self.handed[0][0]
+        except IndexError:
+            return False
+        try:
+            return handed < self.arrivals[0][0]
+        except IndexError:
+            return True
+
     def _make_offer(self, capacity: int) -> None:
         """Offer to take the next message directly, when idle and able to take one."""
         offer, watches = self.offer, self.transport.watches
@@ -262,7 +277,7 @@ class QueueView:
     def _take_handed(self, limit: int) -> None:
         """Move the messages handed to us (up to the next arrival) into the buffer."""
         store = self.transport.store
-        while self.handed and (not self.arrivals or self.handed[0][0] < self.arrivals[0][0]):
+        while self._handed_next():
             _, name, read = self.handed[0]
             path = self.transport.layout.owned_message(self.queue, name)
             try:

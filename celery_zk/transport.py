@@ -278,6 +278,7 @@ class Channel(virtual.Channel):
         new = transport.store.new_message(queue, data, priority)   # checks the size
         if transport.handoff is None or not transport.handoff.give(queue, data, priority):
             transport.store.put_new(new)
+        transport.store.deferred.flush()   # the write they waited for has been made
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
@@ -462,6 +463,7 @@ class Transport(virtual.Transport):
 
     def close_connection(self, connection: Any) -> None:
         try:
+            self.store.deferred.flush()   # acks held back must land before the session ends
             if self.unconfirmed is not None and not self.unconfirmed.flush(
                     timeout=2 * self.settings.options.session_timeout):
                 logger.error("celery_zk: closing with %d unconfirmed publish(es) in flight",

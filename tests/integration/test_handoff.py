@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -347,3 +348,34 @@ def test_handed_payload_is_the_published_message(
     name = split_owned_name(message.delivery_tag.rpartition("/")[2])[1]
     assert parse_message_name(name).priority == 7
     assert json.loads(message.body) == body
+
+
+def test_an_offer_withdrawn_before_it_was_sent_is_never_made(
+        conn: Connection, zk_client: KazooClient) -> None:
+    """Offers are sent after a short delay; a withdrawal within it must win,
+    or an offer nobody tracks would collect a message nobody delivers."""
+    queue = Queue("early-out", Exchange("early-out", "direct"), "early-out")
+    queue(conn.channel()).declare()
+    transport = conn.transport
+    consumer_id, _ = transport.session.ensure_registered()
+    for _ in range(5):
+        offer = Offer(transport.handoff, "early-out")
+        offer.make(consumer_id)
+        assert offer.withdraw() is None
+    time.sleep(0.2)   # well past the delay: anything still due has been sent
+    assert offers(zk_client, "early-out") == []
+
+
+def test_an_ack_held_back_is_sent_before_the_connection_closes(
+        zk_url: str, zk_client: KazooClient) -> None:
+    queue = Queue("late-ack", Exchange("late-ack", "direct"), "late-ack")
+    publish(zk_url, queue, "x")
+    with Connection(zk_url) as conn:
+        queue(conn.channel()).declare()
+        message = None
+        while message is None:
+            message = queue(conn.channel()).get()
+        message.ack()
+    # Neither still owned nor requeued by the close: the ack landed first.
+    assert zk_client.get_children(LAYOUT.owned("late-ack")) == []
+    assert zk_client.get_children(LAYOUT.unowned("late-ack")) == []

@@ -369,12 +369,12 @@ def test_an_offer_withdrawn_before_it_was_sent_is_never_made(
 def test_an_ack_held_back_is_sent_before_the_connection_closes(
         zk_url: str, zk_client: KazooClient) -> None:
     queue = Queue("late-ack", Exchange("late-ack", "direct"), "late-ack")
-    publish(zk_url, queue, "x")
     with Connection(zk_url) as conn:
-        queue(conn.channel()).declare()
-        message = None
-        while message is None:
-            message = queue(conn.channel()).get()
+        bound = queue(conn.channel())
+        bound.declare()
+        publish(zk_url, queue, "x")
+        message = bound.get()
+        assert message is not None and message.payload == "x"
         message.ack()
     # Neither still owned nor requeued by the close: the ack landed first.
     assert zk_client.get_children(LAYOUT.owned("late-ack")) == []

@@ -7,7 +7,10 @@ taken in both processes at the transport's steps. ``time.perf_counter`` is
 each step, its median offset from the client's ``apply_async`` call and the
 median gap since the step before::
 
-    .venv/bin/python benchmarks/timeline.py [--samples 150] [--zk-force-sync yes|no]
+    .venv/bin/python benchmarks/timeline.py [--samples 150] [--result] [--zk-force-sync yes|no]
+
+``--result``: the result round trip instead (``bench.py``'s (d): ``bench.add``
+with celery_zk's result backend, ``delay(...).get()``).
 
 The hooks wrap celery_zk methods from the outside (see :func:`install`); this
 is a diagnostic, not a benchmark with targets.
@@ -55,6 +58,14 @@ STEPS = [
     ("client", "reply", "the reply reaches the client's callback"),
 ]
 
+#: The result round trip (--result): the reply is a done node, not a message.
+RESULT_STEPS = STEPS[:STEPS.index(("worker", "task", "the task starts")) + 1] + [
+    ("worker", "store", "the backend writes the done node"),
+    ("worker", "stored", "the done node is written"),
+    ("client", "watch", "the client's watch on the done node fires"),
+    ("client", "got", "get() returns the result"),
+]
+
 _marks: list[tuple[float, str]] = []
 
 
@@ -64,7 +75,7 @@ def mark(step: str) -> None:
 
 def install() -> None:
     """Wrap the transport's steps so each call records the first mark it passes."""
-    from celery_zk import queue, queue_view, transport
+    from celery_zk import backend, queue, queue_view, result_consumer, transport
 
     def wrap(cls: Any, name: str, step: str, after: str | None = None) -> None:
         inner = getattr(cls, name)
@@ -85,6 +96,8 @@ def install() -> None:
     wrap(queue_view.QueueView, "_on_owned", "handed")
     wrap(queue_view.QueueView, "_take_handed", "take", "taken")
     wrap(transport.Channel, "_get", "get")
+    wrap(backend.ZooKeeperBackend, "_store_result", "store", "stored")
+    wrap(result_consumer.ResultConsumer, "_on_watch", "watch")
 
 
 def dump(path: str, role: str) -> None:
@@ -103,7 +116,8 @@ def install_in_worker() -> None:
     worker_shutdown.connect(lambda **_: dump(path, "worker"), weak=False)
 
 
-def timeline(path: str, warm_up: int) -> list[tuple[str, str, str, float, float, int]]:
+def timeline(path: str, warm_up: int, steps: list[tuple[str, str, str]] = STEPS
+             ) -> list[tuple[str, str, str, float, float, int]]:
     """Per step: (role, step, meaning, median offset ms, median gap ms, trips seen)."""
     rows: list[tuple[float, str, str]] = []
     with open(path, encoding="utf-8") as fh:
@@ -120,8 +134,8 @@ def timeline(path: str, warm_up: int) -> list[tuple[str, str, str, float, float,
     offsets: dict[tuple[str, str], list[float]] = defaultdict(list)
     gaps: dict[tuple[str, str], list[float]] = defaultdict(list)
     for trip in trips[warm_up:]:
-        start = previous = trip[STEPS[0][:2]][0]
-        for role, step, _ in STEPS:
+        start = previous = trip[steps[0][:2]][0]
+        for role, step, _ in steps:
             key = (role, step)
             # The first time the step is passed after the step before it (a
             # consuming thread also runs _get before the message is there).
@@ -135,29 +149,25 @@ def timeline(path: str, warm_up: int) -> list[tuple[str, str, str, float, float,
              statistics.median(offsets[(role, step)]) if offsets[(role, step)] else float("nan"),
              statistics.median(gaps[(role, step)]) if gaps[(role, step)] else 0.0,
              len(offsets[(role, step)]))
-            for role, step, meaning in STEPS]
+            for role, step, meaning in steps]
 
 
-def main(argv: list[str] | None = None) -> int:
+def record(args: argparse.Namespace, warm_up: int) -> str:
+    """Run the round trips with the hooks in place; returns the marks file."""
     from bench import (
+        ADD,
         ECHO,
         Bench,
         Processes,
-        add_server_options,
         make_app,
         measured_server,
         warm_up_zookeeper,
     )
     from kombu import Connection, Queue
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--samples", type=int, default=150)
-    add_server_options(parser)
-    args = parser.parse_args(argv)
     work_dir = tempfile.mkdtemp(prefix="celery-zk-timeline-")
     path = os.path.join(work_dir, "marks.txt")
     procs = Processes()
-    warm_up = 5
     install()
     try:
         with measured_server(args) as zk:
@@ -165,6 +175,19 @@ def main(argv: list[str] | None = None) -> int:
             warm_up_zookeeper(zk.hosts)
             url = f"zk://{zk.hosts}/timeline-{uuid.uuid4().hex[:8]}"
             bench = Bench(args, procs, work_dir)
+            if args.result:
+                backend = f"zk://{zk.hosts}/timeline-results-{uuid.uuid4().hex[:8]}"
+                app = make_app(url, backend)
+                add = app.tasks[ADD]
+                with bench.worker(url, "timeline", backend=backend, env={ENV_FILE: path}):
+                    for _ in range(args.samples + warm_up):
+                        bench.pause()
+                        mark("apply_async")
+                        add.apply_async((1, 2), queue="timeline").get(timeout=30)
+                        mark("got")
+                app.close()
+                dump(path, "client")
+                return path
             app = make_app(url)
             echo = app.tasks[ECHO]
             got: list[str] = []
@@ -190,10 +213,24 @@ def main(argv: list[str] | None = None) -> int:
             dump(path, "client")
     finally:
         procs.stop_all()
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=150)
+    parser.add_argument("--result", action="store_true",
+                        help="time the result round trip (delay().get()) instead")
+    from bench import add_server_options
+    add_server_options(parser)
+    args = parser.parse_args(argv)
+    warm_up = 5
+    path = record(args, warm_up)
     print(f"median over {args.samples} round trips (ms; offset from apply_async, gap from "
           f"the step before)\n")
     print(f"{'process':8s} {'step':12s} {'offset':>7s} {'gap':>6s}  n     meaning")
-    for role, step, meaning, offset, gap, count in timeline(path, warm_up):
+    steps = RESULT_STEPS if args.result else STEPS
+    for role, step, meaning, offset, gap, count in timeline(path, warm_up, steps):
         print(f"{role:8s} {step:12s} {offset:7.2f} {gap:6.2f}  {count:<5d} {meaning}")
     return 0
 

@@ -83,7 +83,7 @@ TARGETS = [
     ("result_p50", "zk", "redis", "<=", 2.0, "result round-trip p50: zk / redis"),
 ]
 #: Targets a floor (e) bounds from below: the floor's ratio to the same denominator.
-FLOOR_OF = {"latency_p50": "claim", "result_p50": "result"}
+FLOOR_OF = {"latency_p50": "handoff", "result_p50": "result-handoff"}
 
 
 def log(msg: str) -> None:
@@ -552,35 +552,40 @@ def run(args: argparse.Namespace) -> int:
         selected = [b for b in BROKERS if b in args.only]
         if "floor" not in args.skip and "zk" in args.only:
             floor: dict[str, list[float]] = {}
-            for mode in ("claim", "claim-listing", "get-delete", "result", "handoff", "split"):
+            for mode in ("handoff", "result-handoff", "claim", "claim-listing", "get-delete",
+                         "result", "split"):
                 log(f"{FLOOR}: (e) bare ZooKeeper round trip '{mode}' x{args.latency_samples}")
                 floor[mode] = measure_floor(zk.hosts, mode, args.latency_samples)
             bench.results[FLOOR] = {
-                "latency_p50": percentile(floor["claim"], 50),
-                "latency_p99": percentile(floor["claim"], 99),
-                "latency_samples": len(floor["claim"]),
-                "result_p50": percentile(floor["result"], 50),
-                "result_p99": percentile(floor["result"], 99),
-                "result_samples": len(floor["result"]),
+                # celery_zk's default protocol: hand-off to an idle consumer.
+                "latency_p50": percentile(floor["handoff"], 50),
+                "latency_p99": percentile(floor["handoff"], 99),
+                "latency_samples": len(floor["handoff"]),
+                "result_p50": percentile(floor["result-handoff"], 50),
+                "result_p99": percentile(floor["result-handoff"], 99),
+                "result_samples": len(floor["result-handoff"]),
+                "claim_p50": percentile(floor["claim"], 50),
+                "claim_p99": percentile(floor["claim"], 99),
+                "claim_result_p50": percentile(floor["result"], 50),
                 "claim_listing_p50": percentile(floor["claim-listing"], 50),
                 "claim_listing_p99": percentile(floor["claim-listing"], 99),
                 "get_delete_p50": percentile(floor["get-delete"], 50),
                 "get_delete_p99": percentile(floor["get-delete"], 99),
-                "handoff_p50": percentile(floor["handoff"], 50),
-                "handoff_p99": percentile(floor["handoff"], 99),
                 "split_p50": percentile(floor["split"], 50),
                 "split_p99": percentile(floor["split"], 99)}
             bench.notes.append(
                 f"{FLOOR}: two plain kazoo processes doing only the ZooKeeper requests of "
-                "one round trip (benchmarks/floor.py), same pauses; rt = celery_zk's claim "
-                "protocol, result = claim + done-node write + watch + read. Woken by a "
-                "child watch and listing before each claim (persistent_watches=false) it "
-                f"gave p50 {percentile(floor['claim-listing'], 50):.1f} ms; reading and "
-                "deleting instead of claiming (kombu's built-in protocol) "
-                f"{percentile(floor['get-delete'], 50):.1f} ms; handing the message "
-                "straight to an idle receiver's offer, no claim (a design not built, "
-                f"see floor.py) {percentile(floor['handoff'], 50):.1f} ms; the body in a "
-                "node of its own, so the claim needs no read first (not built either) "
+                "one round trip (benchmarks/floor.py), same pauses; rt = celery_zk's "
+                "default protocol (each message handed straight to the idle receiver's "
+                "offer: one multi, a watch, one read), result = that request + done-node "
+                "write + watch + read. Without hand-off (handoff=false: publish, then a "
+                f"claim) rt was p50 {percentile(floor['claim'], 50):.1f} ms and result "
+                f"{percentile(floor['result'], 50):.1f} ms; with a child watch and a "
+                "listing before each claim (persistent_watches=false) rt "
+                f"{percentile(floor['claim-listing'], 50):.1f} ms; reading and deleting "
+                "instead of claiming (kombu's built-in protocol) "
+                f"{percentile(floor['get-delete'], 50):.1f} ms; the body in a node of its "
+                "own, so the claim needs no read first (not built) "
                 f"{percentile(floor['split'], 50):.1f} ms")
         if "publish" not in args.skip:
             # Interleaved rounds, median: no broker gets a warmer server by its position.

@@ -24,12 +24,14 @@ Modes (each sample: the client sends one message and waits for the answer):
 * ``result``: the request side as ``claim``; the worker side then writes a
   done node and its expiry-index entry in one multi (the result backend's
   write) and the client, woken by an exists watch on that node, reads it.
-* ``handoff``: a design celery_zk does **not** implement, measured to see
-  what it would save. An idle receiver leaves an ephemeral *offer* node; the
+* ``handoff``: celery_zk's default protocol (option ``handoff``,
+  :mod:`celery_zk.handoff`). An idle receiver leaves an ephemeral *offer* node; the
   sender publishes by deleting the offer and creating the message directly in
   ``owned/`` in one multi, so the receiver, woken by the offer's deletion,
   reads the message and has no claim to make. The receiver makes its next
   offer after it has answered (untimed), as a consumer would once idle again.
+* ``result-handoff``: ``result`` with the request handed over as in ``handoff``
+  (what celery_zk does by default).
 * ``split``: another design celery_zk does **not** implement. The message
   body lives in a node of its own (``data/{uid}``, created in the same multi
   as the empty ``unowned/`` node), so a claim needs no read first: the watch
@@ -57,7 +59,14 @@ from kazoo.client import KazooClient
 from celery_zk.watches import NODE_CREATED, TreeWatches
 
 PAYLOAD = b"x" * 1200   # about one Celery task message
-MODES = ("claim", "claim-listing", "get-delete", "result", "handoff", "split")
+MODES = ("claim", "claim-listing", "get-delete", "result", "handoff", "split",
+         "result-handoff")
+RESULT_MODES = ("result", "result-handoff")
+
+
+def _request_mode(mode: str) -> str:
+    """How the request travels: result-handoff hands it over, as handoff does."""
+    return "handoff" if mode == "result-handoff" else mode
 WARM_UP = 5
 
 
@@ -202,12 +211,12 @@ def _worker_side(hosts: str, root: str, mode: str, count: int,
                  ready: Any) -> None:
     client = KazooClient(hosts)
     client.start()
-    receiver = _Receiver(client, f"{root}/requests", mode)
+    receiver = _Receiver(client, f"{root}/requests", _request_mode(mode))
     ready.set()
     try:
         for number in range(count):
             data = receiver.receive()
-            if mode == "result":
+            if mode in RESULT_MODES:
                 reply_id = data[:32].decode()
                 txn = client.transaction()
                 txn.create(f"{root}/done/{reply_id}", PAYLOAD[:200])
@@ -215,7 +224,7 @@ def _worker_side(hosts: str, root: str, mode: str, count: int,
                 txn.commit()
             else:
                 _send(client, f"{root}/replies", mode, number, PAYLOAD)
-            if mode == "handoff":
+            if _request_mode(mode) == "handoff":
                 receiver.offer()   # idle again, once the answer is out
     finally:
         client.stop()
@@ -241,7 +250,7 @@ def measure(hosts: str, mode: str, samples: int, seed: int = 1) -> list[float]:
     worker.start()
     pauses = random.Random(seed)
     waiter = _Waiter()
-    replies = None if mode == "result" else _Receiver(client, f"{root}/replies", mode)
+    replies = None if mode in RESULT_MODES else _Receiver(client, f"{root}/replies", mode)
     values: list[float] = []
     try:
         deadline = time.monotonic() + 60
@@ -254,8 +263,9 @@ def measure(hosts: str, mode: str, samples: int, seed: int = 1) -> list[float]:
             time.sleep(pauses.uniform(0.020, 0.050))
             reply_id = f"{index:032d}"
             start = time.perf_counter()
-            _send(client, f"{root}/requests", mode, index, reply_id.encode() + PAYLOAD)
-            if mode == "result":
+            _send(client, f"{root}/requests", _request_mode(mode), index,
+                  reply_id.encode() + PAYLOAD)
+            if mode in RESULT_MODES:
                 done = f"{root}/done/{reply_id}"
                 while True:
                     waiter.event.clear()

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 from collections import deque
+from time import monotonic
 from typing import Any, Callable, Generic, TypeVar
 
 from kazoo.client import KazooClient, KazooState
@@ -229,36 +230,67 @@ class Deferred:
     extra sync. Held back ``delay`` seconds (or until this process publishes,
     see :meth:`flush`), they go after that write, or with it.
 
-    ``send`` callables must not block: each only enqueues a request.
+    One daemon thread per instance sends them when due, started on first use
+    (and again after a fork): starting a thread per batch would cost the
+    delivering thread more than the wait saves. ``send`` callables must not
+    block: each only enqueues a request.
     """
 
     def __init__(self, delay: float) -> None:
         self.delay = delay
         self._pending: list[Callable[[], None]] = []
-        self._lock = threading.Lock()
-        self._timer: threading.Timer | None = None
+        self._due: float | None = None
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self._closed = False
 
     def later(self, send: Callable[[], None]) -> None:
-        with self._lock:
+        with self._cond:
             self._pending.append(send)
-            if self._timer is None:
-                self._timer = threading.Timer(self.delay, self.flush)
-                self._timer.daemon = True
-                self._timer.start()
+            if self._due is None:
+                self._due = monotonic() + self.delay
+                self._cond.notify()
+            if self._thread is None or self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._closed = False
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="celery_zk-deferred")
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._due is None and not self._closed:
+                    self._cond.wait()
+                if self._closed and self._due is None:
+                    return
+                assert self._due is not None
+                remaining = self._due - monotonic()
+                if remaining > 0 and not self._closed:
+                    self._cond.wait(remaining)
+                    continue
+            self.flush()
 
     def flush(self) -> None:
         """Send everything held back now (after a publish; before closing)."""
-        with self._lock:
+        with self._cond:
             pending, self._pending = self._pending, []
-            timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
+            self._due = None
         for send in pending:
             try:
                 send()
             except Exception:   # a closed client: what was held back is redone or recovered
                 logging.getLogger(__name__).debug("celery_zk: deferred write failed",
                                                   exc_info=True)
+
+    def close(self) -> None:
+        """Send what is held back and let the thread end."""
+        self.flush()
+        with self._cond:
+            self._closed = True
+            self._thread = None
+            self._cond.notify()
 
 
 def _tls_hint(settings: ZKSettings) -> str:

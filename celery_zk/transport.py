@@ -463,7 +463,7 @@ class Transport(virtual.Transport):
 
     def close_connection(self, connection: Any) -> None:
         try:
-            self.store.deferred.flush()   # acks held back must land before the session ends
+            self.store.deferred.close()   # acks held back must land before the session ends
             if self.unconfirmed is not None and not self.unconfirmed.flush(
                     timeout=2 * self.settings.options.session_timeout):
                 logger.error("celery_zk: closing with %d unconfirmed publish(es) in flight",

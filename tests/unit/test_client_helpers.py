@@ -1,7 +1,10 @@
-"""celery_zk.client's pure helpers: reading multi results, logging background failures."""
+"""celery_zk.client's pure helpers: reading multi results, logging background failures,
+holding writes back."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 from kazoo.exceptions import (
@@ -12,7 +15,7 @@ from kazoo.exceptions import (
     RuntimeInconsistency,
 )
 
-from celery_zk.client import log_failure, multi_failure
+from celery_zk.client import Deferred, log_failure, multi_failure
 
 log = logging.getLogger("celery_zk.test")
 
@@ -41,3 +44,41 @@ def test_anything_else_keeps_its_traceback(caplog: pytest.LogCaptureFixture) -> 
     (record,) = caplog.records
     assert record.levelno == logging.ERROR and record.exc_info is not None
     assert record.getMessage() == "could not ack m1"
+
+
+def test_deferred_sends_after_the_delay_in_order_on_one_thread() -> None:
+    deferred = Deferred(0.05)
+    sent: list[tuple[int, str]] = []
+    for _batch in range(3):
+        start = time.monotonic()
+        for n in range(3):
+            deferred.later(lambda n=n: sent.append((n, threading.current_thread().name)))
+        assert sent == []   # held back
+        deadline = time.monotonic() + 5
+        while len(sent) < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert time.monotonic() - start >= 0.05
+        assert [n for n, _ in sent] == [0, 1, 2]
+        assert {name for _, name in sent} == {"celery_zk-deferred"}
+        sent.clear()
+    threads = [t for t in threading.enumerate() if t.name == "celery_zk-deferred"]
+    deferred.later(lambda: sent.append((9, "")))
+    deferred.close()   # sends at once, and the thread ends
+    assert sent == [(9, "")]
+    for thread in threads:
+        thread.join(2)
+        assert not thread.is_alive()
+
+
+def test_deferred_flush_sends_now_and_survives_a_failing_send() -> None:
+    deferred = Deferred(60)
+    sent: list[int] = []
+
+    def broken() -> None:
+        raise ConnectionError("closed")
+
+    deferred.later(broken)
+    deferred.later(lambda: sent.append(1))
+    deferred.flush()
+    assert sent == [1]
+    deferred.close()

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import threading
 import uuid
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
@@ -80,10 +82,30 @@ def zookeeper_server(request: pytest.FixtureRequest) -> Iterator[_Server]:
         pytest.fail(f"celery_zk's zookeeper_server fixture cannot start ZooKeeper:\n{exc}",
                     pytrace=False)
     request.config.stash[_SERVER] = launched
+    previous = _interrupt_on_sigterm()
     try:
         yield launched
     finally:
         launched.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt("pytest received SIGTERM")
+
+
+def _interrupt_on_sigterm() -> Any:
+    """Make SIGTERM end the run as Ctrl-C does; returns the handler it replaced.
+
+    A killed run (``timeout``, a CI job cancelled) otherwise dies without
+    tearing fixtures down, and the ZooKeeper server and workers outlive it.
+    Only from the main thread, and only over the default handler.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        return None
+    return signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 @pytest.fixture

@@ -1,6 +1,12 @@
 """celery_zk's pytest fixtures, run the way a user's test suite runs them."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
 pytest_plugins = ["pytester"]
@@ -54,3 +60,55 @@ def test_missing_zookeeper_fails_not_skips(pytester: pytest.Pytester,
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*sudo apt-get install zookeeper*"])
     assert "skipped" not in result.stdout.str()
+
+
+SLOW_USER_TEST = """
+import os, time
+
+def test_waits(zookeeper_server):
+    with open(os.environ["ZK_PID_FILE"] + ".tmp", "w") as fh:
+        fh.write(str(zookeeper_server._proc.pid))
+    os.replace(os.environ["ZK_PID_FILE"] + ".tmp", os.environ["ZK_PID_FILE"])
+    time.sleep(120)
+"""
+
+
+def test_a_run_killed_with_sigterm_stops_its_zookeeper(pytester: pytest.Pytester,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``timeout`` and cancelled CI jobs send SIGTERM: the server must not outlive the run."""
+    monkeypatch.delenv("CELERY_ZK_TEST_HOSTS", raising=False)
+    pytester.makepyfile(test_slow=SLOW_USER_TEST)
+    pid_file = pytester.path / "zk.pid"
+    env = dict(os.environ, ZK_PID_FILE=str(pid_file))
+    run = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q"],
+                           cwd=pytester.path, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists():
+            assert run.poll() is None and time.monotonic() < deadline, \
+                run.stdout.read().decode() if run.stdout else ""
+            time.sleep(0.1)
+        zk_pid = int(pid_file.read_text())
+        run.send_signal(signal.SIGTERM)
+        run.wait(60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    deadline = time.monotonic() + 30
+    while _alive(zk_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = _alive(zk_pid)
+    if alive:
+        os.kill(zk_pid, signal.SIGKILL)
+    assert not alive, "ZooKeeper outlived the SIGTERMed pytest run"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:   # a zombie is gone too
+        return fh.read().split()[2] != "Z"

@@ -324,16 +324,13 @@ class Offer:
             self.token = None
             return True
 
-    def withdraw(self, background: bool = False) -> tuple[str, str] | None:
+    def withdraw(self) -> tuple[str, str] | None:
         """Withdraw the outstanding offer. Returns ``(consumer id, owned path)`` of a
         message handed over first, which the caller now holds."""
         with self._lock:
             token, consumer_id = self.token, self.consumer_id
             self.token = None
         if token is None or consumer_id is None:
-            return None
-        if background:
-            self.handoff.withdraw_later(self.queue, consumer_id, token)
             return None
         try:
             handed = self.handoff.withdraw(self.queue, consumer_id, token)

@@ -276,19 +276,10 @@ class QueueView:
 
     def _take_handed(self, limit: int) -> None:
         """Move the messages handed to us (up to the next arrival) into the buffer."""
-        store = self.transport.store
         while self._handed_next():
             _, name, read = self.handed[0]
-            path = self.transport.layout.owned_message(self.queue, name)
-            try:
-                data, _stat = (store.read_owned(path) if read is None
-                               else reply_or_retry(store.client, read, store.client.get, path))
-            except NoNodeError:
-                data = None   # our session ended and the recovery leader requeued it
+            self._keep(self.transport.layout.owned_message(self.queue, name), read)
             self.handed.popleft()
-            parts = split_owned_name(name)
-            if data is not None and parts is not None:
-                self.buffer.append(Claimed(self.queue, parts[1], path, data))
         # Still idle: offer again now, so the next message can be handed over
         # while this one is processed.
         self._make_offer(limit - len(self.buffer))
@@ -308,10 +299,16 @@ class QueueView:
         consumer_id, path = found
         if consumer_id != self.transport.session.consumer_id:
             return   # made by an ended session: the recovery leader requeues it
+        self._keep(path)
+
+    def _keep(self, path: str, read: Any = None) -> None:
+        """Buffer a message handed over to us (``read``: its read, if under way)."""
+        store = self.transport.store
         try:
-            data, _stat = self.transport.store.read_owned(path)
+            data, _stat = (store.read_owned(path) if read is None
+                           else reply_or_retry(store.client, read, store.client.get, path))
         except NoNodeError:
-            return
+            return   # our session ended and the recovery leader requeued it
         name = self.transport.layout.split_owned_path(path)[2]
         self.buffer.append(Claimed(self.queue, name, path, data))
 

@@ -24,7 +24,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=int, default=20000)
     args = parser.parse_args()
-    with ZooKeeperServer(jvm_flags=SERVER_JVM_FLAGS, tick_time=2000) as zk:
+    with ZooKeeperServer(jvm_flags=SERVER_JVM_FLAGS) as zk:
         app = Celery("cleanup-bench", broker="memory://", set_as_current=False,
                      backend=f"zk://{zk.hosts}/cleanup-bench")
         backend = app.backend

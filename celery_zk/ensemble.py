@@ -26,7 +26,7 @@ class ZooKeeperEnsemble(Launched):
     """
 
     def __init__(self, size: int = 3, data_dir: str | None = None,
-                 host: str = "127.0.0.1", tick_time: int = 200,
+                 host: str = "127.0.0.1", tick_time: int = 2000,
                  extra_config: dict[str, str] | None = None) -> None:
         if size < 1:
             raise ValueError(f"an ensemble needs at least one member, not {size}")

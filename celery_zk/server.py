@@ -73,7 +73,7 @@ class Peer(NamedTuple):
     election_port: int
 
 
-def render_config(*, data_dir: str, host: str, port: int | None, tick_time: int = 200,
+def render_config(*, data_dir: str, host: str, port: int | None, tick_time: int = 2000,
                   secure_port: int | None = None, tls: TLSConfig | None = None,
                   peers: Sequence[Peer] = (),
                   extra_config: dict[str, str] | None = None) -> str:
@@ -90,10 +90,13 @@ def render_config(*, data_dir: str, host: str, port: int | None, tick_time: int 
         conf["secureClientPortAddress"] = host
         conf["serverCnxnFactory"] = "org.apache.zookeeper.server.NettyServerCnxnFactory"
         conf.update(tls.config())
+    # Only what a launched server needs for its own probes and for operators'
+    # read-only commands (cons counts connections, wchs watches). maxClientCnxns
+    # keeps ZooKeeper's default (60 per client IP): a test suite must run into
+    # the limit users have, not a lifted one.
     conf.update({
-        "4lw.commands.whitelist": "ruok,srvr,mntr,stat",
+        "4lw.commands.whitelist": "ruok,srvr,mntr,stat,cons,wchs",
         "admin.enableServer": "false",
-        "maxClientCnxns": "0",
     })
     if peers:
         conf.update({"initLimit": "10", "syncLimit": "5"})
@@ -215,7 +218,7 @@ class ZooKeeperServer(Launched):
     """
 
     def __init__(self, port: int | None = None, data_dir: str | None = None,
-                 host: str = "127.0.0.1", tick_time: int = 200,
+                 host: str = "127.0.0.1", tick_time: int = 2000,
                  secure_port: int | None = None, tls: TLSConfig | None = None,
                  extra_config: dict[str, str] | None = None, *,
                  plaintext: bool = True, server_id: int | None = None,

@@ -1,0 +1,235 @@
+"""Run Celery's own integration suites against celery_zk (or Redis, for comparison).
+
+Fetches the sdist of the *installed* Celery (once, into ``.cache/``), starts a
+ZooKeeper with its default settings (celery_zk's launcher; nothing about
+connections in zoo.cfg, so ZooKeeper's limit of 60 connections per client IP
+applies) or a ``redis-server`` on a free port, and runs
+``t/integration/test_tasks.py``, ``test_canvas.py`` and ``test_inspect.py``
+with broker and result backend on it. Celery's suite runs its worker inside
+the pytest process (``celery_session_worker``, a prefork pool). A
+``redis-server`` runs in both cases: some tests record what happened in Redis
+(a side channel, as in Celery's own CI); tests that need the Redis *backend*
+skip themselves on zk.
+
+No reruns: pytest-rerunfailures is not installed, so the suites' ``flaky``
+marks are inert and a flaky failure is seen.
+
+The pass bar (``--check``): every test that fails on ``zk`` is listed in
+``tests/upstream/celery_redis_failures.txt``, the tests that fail on Redis
+in this same script, each with its reason. ``--broker redis`` makes that list
+anew (``--write-expected``).
+
+Usage::
+
+    .venv/bin/python tests/upstream/celery_suite.py [--broker zk|redis] [--check]
+        [--write-expected] [--junit FILE] [-- PYTEST ARGS...]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+CACHE = ROOT / ".cache"
+EXPECTED = HERE / "celery_redis_failures.txt"
+SUITES = ("t/integration/test_tasks.py", "t/integration/test_canvas.py",
+          "t/integration/test_inspect.py")
+#: A wedged test fails after this long instead of stalling the whole run.
+TEST_TIMEOUT = 180
+REDIS_SERVER = "/usr/bin/redis-server"
+
+
+def say(msg: str) -> None:
+    print(f"[celery-suite {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def celery_tests() -> Path:
+    """Celery's ``t/`` package and pytest settings, from the sdist of the installed
+    Celery (fetched from PyPI once). Only those: with the sdist's ``celery/``
+    beside them, the tests would import that copy instead of the installed one."""
+    import celery
+
+    version = celery.__version__
+    target = CACHE / f"celery-{version}-tests"
+    if (target / "t" / "integration" / "conftest.py").exists():
+        return target
+    CACHE.mkdir(exist_ok=True)
+    say(f"fetching the celery {version} sdist from PyPI")
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                        "--disable-pip-version-check", "--no-binary", ":all:",
+                        f"celery=={version}", "-d", tmp], check=True)
+        with tarfile.open(Path(tmp) / f"celery-{version}.tar.gz") as tar:
+            tar.extractall(tmp, filter="data")
+        unpacked = Path(tmp) / f"celery-{version}"
+        staging = Path(tmp) / "tests"
+        staging.mkdir()
+        shutil.copytree(unpacked / "t", staging / "t")
+        shutil.copy(unpacked / "pyproject.toml", staging)   # markers, xfail_strict
+        staging.rename(target)
+    return target
+
+
+class RedisServer:
+    """A throwaway redis-server (no persistence) on a free port, stopped by its pid."""
+
+    def __init__(self, work_dir: Path) -> None:
+        from celery_zk.server import free_ports
+
+        self.port = free_ports(1)[0]
+        self.log_path = work_dir / "redis.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> RedisServer:
+        if not os.path.exists(REDIS_SERVER):
+            raise SystemExit(f"{REDIS_SERVER} is missing: apt-get install redis-server")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
+                 "--save", "", "--appendonly", "no"], stdout=log, stderr=subprocess.STDOUT)
+        import redis
+
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                redis.Redis(port=self.port, socket_timeout=1).ping()
+                return self
+            except redis.RedisError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"redis-server did not start: {self.log_path}") from None
+                time.sleep(0.05)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def failures(junit: Path) -> dict[str, str]:
+    """``{test id: first line of the failure}`` from a JUnit XML report."""
+    found: dict[str, str] = {}
+    for case in ET.parse(junit).iter("testcase"):
+        for tag in ("failure", "error"):
+            element = case.find(tag)
+            if element is not None:
+                test_id = _test_id(case.get("classname", ""), case.get("name", ""))
+                message = (element.get("message") or "").strip().splitlines()
+                found[test_id] = message[0][:200] if message else tag
+                break
+    return found
+
+
+def _test_id(classname: str, name: str) -> str:
+    """``t/integration/test_x.py::cls::name`` from JUnit's dotted classname."""
+    parts = classname.split(".")
+    for index, part in enumerate(parts):
+        if part.startswith("test_"):
+            module = "/".join(parts[:index + 1]) + ".py"
+            return "::".join([module, *parts[index + 1:], name])
+    return f"{classname}::{name}"
+
+
+def read_expected() -> dict[str, str]:
+    expected: dict[str, str] = {}
+    for line in EXPECTED.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            test_id, _, reason = line.partition("  # ")
+            expected[test_id.strip()] = reason.strip()
+    return expected
+
+
+def run_suites(sdist: Path, broker: str, backend: str, redis_port: int, junit: Path,
+               pytest_args: list[str]) -> int:
+    # Some tests record what happened in Redis (a side channel, as in Celery's CI,
+    # where the broker is RabbitMQ): REDIS_PORT points them at ours.
+    env = dict(os.environ, TEST_BROKER=broker, TEST_BACKEND=backend,
+               REDIS_HOST="127.0.0.1", REDIS_PORT=str(redis_port))
+    # Celery's pytest plugin ships without an entry point (pytest-celery has it).
+    args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "celery.contrib.pytest",
+            f"--timeout={TEST_TIMEOUT}", f"--junitxml={junit}", "-q", "-ra",
+            *SUITES, *pytest_args]
+    say(f"pytest {' '.join(SUITES)}  (TEST_BROKER={broker})")
+    return subprocess.run(args, cwd=sdist, env=env).returncode
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--broker", choices=("zk", "redis"), default="zk")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 unless every failure is one Redis has too")
+    parser.add_argument("--write-expected", action="store_true",
+                        help="with --broker redis: rewrite the list of Redis's failures")
+    parser.add_argument("--junit", type=Path, help="keep the JUnit report here")
+    parser.add_argument("pytest_args", nargs="*")
+    args = parser.parse_args()
+
+    sdist = celery_tests()
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"celery-suite-{os.getpid()}"
+    work.mkdir(parents=True, exist_ok=True)
+    junit = args.junit or work / "junit.xml"
+    started = time.monotonic()
+    try:
+        with RedisServer(work) as redis_server:
+            redis = f"redis://127.0.0.1:{redis_server.port}"
+            if args.broker == "zk":
+                from celery_zk.server import ZooKeeperServer
+
+                with ZooKeeperServer() as zk:   # ZooKeeper's defaults: maxClientCnxns=60
+                    url = f"{zk.url}/celery-suite"
+                    rc = run_suites(sdist, url, url, redis_server.port, junit,
+                                    args.pytest_args)
+            else:
+                rc = run_suites(sdist, f"{redis}/0", f"{redis}/1", redis_server.port, junit,
+                                args.pytest_args)
+        say(f"pytest exited {rc} after {time.monotonic() - started:.0f} s")
+        if not junit.exists():
+            say("no JUnit report: pytest did not run")
+            return 1
+        failed = failures(junit)
+        if args.write_expected:
+            if args.broker != "redis":
+                raise SystemExit("--write-expected takes --broker redis")
+            write_expected(failed)
+        if not args.check:
+            return rc
+        expected = read_expected()
+        unexpected = sorted(set(failed) - set(expected))
+        for test_id in sorted(failed):
+            mark = "expected (fails on Redis too)" if test_id in expected else "UNEXPECTED"
+            say(f"failed: {test_id}: {failed[test_id]}  [{mark}]")
+        if unexpected:
+            say(f"{len(unexpected)} failure(s) that Redis does not have: FAIL")
+            return 1
+        say(f"every failure ({len(failed)}) also fails on Redis: pass")
+        return 0
+    finally:
+        if args.junit is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def write_expected(failed: dict[str, str]) -> None:
+    old = read_expected() if EXPECTED.exists() else {}
+    lines = [
+        "# Tests of Celery's integration suites that fail on Redis too, made by",
+        "# `tests/upstream/celery_suite.py --broker redis --write-expected`.",
+        "# One per line: test id, then '  # ' and why it fails there. A zk run passes",
+        "# when each of its failures is listed here.",
+    ]
+    for test_id in sorted(failed):
+        reason = old.get(test_id) or failed[test_id]
+        lines.append(f"{test_id}  # {reason}")
+    EXPECTED.write_text("\n".join(lines) + "\n")
+    say(f"wrote {len(failed)} expected failure(s) to {EXPECTED}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,13 +1,16 @@
 """Auto-delete queues: held by the sessions that declared them, deleted when none is left.
 
 Celery declares its pidbox, reply and event queues ``auto_delete``: they only
-make sense while the process that consumes them lives. Each declaring session
-keeps an ephemeral *holder* node in the queue's ``holders/`` directory. A
-clean close drops this process's holder and deletes the queue if it was the
-last; a crash (SIGKILL, OOM, a partition past the session timeout) lets
-ZooKeeper drop the holder, and the recovery leader deletes the queue on its
-next pass. Without this every crashed worker with a random hostname (a
-container) would leave its queues behind for good.
+make sense while the process that consumes them lives. Each declaring
+connection keeps an ephemeral *holder* node in the queue's ``holders/``
+directory, named by its session and its lease on it (connections of a process
+share one session). A clean close drops the connection's holder and deletes
+the queue if it was the last; a crash (SIGKILL, OOM, a partition past the
+session timeout) lets ZooKeeper drop the holder with the session, and a
+connection garbage-collected without a close drops it with its lease; the
+recovery leader then deletes the queue on its next pass. Without this every
+crashed worker with a random hostname (a container) would leave its queues
+behind for good.
 
 Every delete is guarded by deleting the empty ``holders/`` directory in the
 same transaction: a session that declares the queue again at that moment
@@ -23,9 +26,10 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError, NotEmptyError
 
-from .client import CONNECTION_ERRORS, AfterExpiry, ClientHandle, log_failure, multi_failure
+from .client import CONNECTION_ERRORS, log_failure, multi_failure
 from .layout import Layout
-from .queue import QueueStore
+from .queue import ClientSource, QueueStore
+from .session import AfterExpiry, ClientHandle
 
 logger = logging.getLogger(__name__)
 
@@ -45,66 +49,18 @@ def _session_id(client: KazooClient) -> int:
     return int(client_id[0])
 
 
-class AutoDeleteQueues:
-    """This process's holders, and the sweep the recovery leader runs."""
+class Sweeper:
+    """Deletes auto-delete queues nobody holds: the recovery leader's sweep, and a
+    connection's own deletes at close."""
 
-    def __init__(self, handle: ClientHandle, layout: Layout, store: QueueStore) -> None:
-        self.handle = handle
+    def __init__(self, source: ClientSource, layout: Layout, store: QueueStore) -> None:
+        self.source = source
         self.layout = layout
         self.store = store
-        self.held: set[str] = set()
-        #: Call from any thread but kazoo's: holds every queue again after an expiry.
-        self.restore = AfterExpiry(handle, self._restore)
 
-    def _holder(self, client: KazooClient, queue: str) -> str:
-        return self.layout.holder(queue, client.retry(_session_id, client))
-
-    def declare(self, queue: str) -> None:
-        """Declare ``queue`` (if needed) and hold it for this session."""
-        client = self.handle.client
-        for _ in range(DELETE_ATTEMPTS):
-            holder = self._holder(client, queue)
-            if self.store.declare(queue, META, holder=holder):
-                break
-            try:  # it existed: add our holder to it
-                client.retry(client.create, holder, ephemeral=True)
-                break
-            except NodeExistsError:
-                break  # a retried create: ours already
-            except NoNodeError:
-                if client.retry(client.exists, self.layout.queue(queue)) is not None:
-                    logger.warning(
-                        "celery_zk: queue %r exists as a durable queue; declared auto_delete "
-                        "here, it stays durable (it is not deleted when this process ends). "
-                        "Delete it or use another name to make it auto-delete.", queue)
-                    return
-                # swept between our two requests: declare it again
-        self.held.add(queue)
-
-    def _restore(self, client: KazooClient) -> None:
-        # The old session's holders went with it; a leader may even have deleted
-        # the queues meanwhile (they had no holder): declare each one again.
-        for queue in list(self.held):
-            self.declare(queue)
-        if self.held:
-            logger.info("celery_zk: holding %d auto-delete queue(s) again after session "
-                        "expiry", len(self.held))
-
-    def release_all(self) -> None:
-        """Clean close: drop this session's holders; delete the queues nobody else holds."""
-        client = self.handle.client
-        try:
-            for queue in list(self.held):
-                try:
-                    client.retry(client.delete, self._holder(client, queue))
-                except NoNodeError:
-                    pass
-                self.delete_if_unheld(queue)
-        except CONNECTION_ERRORS as exc:
-            # Closing anyway: the session's end drops the holders and the leader sweeps.
-            log_failure(logger, exc, "celery_zk: auto-delete queues left to the recovery "
-                        "leader")
-        self.held.clear()
+    @property
+    def client(self) -> KazooClient:
+        return self.source.client
 
     def sweep(self) -> int:
         """Delete every auto-delete queue without a holder. Returns how many.
@@ -112,7 +68,7 @@ class AutoDeleteQueues:
         Run by the recovery leader when consumers come and go. One pipelined
         round of ``holders/`` listings, so many queues cost one round trip.
         """
-        client = self.handle.client
+        client = self.client
         pending = [(queue, client.get_children_async(self.layout.holders(queue)))
                    for queue in self.store.queue_names()]
         deleted = 0
@@ -174,10 +130,6 @@ class AutoDeleteQueues:
                 pass
         return nodes, directories
 
-    @property
-    def client(self) -> KazooClient:
-        return self.handle.client
-
     def _guarded_delete(self, queue: str, paths: Iterable[str], keep_holders: bool) -> None:
         client, holders = self.client, self.layout.holders(queue)
 
@@ -201,3 +153,68 @@ class AutoDeleteQueues:
 
 class _Held(Exception):
     """The queue has a holder again (or is gone): leave it."""
+
+
+class AutoDeleteQueues(Sweeper):
+    """The auto-delete queues one connection holds."""
+
+    def __init__(self, handle: ClientHandle, layout: Layout, store: QueueStore) -> None:
+        super().__init__(handle, layout, store)
+        self.handle = handle
+        self.held: set[str] = set()
+        #: Call from any thread but kazoo's: holds every queue again after an expiry.
+        self.restore = AfterExpiry(handle, self._restore)
+
+    def _holder(self, client: KazooClient, queue: str) -> str:
+        return self.layout.holder(queue, client.retry(_session_id, client), self.handle.token)
+
+    def declare(self, queue: str) -> None:
+        """Declare ``queue`` (if needed) and hold it for this connection."""
+        client = self.handle.client
+        for _ in range(DELETE_ATTEMPTS):
+            holder = self._holder(client, queue)
+            self.handle.own(holder)   # a connection dropped without close() deletes it too
+            if self.store.declare(queue, META, holder=holder):
+                break
+            try:  # it existed: add our holder to it
+                client.retry(client.create, holder, ephemeral=True)
+                break
+            except NodeExistsError:
+                break  # a retried create: ours already
+            except NoNodeError:
+                if client.retry(client.exists, self.layout.queue(queue)) is not None:
+                    logger.warning(
+                        "celery_zk: queue %r exists as a durable queue; declared auto_delete "
+                        "here, it stays durable (it is not deleted when this process ends). "
+                        "Delete it or use another name to make it auto-delete.", queue)
+                    return
+                # swept between our two requests: declare it again
+        self.held.add(queue)
+
+    def _restore(self, client: KazooClient) -> None:
+        # The old session's holders went with it; a leader may even have deleted
+        # the queues meanwhile (they had no holder): declare each one again.
+        for queue in list(self.held):
+            self.declare(queue)
+        if self.held:
+            logger.info("celery_zk: holding %d auto-delete queue(s) again after session "
+                        "expiry", len(self.held))
+
+    def release_all(self) -> None:
+        """Clean close: drop this connection's holders; delete the queues nobody else holds."""
+        client = self.handle.client
+        try:
+            for queue in list(self.held):
+                holder = self._holder(client, queue)
+                try:
+                    client.retry(client.delete, holder)
+                except NoNodeError:
+                    pass
+                self.handle.disown(holder)
+                self.delete_if_unheld(queue)
+        except CONNECTION_ERRORS as exc:
+            # Closing anyway: releasing the lease deletes the holders it still owns
+            # (or the session's end does), and the recovery leader sweeps.
+            log_failure(logger, exc, "celery_zk: auto-delete queues left to the recovery "
+                        "leader")
+        self.held.clear()

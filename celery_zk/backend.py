@@ -60,12 +60,13 @@ from kazoo.protocol.states import WatchedEvent
 from kazoo.retry import ForceRetryError
 
 from .chord import ChordCounter
-from .client import CONNECTION_ERRORS, ClientHandle, multi_failure
-from .config import mask_password, parse_url
+from .client import CONNECTION_ERRORS, connected_retry, multi_failure
+from .config import mask_in_celery_reports, mask_password, parse_url
 from .exceptions import ResultTooLarge
 from .expiry import CHORD, GROUP, HOUR, RESULT, ExpiryIndex, Key, bucket_expired, expiry_hour
 from .layout import Layout
 from .result_consumer import ResultConsumer, read_nodes
+from .session import ClientHandle
 
 __all__ = ["ZooKeeperBackend", "ResultTooLarge", "Key", "expiry_hour", "bucket_expired",
            "HOUR", "RESULT", "GROUP", "CHORD"]
@@ -74,10 +75,13 @@ logger = logging.getLogger(__name__)
 
 WRITE_ATTEMPTS = 10
 
+mask_in_celery_reports()   # app.conf.humanize() shows result_backend too
 
-# The header task whose return is being counted, for incr() (see on_chord_part_return).
-_chord_part: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(  # noqa: UP045
-    "celery_zk_chord_part", default=None)
+
+# The count on_chord_part_return already made for the part whose return Celery's
+# protocol is handling, for incr() to report (see on_chord_part_return).
+_chord_count: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(  # noqa: UP045
+    "celery_zk_chord_count", default=None)
 
 
 class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
@@ -108,7 +112,8 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         #: Seconds since the epoch; the expiry index and cleanup() read it.
         self.clock: Callable[[], float] = time.time
         self._handle = ClientHandle(self.settings)
-        self._expiry = ExpiryIndex(lambda: self.client, self.layout, self.path, self.delete)
+        self._expiry = ExpiryIndex(lambda: self.client, self.layout, self.path,
+                                   self._delete_key)
         self.result_consumer = self.ResultConsumer(
             self, self.app, self.accept, self._pending_results, self._pending_messages)
 
@@ -128,7 +133,8 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         return self._handle.client
 
     def close(self) -> None:
-        """Stop waiting and end this process's ZooKeeper session."""
+        """Stop waiting and release this backend's share of the process's ZooKeeper
+        session (the last share ends it)."""
         self.result_consumer.stop()
         self._handle.close()
 
@@ -176,6 +182,14 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         self._write(key, value, keep_success=False)
 
     def delete(self, key: Key) -> None:
+        if key.kind == CHORD:
+            # Celery deletes a chord's counter once the body is sent; it is kept
+            # as a tombstone until expiry instead (see celery_zk.chord).
+            self._counter(key.id).finish()
+            return
+        self._delete_key(key)
+
+    def _delete_key(self, key: Key) -> None:
         self._retry(self._delete, self.path(key))
 
     def _delete(self, path: str) -> None:
@@ -190,18 +204,23 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         """Per-key lifetimes are not kept: cleanup() applies ``result_expires``."""
 
     def incr(self, key: Key) -> int:
-        """Count one finished chord part; a part counted before returns 0."""
-        part = _chord_part.get()
-        counter = ChordCounter(self.client, self.layout, key.id,
-                               create=lambda: self._write(key, b"0", create_only=True))
-        if part is None:  # called outside on_chord_part_return: count the call
-            part = f"call-{time.monotonic_ns()}"
-        counted = counter.increment(part)
-        if counted is None:
-            logger.warning("celery_zk: chord %s part %s was already counted; ignoring "
-                           "the duplicate", key.id, part)
-            return 0
-        return counted
+        """Count one finished chord part (see on_chord_part_return, which counts
+        first and only then, if at all, runs Celery's protocol)."""
+        counted = _chord_count.get()
+        if counted is not None:
+            return counted
+        counter = self._counter(key.id)   # called on its own: count the call
+        return counter.increment(f"call-{time.monotonic_ns()}")[0] or 0
+
+    def _counter(self, group_id: str) -> ChordCounter:
+        key = self.get_key_for_chord(group_id)
+        return ChordCounter(self.client, self.layout, key.id,
+                            create=lambda: self._write(key, b"0", create_only=True))
+
+    def set_chord_size(self, group_id: str, chord_size: int) -> None:
+        """Celery says how many parts chord ``group_id`` waits for (nested groups
+        included), before it sends the header's last task."""
+        ChordCounter(self.client, self.layout, str(group_id)).set_size(int(chord_size))
 
     # -- writes ---------------------------------------------------------------
     def _store_result(self, task_id: str, result: Any, state: str,
@@ -240,7 +259,9 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         return self._retry(self._inner_write, key, data, keep_success, create_only, fresh)
 
     def _retry(self, func: Callable[..., Any], *args: Any) -> Any:
-        return self.client.retry(func, *args)
+        # Fails within the retry deadline during an outage (Celery's
+        # result_backend_always_retry takes over) instead of waiting it out.
+        return connected_retry(self.client, func, *args)
 
     def _inner_write(self, key: Key, data: bytes, keep_success: bool,
                      create_only: bool, fresh: bool) -> bool:
@@ -358,11 +379,29 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
 
     def on_chord_part_return(self, request: Any, state: str, result: Any,
                              **kwargs: Any) -> Any:
-        token = _chord_part.set(str(request.id))
+        """Count this header task once; run Celery's protocol only when it may be
+        the last (Celery's restores the saved header, every result of it, on
+        each part: O(parts²) for a chord, 0.1 s a part at 1,000 parts)."""
+        gid = request.group
+        if not gid:
+            return None
+        counted, size = self._counter(str(gid)).increment(str(request.id))
+        if counted is None:
+            logger.warning("celery_zk: chord %s part %s was already counted; ignoring "
+                           "the duplicate", gid, request.id)
+            return None
+        if size is not None:
+            if counted < size:
+                return None   # not the last part: nothing to read
+            if isinstance(request.chord, dict):
+                # Celery compares the count with this, else with the number of saved
+                # header results (too few when groups nest: see celery_zk.chord).
+                request.chord["chord_size"] = size
+        token = _chord_count.set(counted)
         try:
             return super().on_chord_part_return(request, state, result, **kwargs)
         finally:
-            _chord_part.reset(token)
+            _chord_count.reset(token)
 
     # -- reading --------------------------------------------------------------
     def is_cached(self, task_id: str) -> bool:
@@ -457,3 +496,4 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         if removed:
             logger.info("celery_zk: cleanup removed %d expired results/groups from %s",
                         removed, self.settings.sanitized_url())
+

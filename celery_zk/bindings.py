@@ -10,7 +10,9 @@ ago by another process is never missed.
 
 Bindings of auto-delete queues (pidbox, reply and event queues) are ephemeral:
 they vanish with the session that made them, so nothing is routed to a queue
-whose consumer is gone. After a session expiry the consuming connection
+whose consumer is gone. Connections of a process share one session, so such a
+binding is counted per connection (:meth:`ClientHandle.hold`) and deleted when
+the last connection that made it closes. After a session expiry the consuming connection
 re-creates them as soon as it is connected again (from its drain loop, see
 :meth:`Bindings.restore_ephemeral`), so ``celery inspect`` and broadcast
 control commands reach a worker again without waiting for it to publish.
@@ -19,13 +21,14 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 from typing import Any, Callable
 
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
-from .client import AfterExpiry, ClientHandle
 from .layout import Layout, parse_binding_name, unescape
+from .session import AfterExpiry, ClientHandle
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ class Bindings:
         self._tables: dict[str, list[tuple[str, str]]] = {}
         self._types: dict[str, str] = {}
         self._watchers: dict[str, Callable[[Any], None]] = {}
-        self._ephemeral: set[tuple[str, str, str]] = set()
+        self._ephemeral: set[str] = set()   # paths of the ephemeral bindings we hold
         handle.add_listener(self._on_state)
         #: Call from any thread but kazoo's: re-creates ephemeral bindings after an expiry.
         self.restore_ephemeral = AfterExpiry(handle, self._recreate)
@@ -89,21 +92,27 @@ class Bindings:
         self.restore_ephemeral()
         client = self.client
         path = self.layout.binding(exchange, queue, routing_key)
-        try:
-            client.retry(client.create, path, ephemeral=ephemeral, makepath=True)
-        except NodeExistsError:
-            pass  # idempotent: a retried create, or another process bound it too
         if ephemeral:
-            self._ephemeral.add((exchange, queue, routing_key))
+            self.handle.hold(path)   # counted: another connection may hold it too
+            self._ephemeral.add(path)
+        else:
+            try:
+                client.retry(client.create, path, makepath=True)
+            except NodeExistsError:
+                pass  # idempotent: a retried create, or another process bound it too
         self._tables.pop(exchange, None)
 
     def unbind(self, exchange: str, queue: str, routing_key: str) -> None:
-        client = self.client
-        self._ephemeral.discard((exchange, queue, routing_key))
-        try:
-            client.retry(client.delete, self.layout.binding(exchange, queue, routing_key))
-        except NoNodeError:
-            pass
+        path = self.layout.binding(exchange, queue, routing_key)
+        if path in self._ephemeral:
+            self._ephemeral.discard(path)
+            self.handle.release_held(path)   # deleted when no other connection holds it
+        else:
+            client = self.client
+            try:
+                client.retry(client.delete, path)
+            except NoNodeError:
+                pass
         self._tables.pop(exchange, None)
 
     def table(self, exchange: str, fresh: bool = False) -> list[tuple[str, str]]:
@@ -138,8 +147,12 @@ class Bindings:
         return found
 
     def _make_invalidator(self, exchange: str) -> Callable[[Any], None]:
+        ref = weakref.ref(self)   # kazoo keeps the watch: it must not keep us
+
         def invalidate(event: Any) -> None:  # kazoo event thread: no blocking
-            self._tables.pop(exchange, None)
+            bindings = ref()
+            if bindings is not None:
+                bindings._tables.pop(exchange, None)
         return invalidate
 
     def _on_state(self, state: KazooState) -> None:
@@ -147,10 +160,9 @@ class Bindings:
             self._tables.clear()  # watches died with the session
 
     def _recreate(self, client: KazooClient) -> None:
-        for exchange, queue, routing_key in list(self._ephemeral):
+        for path in list(self._ephemeral):
             try:
-                client.retry(client.create, self.layout.binding(exchange, queue, routing_key),
-                             ephemeral=True, makepath=True)
+                client.retry(client.create, path, ephemeral=True, makepath=True)
             except NodeExistsError:
                 pass
         if self._ephemeral:

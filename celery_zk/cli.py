@@ -11,8 +11,13 @@ from types import FrameType
 
 import click
 
+from .config import mask_in_celery_reports
 from .exceptions import CeleryZKError
 from .server import ZooKeeperServer
+
+# Celery imports this module (the celery.commands entry point) before it runs
+# any command, `celery report` included.
+mask_in_celery_reports()
 
 
 class _StopRequested(Exception):

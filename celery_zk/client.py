@@ -1,15 +1,13 @@
-"""Making kazoo clients from :class:`~celery_zk.config.ZKSettings`, fork-safely.
+"""Making kazoo clients from :class:`~celery_zk.config.ZKSettings`, and the
+request helpers every module shares (retries, lost replies, held-back writes).
 
-A kazoo client owns a socket and two threads. After ``fork()`` the child has
-the socket but not the threads, and a ``close()`` from the child would end
-the *parent's* session. :class:`ClientHandle` therefore remembers the pid that
-made its client and, in any other process, silently starts a fresh one
-(prefork pool children publishing subtasks or writing results take this path).
+Nothing but :mod:`celery_zk.session` makes clients: it shares one per process.
 """
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from collections import deque
 from time import monotonic
@@ -72,9 +70,12 @@ def node_acl(settings: ZKSettings) -> list[Any]:
     return acl
 
 
-def make_client(settings: ZKSettings) -> KazooClient:
-    """A started client, authenticated, with the root path in place."""
+def make_client(settings: ZKSettings, connect_timeout: float | None = None) -> KazooClient:
+    """A started, authenticated client (``connect_timeout``: seconds, default the
+    settings' ``connect_timeout``). Use :class:`celery_zk.session.ClientHandle`
+    rather than this: it shares one client per process."""
     opts = settings.options
+    timeout = opts.connect_timeout if connect_timeout is None else connect_timeout
     kwargs: dict[str, Any] = {}
     if opts.use_ssl:
         kwargs.update(use_ssl=True, verify_certs=opts.verify_certs)
@@ -95,23 +96,56 @@ def make_client(settings: ZKSettings) -> KazooClient:
             opts.session_timeout, 5.0)),
         **kwargs,
     )
-    try:
-        client.start(timeout=opts.connect_timeout)
-    except KazooTimeoutError:
+    why = _start(client, settings.hosts, timeout)
+    if why is not None:
         client.stop()
         client.close()
         raise ZKConnectionError(
-            f"Could not connect to ZooKeeper at {settings.hosts} within "
-            f"{opts.connect_timeout:g}s. Is the server running and reachable? "
-            "(For a local one: `celery zk server`.) Raise 'connect_timeout' for a "
-            f"slow network. {_tls_hint(settings)}") from None
-    try:
-        _check_root(client, settings)
-    except BaseException:
-        client.stop()
-        client.close()
-        raise
+            f"Could not connect to ZooKeeper at {settings.hosts}: {why}. Is the server "
+            "running and reachable? (For a local one: `celery zk server`.) Raise "
+            f"'connect_timeout' for a slow network. {_tls_hint(settings)}")
     return client
+
+
+#: How long a first connection may fail before we look whether anything listens.
+_PROBE_AFTER = 0.2
+
+
+def _start(client: KazooClient, hosts: str, timeout: float) -> str | None:
+    """Start ``client``; None once connected, else why not.
+
+    kazoo retries a refused connection until the timeout. When nothing listens
+    on any of the hosts (refused, or no such host) waiting cannot help, so
+    that is said at once, as a TCP client would (kombu's connect() retries
+    after 2 s, and Celery's broker_connection_timeout is 4 s). The look is a
+    plain TCP connect, made only after kazoo's own attempt has not succeeded.
+    """
+    deadline = monotonic() + timeout
+    connected = client.start_async()
+    if connected.wait(min(_PROBE_AFTER, timeout)) and client.connected:
+        return None
+    refused = _nothing_listens(hosts, max(0.05, min(1.0, deadline - monotonic())))
+    if refused:
+        return refused
+    connected.wait(max(0.0, deadline - monotonic()))
+    return None if client.connected else f"no session within {timeout:g}s"
+
+
+def _nothing_listens(hosts: str, timeout: float) -> str | None:
+    """``connection refused`` (or the lookup failure) when no host accepts TCP."""
+    reasons = []
+    for host_port in hosts.split(","):
+        host, _, port = host_port.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+            return None
+        except ConnectionRefusedError:
+            reasons.append("connection refused")
+        except socket.gaierror as exc:
+            reasons.append(f"cannot resolve {host!r} ({exc.strerror})")
+        except OSError:
+            return None   # a timeout or an unreachable route: it may yet answer
+    return "; ".join(sorted(set(reasons)))
 
 
 #: What a request raises when ZooKeeper could not be reached or this client was
@@ -146,20 +180,41 @@ def multi_failure(results: list[Any]) -> tuple[int, Exception] | None:
     return None
 
 
+T = TypeVar("T")
+
 #: What kazoo's command retry retries (KazooRetry's defaults, ignore_expire on).
 _RETRIED = KazooRetry.RETRY_EXCEPTIONS + KazooRetry.EXPIRED_EXCEPTIONS
 
 
+def connected_retry(client: KazooClient, func: Callable[..., T], *args: Any) -> T:
+    """``client.retry(func, *args)``, where an attempt made while the connection
+    is down fails (ConnectionLoss, retried) instead of waiting in kazoo's queue.
+
+    kazoo queues a request made while it reconnects and sends it once it is
+    connected again, however long that takes. That is right for an ack (it
+    must land on the session that claimed the message), but a publish or a
+    result write would hang for the whole outage: this way the caller gets a
+    connection error once the command retry's deadline (``max(session_timeout,
+    5)`` s) has passed, and Celery's own retry (or the caller) takes over.
+    """
+    def attempt(*inner: Any) -> T:
+        if client.state != KazooState.CONNECTED:
+            raise ConnectionLoss("not connected to ZooKeeper")
+        return func(*inner)
+
+    return client.retry(attempt, *args)
+
+
 def create_once(client: KazooClient, create: Callable[[], str],
                 find: Callable[[], str | None], maybe_made: bool = False) -> str:
-    """Run ``create``, retried as the client's commands are, making one node at most.
+    """Run ``create`` (see :func:`connected_retry`), making one node at most.
 
     A create whose reply was lost (ConnectionLoss) may have happened; every
     retry first asks ``find`` for the node it would have made (recognised by
     a unique part of its name) and returns that instead of making a second.
     ``maybe_made``: an earlier attempt made elsewhere lost its reply, so look first.
     """
-    if not maybe_made:
+    if not maybe_made and client.state == KazooState.CONNECTED:
         try:
             return create()   # the common case, without the retry machinery's cost
         except _RETRIED:
@@ -168,7 +223,7 @@ def create_once(client: KazooClient, create: Callable[[], str],
     def attempt() -> str:
         return find() or create()
 
-    return client.retry(attempt)
+    return connected_retry(client, attempt)
 
 
 def reply_or_retry(client: KazooClient, result: Any, call: Callable[..., Any],
@@ -182,9 +237,6 @@ def reply_or_retry(client: KazooClient, result: Any, call: Callable[..., Any],
         return result.get()
     except ConnectionLoss:
         return client.retry(call, *args)
-
-
-T = TypeVar("T")
 
 
 class RedoThread(Generic[T]):
@@ -304,7 +356,8 @@ def _tls_hint(settings: ZKSettings) -> str:
             "the 'ca', 'certfile' and 'keyfile' options.")
 
 
-def _check_root(client: KazooClient, settings: ZKSettings) -> None:
+def check_root(client: KazooClient, settings: ZKSettings) -> None:
+    """Make the settings' root path and check that we may use it (clear auth error)."""
     try:
         client.ensure_path(settings.root)
         client.get_children(settings.root)
@@ -314,87 +367,3 @@ def _check_root(client: KazooClient, settings: ZKSettings) -> None:
             f"ZooKeeper refused {who} access to {settings.root!r} on {settings.hosts}: "
             "wrong password, or the node's ACL belongs to someone else. Check the "
             "credentials in the zk:// URL.") from None
-
-
-class AfterExpiry:
-    """Re-creates what a session expiry removed (ephemeral nodes), once connected again.
-
-    kazoo reports the expiry on its event thread, which must not block, so
-    the listener only raises a flag; the owner calls this object from its own
-    thread (the transport's drain loop, or before a request) and ``restore``
-    runs there. A no-op until the client is connected, so the caller never
-    blocks on a server that is away; a failed restore is retried next call.
-    """
-
-    def __init__(self, handle: ClientHandle, restore: Callable[[KazooClient], None]) -> None:
-        self.handle = handle
-        self._restore = restore
-        self._pending = False
-        self._lock = threading.Lock()
-        handle.add_listener(self._on_state)
-
-    def _on_state(self, state: KazooState) -> None:
-        if state == KazooState.LOST:
-            self._pending = True
-
-    def __call__(self) -> None:
-        if not self._pending or self.handle.client.state != KazooState.CONNECTED:
-            return
-        with self._lock:
-            if self._pending:
-                self._restore(self.handle.client)
-                self._pending = False  # only now: a failure above leaves it to the next call
-
-
-class ClientHandle:
-    """Lazily started, per-process kazoo client for one set of settings."""
-
-    def __init__(self, settings: ZKSettings) -> None:
-        self.settings = settings
-        self._client: KazooClient | None = None
-        self._pid = 0
-        self._lock = threading.Lock()
-        self._listeners: list[Callable[[KazooState], None]] = []
-
-    def add_listener(self, listener: Callable[[KazooState], None]) -> None:
-        """Register a connection-state listener on this and every later client.
-
-        kazoo calls listeners on its event thread: they must not block.
-        """
-        with self._lock:
-            self._listeners.append(listener)
-            if self._client is not None and self._pid == os.getpid():
-                self._client.add_listener(listener)
-
-    @property
-    def client(self) -> KazooClient:
-        client = self._client
-        if client is not None and self._pid == os.getpid():
-            return client
-        with self._lock:
-            if self._client is None or self._pid != os.getpid():
-                if self._client is not None:
-                    logger.debug("celery_zk: new ZooKeeper client after fork (pid %d)",
-                                 os.getpid())
-                self._client = make_client(self.settings)
-                self._pid = os.getpid()
-                for listener in self._listeners:
-                    self._client.add_listener(listener)
-            return self._client
-
-    def connect(self) -> KazooClient:
-        """Connect now (the client is otherwise made on first use)."""
-        return self.client
-
-    @property
-    def started(self) -> bool:
-        return self._client is not None and self._pid == os.getpid()
-
-    def close(self) -> None:
-        with self._lock:
-            client, self._client = self._client, None
-            if client is not None and self._pid == os.getpid():
-                try:
-                    client.stop()
-                finally:
-                    client.close()

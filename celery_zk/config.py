@@ -94,6 +94,12 @@ class ZKOptions:
     keyfile: str = _opt("", "TLS: client private key file (PEM).")
     keyfile_password: str = _opt("", "TLS: password of the client key, if any.")
     verify_certs: bool = _opt(True, "TLS: verify the server certificate.")
+    session_name: str = _opt("", "Connections of one process that name the same hosts, "
+                             "credentials, TLS settings, session_timeout and session_name "
+                             "share one ZooKeeper session (ZooKeeper allows 60 connections "
+                             "per client IP by default). A name of its own gives a "
+                             "connection its own session, which lives and ends apart from "
+                             "the process's other connections.")
 
     @classmethod
     def names(cls) -> list[str]:
@@ -109,6 +115,8 @@ class ZKSettings:
     username: str | None = None
     password: str | None = field(default=None, repr=False)
     options: ZKOptions = field(default_factory=ZKOptions)
+    #: Options the user set (URL or transport options), as opposed to defaults.
+    given: frozenset[str] = field(default=frozenset(), compare=False)
 
     def sanitized_url(self) -> str:
         """The URL with the password masked, for logs and reprs."""
@@ -257,6 +265,7 @@ def parse_url(
         username=user,
         password=password,
         options=build_options(transport_options, query),
+        given=frozenset(query) | frozenset(transport_options or ()),
     )
 
 
@@ -279,3 +288,52 @@ def mask_password(url: str) -> str:
     Passwords in options (``read_only_users``, ``keyfile_password``) are masked too.
     """
     return _SECRET_OPTION_RE.sub(_mask_option, _PASSWORD_RE.sub(r"\1**@", url))
+
+
+def mask_in_celery_reports() -> None:
+    """Make Celery's own URL masking hide everything :func:`mask_password` hides.
+
+    ``celery report`` and ``app.conf.humanize()`` mask result backend URLs with
+    ``celery.app.utils.sanitize_url``, which masks ``user:password@`` but
+    keeps the query, where celery_zk takes ``read_only_users`` and
+    ``keyfile_password``. zk:// URLs go through :func:`mask_password` instead;
+    every other URL is left to Celery. Idempotent; a no-op without Celery.
+    """
+    try:
+        from celery.app import utils
+    except ImportError:
+        return
+    celery_sanitize = utils.sanitize_url
+    if getattr(celery_sanitize, "celery_zk", False):
+        return
+
+    def sanitize_url(url: Any, mask: str = "*" * 8) -> Any:
+        if isinstance(url, str) and url.partition("://")[0] in SCHEMES:
+            return mask_password(url)
+        return celery_sanitize(url, mask=mask)
+
+    sanitize_url.celery_zk = True   # type: ignore[attr-defined]
+    utils.sanitize_url = sanitize_url
+
+
+#: Masked URL (and password) -> the URL it hides, for :func:`hide_secrets`.
+_hidden: dict[tuple[str, str | None], str] = {}
+
+
+def hide_secrets(url: str, password: str | None) -> str:
+    """``url`` masked, remembered in this process so :func:`reveal_secrets` can undo it.
+
+    kombu shows a Connection's ``hostname`` in ``Connection.info()`` (so in
+    ``celery inspect stats`` and Flower); for a transport that parses its own
+    URL that is the whole URL. The transport keeps the masked form there and
+    the real one here, keyed by the mask and the password kombu keeps apart.
+    """
+    masked = mask_password(url)
+    if masked != url:
+        _hidden[(masked, password)] = url
+    return masked
+
+
+def reveal_secrets(url: str, password: str | None) -> str:
+    """The URL :func:`hide_secrets` masked as ``url``; ``url`` itself if it did not."""
+    return _hidden.get((url, password), url)

@@ -34,13 +34,14 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
 
-from .client import ClientHandle, RedoThread, log_failure, multi_failure
+from .client import RedoThread, connected_retry, log_failure, multi_failure
 from .layout import (
     Layout,
     handed_name,
@@ -51,6 +52,7 @@ from .layout import (
     split_owned_name,
 )
 from .queue import QueueStore, new_uid
+from .session import ClientHandle
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +125,7 @@ class HandOff:
                 return False   # the offer was taken or withdrawn
             raise failure[1]
 
-        return bool(client.retry(attempt))
+        return bool(connected_retry(client, attempt))   # a publish: see connected_retry
 
     def _known_offers(self, queue: str) -> tuple[str, ...]:
         client = self.client
@@ -148,11 +150,16 @@ class HandOff:
     def _watcher(self, queue: str) -> Callable[[Any], None]:
         watcher = self._watchers.get(queue)
         if watcher is None:
+            ref = weakref.ref(self)   # kazoo keeps the watch: it must not keep us
+
             def watcher(event: Any) -> None:   # kazoo's thread: never block
-                if event.path is None:   # the connection dropped: the next publish lists again
-                    self._drop(queue)
+                handoff = ref()
+                if handoff is None:
                     return
-                self._list_async(queue)
+                if event.path is None:   # the connection dropped: the next publish lists again
+                    handoff._drop(queue)
+                    return
+                handoff._list_async(queue)
             self._watchers[queue] = watcher
         return watcher
 
@@ -208,12 +215,14 @@ class HandOff:
             failed()
             return
         path = self.layout.offer(queue, offer_name(consumer_id, token))
+        self.handle.own(path)   # a connection dropped without close() deletes it too
 
         def done(result: Any) -> None:   # kazoo's thread: never block
             try:
                 result.get()
             except NoNodeError:   # the queue was deleted: look it up again next time
                 self._directories.discard(queue)
+                self.handle.disown(path)
                 failed()
             except Exception:   # lost with the connection: withdrawing will tell
                 pass
@@ -245,11 +254,15 @@ class HandOff:
         """Delete an offer. Returns the owned path of the message handed over in
         its place when a publisher took it first, else None."""
         client = self.client
+        path = self.layout.offer(queue, offer_name(consumer_id, token))
         try:
-            client.retry(client.delete, self.layout.offer(queue, offer_name(consumer_id, token)))
-            return None
+            client.retry(client.delete, path)
+            taken = False
         except NoNodeError:
-            pass
+            taken = True   # a publisher took it first
+        self.handle.disown(path)   # gone either way (a failure above keeps it ours)
+        if not taken:
+            return None
         for name in self.store.owned_listing(queue):
             parts = split_owned_name(name)
             if parts is None or parts[0] != consumer_id:
@@ -258,6 +271,10 @@ class HandOff:
             if message is not None and message.uid == token:
                 return self.layout.owned_message(queue, name)
         return None
+
+    def taken(self, queue: str, consumer_id: str, token: str) -> None:
+        """A publisher deleted our offer (kazoo's thread): it is no longer ours to delete."""
+        self.handle.disown(self.layout.offer(queue, offer_name(consumer_id, token)))
 
     def withdraw_later(self, queue: str, consumer_id: str, token: str) -> None:
         """Withdraw in the background (the connection is down now), requeueing a
@@ -322,7 +339,8 @@ class Offer:
             if token != self.token or consumer_id != self.consumer_id:
                 return False
             self.token = None
-            return True
+        self.handoff.taken(self.queue, consumer_id, token)
+        return True
 
     def withdraw(self) -> tuple[str, str] | None:
         """Withdraw the outstanding offer. Returns ``(consumer id, owned path)`` of a

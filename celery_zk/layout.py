@@ -11,8 +11,8 @@
         offers/{consumer}~{token}     ephemeral: an idle consumer offers to take the
                                       next message (celery_zk.handoff)
         dead/{unowned name}           dead-lettered (rejected / undecodable)
-        holders/s{session}            auto-delete queues only: ephemeral, one per
-                                      session that declared it; none left = deleted
+        holders/s{session}-{lease}    auto-delete queues only: ephemeral, one per
+                                      connection that declared it; none left = deleted
       exchanges/{exchange}/           data: {"type": ...}
         bindings/{queue},{routing key}    ephemeral for auto-delete queues
       consumers/{consumer}-{seq}      ephemeral: one per live ZooKeeper session
@@ -20,6 +20,8 @@
       groups/{shard}/{group id}       saved GroupResult
       chords/{group id}               chord counter (children are completed parts)
         {task id}                     one per counted header task: counts it once
+        ~size                         how many parts it waits for (Celery's set_chord_size)
+        ~done                         the body was sent: parts deleted, counter kept until expiry
       expiry/h{hour}/{shard}/{kind}~{id}  index of results/groups/chords by write hour
 
 Names carry what a reader needs, so a consumer orders a queue from
@@ -42,6 +44,8 @@ SEQ_DIGITS = 10
 OWNER_SEP = "~"
 BINDING_SEP = ","
 RESULT_SHARDS_HEX = 2  # 256 shards: a million results is ~4,000 per directory
+CHORD_SIZE = OWNER_SEP + "size"   # beside a chord's counted parts, which are escaped ids
+CHORD_DONE = OWNER_SEP + "done"
 
 _MESSAGE_RE = re.compile(r"^m(\d)-([0-9a-f]{1,32})-(?:r(\d{10})-)?(\d{10})$")
 _CONSUMER_RE = re.compile(r"^(c[0-9a-f]{1,32})-(\d{10})$")
@@ -168,9 +172,10 @@ def parse_consumer_name(name: str) -> tuple[str, int] | None:
     return (match.group(1), int(match.group(2))) if match else None
 
 
-def holder_name(session_id: int) -> str:
-    """An auto-delete queue's holder: named by the session, whose end removes it."""
-    return f"s{session_id:016x}"
+def holder_name(session_id: int, lease: str) -> str:
+    """An auto-delete queue's holder: named by the session, whose end removes it,
+    and by the lease (one connection) on it, whose end deletes it."""
+    return f"s{session_id:016x}-{lease}"
 
 
 def binding_name(queue: str, routing_key: str) -> str:
@@ -235,8 +240,8 @@ class Layout:
         """Exists only for auto-delete queues: the sessions that declared it."""
         return join(self.queue(queue), "holders")
 
-    def holder(self, queue: str, session_id: int) -> str:
-        return join(self.holders(queue), holder_name(session_id))
+    def holder(self, queue: str, session_id: int, lease: str) -> str:
+        return join(self.holders(queue), holder_name(session_id, lease))
 
     def queue_directories(self, queue: str) -> tuple[str, ...]:
         """The directories every queue has (queues made before offers/ existed lack it)."""
@@ -306,6 +311,18 @@ class Layout:
 
     def chord_part(self, group_id: str, task_id: str) -> str:
         return join(self.chord(group_id), escape(task_id))
+
+    def chord_child(self, group_id: str, name: str) -> str:
+        """A child of a chord counter by its name as listed (already escaped)."""
+        return join(self.chord(group_id), name)
+
+    def chord_size(self, group_id: str) -> str:
+        """How many parts the chord waits for. ``~`` never starts an escaped task id."""
+        return join(self.chord(group_id), CHORD_SIZE)
+
+    def chord_done(self, group_id: str) -> str:
+        """Made when the chord's body was sent: the counter is then a tombstone."""
+        return join(self.chord(group_id), CHORD_DONE)
 
     @property
     def expiry(self) -> str:

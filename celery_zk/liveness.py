@@ -1,15 +1,19 @@
-"""Owner liveness: one ephemeral node per consuming session, and recovery.
+"""Owner liveness: one ephemeral node per consuming connection, and recovery.
 
 A consumer registers ``consumers/{id}-{seq}`` (ephemeral, sequential) before
-it claims anything, so every owned message names a session that was alive when
-it was claimed. When a session ends (crash, SIGKILL, partition past the
-session timeout) ZooKeeper deletes its node; the children watch fires on every
-survivor, and the one with the lowest sequence (the leader, an election that
-needs no extra nodes) moves the dead owner's messages back to unowned. Each
-move deletes the owned node in the same transaction that recreates the
-unowned one, so two survivors racing can never requeue a message twice.
-The leader then runs its other duties (``leader_duties``: the transport's
-sweep of auto-delete queues nobody holds any more).
+it claims anything, so every owned message names a consumer that was alive
+when it was claimed. The node goes when its connection closes, when its
+connection is garbage-collected (its lease on the session is released, see
+:mod:`celery_zk.session`), or when the process's session ends (crash,
+SIGKILL, partition past the session timeout).
+
+Recovery is one duty per process and root (:class:`Recovery`), whatever the
+number of connections: it watches ``consumers/``, and when the oldest live
+consumer is one of this process's (the leader, an election that needs no
+extra nodes) it moves the messages of owners that are gone back to unowned.
+Each move deletes the owned node in the same transaction that recreates the
+unowned one, so two survivors racing can never requeue a message twice. The
+leader then sweeps the auto-delete queues nobody holds any more.
 """
 from __future__ import annotations
 
@@ -19,26 +23,27 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+import weakref
 
 from kazoo.client import KazooState
 from kazoo.exceptions import NoNodeError
 from kazoo.recipe.watchers import ChildrenWatch
 
-from .client import ClientHandle, create_once, log_failure
+from .autodelete import Sweeper
+from .client import create_once, log_failure
+from .config import ZKOptions
 from .layout import Layout, consumer_prefix, parse_consumer_name, split_owned_name
 from .queue import QueueStore
+from .session import ClientHandle, SharedSession, weak_callback
 
 logger = logging.getLogger(__name__)
 
 
 class ConsumerSession:
-    """This connection's identity as a consumer, and its share of recovery duty."""
+    """One connection's identity as a consumer."""
 
-    def __init__(self, handle: ClientHandle, layout: Layout, store: QueueStore,
-                 leader_duties: Sequence[Callable[[], object]] = ()) -> None:
+    def __init__(self, handle: ClientHandle, layout: Layout, store: QueueStore) -> None:
         self.handle = handle
-        self.leader_duties = list(leader_duties)  # run by the leader after each recovery
         self.layout = layout
         self.store = store
         self.consumer_id: str | None = None
@@ -46,11 +51,8 @@ class ConsumerSession:
         self._valid = False
         self._pid = 0
         self._lock = threading.Lock()
-        self._live: list[str] = []
-        self._nodes: dict[str, str] = {}  # every consumer id this process registered
-        self._wake = threading.Event()
-        self._stopped = False
-        self._thread: threading.Thread | None = None
+        self._nodes: dict[str, str] = {}  # every consumer id this connection registered
+        self._recovery: Recovery | None = None
         handle.add_listener(self._on_state)
 
     # -- identity -------------------------------------------------------------------
@@ -62,11 +64,13 @@ class ConsumerSession:
         with self._lock:
             if not (self._valid and self._pid == os.getpid()):
                 if self._pid != os.getpid():  # forked: nothing of the parent's is ours
-                    self._thread, self._live = None, []
+                    self._nodes = {}
                 self._register()
                 self._pid = os.getpid()
                 self._valid = True
-                self._start_watching()
+                self._recovery = Recovery.of(self.handle.session, self.layout,
+                                             self.handle.settings.options)
+                self._recovery.join(self)
             assert self.consumer_id and self.node_path
             return self.consumer_id, self.node_path
 
@@ -86,14 +90,20 @@ class ConsumerSession:
         self.node_path = create_once(
             client, lambda: client.create(self.layout.consumer(consumer_prefix(consumer_id)),
                                           data, ephemeral=True, sequence=True), find)
+        self.handle.own(self.node_path)   # deleted when this connection goes, however
         self.consumer_id = consumer_id
         self._nodes[consumer_id] = self.node_path
         logger.debug("celery_zk: registered consumer %s", self.node_path)
 
-    def node_of(self, consumer_id: str) -> str:
-        """The session node of a consumer id this process used, current or past.
+    @property
+    def registered(self) -> bool:
+        """Registered at some point (and not closed): re-register after an expiry."""
+        return self.consumer_id is not None and self._pid == os.getpid()
 
-        An ack is guarded by the node of the session that *claimed* the
+    def node_of(self, consumer_id: str) -> str:
+        """The session node of a consumer id this connection used, current or past.
+
+        An ack is guarded by the node of the registration that *claimed* the
         message; after an expiry that node is gone and the ack is refused.
         """
         node = self._nodes.get(consumer_id)
@@ -102,19 +112,69 @@ class ConsumerSession:
         return node
 
     def _on_state(self, state: KazooState) -> None:
-        # kazoo's event thread: flag and wake, never block.
+        # kazoo's event thread: flag only, never block.
         if state == KazooState.LOST:
             self._valid = False
-        self._wake.set()
 
-    # -- recovery -----------------------------------------------------------------
-    def _start_watching(self) -> None:
-        if self._thread is not None:
-            return
-        ChildrenWatch(self.handle.client, self.layout.consumers, self._on_consumers)
-        self._thread = threading.Thread(target=self._run, name="celery_zk-recovery",
-                                        daemon=True)
-        self._thread.start()
+    def live_ids(self) -> list[str]:
+        """Live consumer ids, oldest registration first (as last seen by the watch)."""
+        recovery = self._recovery
+        return recovery.live_ids() if recovery is not None else []
+
+    def is_leader(self) -> bool:
+        ids = self.live_ids()
+        return bool(ids) and ids[0] == self.consumer_id
+
+    def close(self) -> None:
+        recovery, self._recovery = self._recovery, None
+        if recovery is not None:
+            recovery.leave(self)
+        if self._valid and self.node_path and self._pid == os.getpid() and self.handle.started:
+            try:
+                self.handle.client.delete(self.node_path)
+            except Exception:  # releasing the lease (or the session's end) removes it
+                logger.debug("celery_zk: could not delete %s", self.node_path, exc_info=True)
+            else:
+                self.handle.disown(self.node_path)
+        self._valid = False
+        self.consumer_id = None
+
+
+class Recovery:
+    """This process's share of recovery duty under one root, on one session."""
+
+    def __init__(self, session: SharedSession, layout: Layout, options: ZKOptions) -> None:
+        self.session = session
+        self.layout = layout
+        self.store = QueueStore(session, layout, options)
+        self.sweeper = Sweeper(session, layout, self.store)
+        self._members: weakref.WeakSet[ConsumerSession] = weakref.WeakSet()
+        self._live: list[str] = []
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        session.on_close(self.stop)
+
+    @classmethod
+    def of(cls, session: SharedSession, layout: Layout, options: ZKOptions) -> Recovery:
+        """The one recovery of ``session`` under ``layout``'s root."""
+        return session.singleton(("recovery", layout.root),
+                                 lambda: cls(session, layout, options))
+
+    def join(self, member: ConsumerSession) -> None:
+        with self._lock:
+            self._members.add(member)
+            if self._thread is None:
+                ChildrenWatch(self.session.client, self.layout.consumers,
+                              weak_callback(self._on_consumers, dead=False))
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="celery_zk-recovery")
+                self._thread.start()
+        self._wake.set()   # the new member may be the leader now
+
+    def leave(self, member: ConsumerSession) -> None:
+        self._members.discard(member)
 
     def _on_consumers(self, children: list[str]) -> bool | None:
         if self._stopped:
@@ -124,14 +184,14 @@ class ConsumerSession:
         return None
 
     def live_ids(self) -> list[str]:
-        """Live consumer ids, oldest session first (as last seen by the watch)."""
+        """Live consumer ids, oldest registration first (as last seen by the watch)."""
         live = sorted((p for p in map(parse_consumer_name, self._live) if p),
                       key=lambda p: p[1])
         return [consumer_id for consumer_id, _ in live]
 
     def is_leader(self) -> bool:
         ids = self.live_ids()
-        return bool(ids) and ids[0] == self.consumer_id
+        return bool(ids) and any(m.consumer_id == ids[0] for m in list(self._members))
 
     def _run(self) -> None:
         while not self._stopped:
@@ -140,20 +200,26 @@ class ConsumerSession:
             if self._stopped:
                 break
             try:
-                self.ensure_registered()
-                if self.is_leader():
-                    self.recover_dead_owners()
-                    for duty in self.leader_duties:
-                        duty()
+                self._pass()
             except Exception as exc:  # keep the thread alive; retried below
                 log_failure(logger, exc, "celery_zk: recovery pass failed; will retry in 1 s",
                             level=logging.ERROR)
                 self._wake.wait(1.0)
                 self._wake.set()
 
+    def _pass(self) -> None:
+        # A method of its own: its locals (members) must not outlive the pass in
+        # the thread's frame, or a dropped connection could not be collected.
+        for member in list(self._members):
+            if member.registered:
+                member.ensure_registered()   # again, after a session expiry
+        if self.is_leader():
+            self.recover_dead_owners()
+            self.sweeper.sweep()
+
     def recover_dead_owners(self) -> int:
         """Requeue every owned message whose owner has no live session. Returns count."""
-        client = self.handle.client
+        client = self.session.client
         try:
             children = client.retry(client.get_children, self.layout.consumers)
         except NoNodeError:
@@ -172,12 +238,6 @@ class ConsumerSession:
                            "ZooKeeper session ended", moved)
         return moved
 
-    def close(self) -> None:
+    def stop(self) -> None:
         self._stopped = True
         self._wake.set()
-        if self._valid and self.node_path and self._pid == os.getpid() and self.handle.started:
-            try:
-                self.handle.client.delete(self.node_path)
-            except Exception:  # the session's end removes it anyway
-                logger.debug("celery_zk: could not delete %s", self.node_path, exc_info=True)
-        self._valid = False

@@ -86,6 +86,11 @@ def zookeeper_server(request: pytest.FixtureRequest) -> Iterator[_Server]:
     try:
         yield launched
     finally:
+        # Pooled connections (kombu keeps pools for the life of a process) would
+        # otherwise outlive the server and retry against it until exit.
+        from celery_zk.session import close_all
+
+        close_all(launched.hosts)
         launched.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

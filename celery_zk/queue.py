@@ -12,7 +12,7 @@ import logging
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import (
@@ -36,10 +36,6 @@ from .layout import (
 )
 
 logger = logging.getLogger(__name__)
-
-#: Seconds acks and offers are held back (Deferred): longer than a fast task's
-#: reply takes to be sent, short enough to be invisible otherwise.
-DEFERRED_WRITE_DELAY = 0.005
 
 @dataclass(frozen=True)
 class Claimed:
@@ -65,22 +61,36 @@ def new_uid() -> str:
     return uuid.uuid4().hex[:16]
 
 
+class ClientSource(Protocol):
+    """Where a store gets its client (a new one after fork) and held-back writes:
+    a :class:`~celery_zk.session.ClientHandle` or a whole session."""
+
+    @property
+    def client(self) -> KazooClient: ...
+
+    @property
+    def deferred(self) -> Deferred: ...
+
+
 class QueueStore:
     """Queue operations for one kazoo client under one root."""
 
-    def __init__(self, client: Callable[[], KazooClient], layout: Layout,
-                 options: ZKOptions) -> None:
-        self._client = client  # a callable: the handle gives a new client after fork
+    def __init__(self, source: ClientSource, layout: Layout, options: ZKOptions) -> None:
+        self.source = source
         self.layout = layout
         self.options = options
         self._ack_retries: RedoThread[tuple[str, str]] = RedoThread(
             "celery_zk-ack-retry", self._ack_again)
-        #: Acks and offers wait here briefly (see Deferred): off the critical path.
-        self.deferred = Deferred(DEFERRED_WRITE_DELAY)
 
     @property
     def client(self) -> KazooClient:
-        return self._client()
+        return self.source.client
+
+    @property
+    def deferred(self) -> Deferred:
+        """Acks and offers wait here briefly (see Deferred): off the critical path.
+        One per session, so a publish flushes what any user of it held back."""
+        return self.source.deferred
 
     def commit(self, build: Callable[[TransactionRequest], None]) -> list[Any]:
         """Build and commit a transaction, rebuilt per retry (kazoo commits one once)."""

@@ -48,6 +48,7 @@ from .client import CONNECTION_ERRORS, log_failure, reply_or_retry
 from .handoff import Offer
 from .layout import parse_message_name, sort_messages, split_owned_name
 from .queue import Claimed
+from .session import weak_callback
 from .watches import NODE_CREATED
 
 if TYPE_CHECKING:
@@ -84,6 +85,11 @@ class QueueView:
         self.closed = False
         self._tree_held = False   # our _on_tree is registered with the tree watch
         self._owned_held = False   # our _on_owned is registered with the owned/ watch
+        # What kazoo and the session's tree watches hold: weak, so a connection
+        # dropped without close() is not kept alive by a watch that never fires.
+        self._one_shot_cb = weak_callback(self._on_one_shot)
+        self._tree_cb = weak_callback(self._on_tree)
+        self._owned_cb = weak_callback(self._on_owned)
 
     # -- kazoo threads: record and wake, nothing else ---------------------------
     def _woken(self) -> None:
@@ -211,7 +217,7 @@ class QueueView:
         self.arrivals.clear()   # whatever arrived so far is in this listing
         self.reads.clear()
         names, foreign = self.transport.store.listing(
-            self.queue, watch=None if tree else self._on_one_shot)
+            self.queue, watch=None if tree else self._one_shot_cb)
         self._dead_letter(foreign)
         self.listing = deque(names)
         self.listed_at = monotonic()
@@ -230,9 +236,9 @@ class QueueView:
             return False
         if not self._tree_held and not self.idle:
             return False
-        self._tree_held = watches.watch(self.path, self._on_tree)
+        self._tree_held = watches.watch(self.path, self._tree_cb)
         if self._tree_held and self.offer is not None:
-            self._owned_held = watches.watch(self.owned_path, self._on_owned)
+            self._owned_held = watches.watch(self.owned_path, self._owned_cb)
         return self._tree_held
 
     def _stop_tree(self) -> None:
@@ -240,12 +246,12 @@ class QueueView:
         owned, self._owned_held = self._owned_held, False
         watches = self.transport.watches
         if owned and watches is not None:
-            watches.unwatch(self.owned_path, self._on_owned)
+            watches.unwatch(self.owned_path, self._owned_cb)
         self.withdraw()   # after the watch went: a hand-off meanwhile is found by this
         if held and watches is not None:
             self.arrivals.clear()
             self.reads.clear()
-            if watches.unwatch(self.path, self._on_tree):
+            if watches.unwatch(self.path, self._tree_cb):
                 # That also removed any one-shot watch this client held on the
                 # path (another channel's): make those look again.
                 self.transport.watch_removed(self.queue, self)

@@ -36,7 +36,8 @@ from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import WatchedEvent
 from kombu.utils.functional import LRUCache
 
-from .client import CONNECTION_ERRORS
+from .client import CONNECTION_ERRORS, connected_retry
+from .session import weak_callback
 
 __all__ = ["ResultConsumer", "read_nodes"]
 
@@ -48,6 +49,8 @@ DELIVERED_MAX = 1000
 
 #: Queued by the state listener: re-read every pending task.
 _RECONNECTED = None
+#: Queued by consume_from (once per batch): new ids wait in ``_unread``.
+_NEW = ""
 
 
 def read_nodes(client: KazooClient, paths: Sequence[str],
@@ -58,7 +61,7 @@ def read_nodes(client: KazooClient, paths: Sequence[str],
     change; the ``exists`` is sent before the ``get`` on the same session, so
     ZooKeeper orders them and no write can fall between read and watch.
     """
-    return client.retry(_read_nodes, client, list(paths), watch)
+    return connected_retry(client, _read_nodes, client, list(paths), watch)
 
 
 def _read_nodes(client: KazooClient, paths: list[str],
@@ -88,6 +91,9 @@ class ResultConsumer(BaseResultConsumer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # Weak: kazoo holds both, and must not keep a dropped backend alive.
+        self._watch_cb = weak_callback(self._on_watch)
+        self.backend._handle.add_listener(weak_callback(self._on_state))
         self._reset()
 
     def _reset(self) -> None:
@@ -96,6 +102,12 @@ class ResultConsumer(BaseResultConsumer):
         self._pending: dict[str, str] = {}   # task id -> done node path
         self._by_path: dict[str, str] = {}   # done node path -> task id
         self._woken: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        # Ids to read (and watch) for the first time. A set, not the queue: a
+        # chord part restores its whole group, which asks for every header
+        # result and drops them again, without ever draining; queued, those
+        # ids piled up by the million and the chord's final join read them all.
+        self._unread: set[str] = set()
+        self._new_signalled = False
         self._early: dict[str, Any] = {}   # task id -> read a watch callback started
         self._client: KazooClient | None = None
         self._disconnected = False
@@ -114,7 +126,7 @@ class ResultConsumer(BaseResultConsumer):
         if client is not None and client.connected:
             try:
                 # Read (and watch again) now: kazoo only queues the requests.
-                self._early[task_id] = read_async(client, event.path, self._on_watch)
+                self._early[task_id] = read_async(client, event.path, self._watch_cb)
             except CONNECTION_ERRORS:
                 pass   # closing meanwhile: the waiting thread reads, and reports, itself
         self._woken.put(task_id)
@@ -146,14 +158,29 @@ class ResultConsumer(BaseResultConsumer):
         self._pending[task_id] = path
         # The first read happens in drain_events, in the waiting thread; it
         # both returns a result already written and arms the watch.
-        self._woken.put(task_id)
+        self._unread.add(task_id)
+        if not self._new_signalled:   # one wake-up per batch (see _take_unread)
+            self._new_signalled = True
+            self._woken.put(_NEW)
 
     def cancel_for(self, task_id: str) -> None:
         path = self._pending.pop(task_id, None)
         if path is not None:
             self._by_path.pop(path, None)
         self._early.pop(task_id, None)
+        self._unread.discard(task_id)
         # A watch already set stays until it fires; it is then ignored.
+
+    def _take_unread(self) -> set[str]:
+        """Every id consume_from added. The flag is reset first: an id added after
+        the pops below finds it reset and queues a new wake-up."""
+        self._new_signalled = False
+        taken = set()
+        while True:
+            try:
+                taken.add(self._unread.pop())
+            except KeyError:
+                return taken
 
     def drain_events(self, timeout: float | None = None) -> None:
         client = self._ensure_client()
@@ -167,11 +194,12 @@ class ResultConsumer(BaseResultConsumer):
                 woken.add(self._woken.get_nowait())
             except queue.Empty:
                 break
+        woken |= self._take_unread()
         if _RECONNECTED in woken:
             task_ids = list(self._pending.copy())
         else:
-            task_ids = [t for t in woken if t is not None and t in self._pending]
-        early = {t: self._early.pop(t, None) for t in woken if t is not None}
+            task_ids = [t for t in woken if t and t in self._pending]
+        early = {t: self._early.pop(t, None) for t in woken if t}
         datas: list[bytes | None] = []
         unread = []
         for task_id in task_ids:
@@ -185,7 +213,7 @@ class ResultConsumer(BaseResultConsumer):
             unread.append(task_id)
         if unread:
             paths = [self.backend.result_path(task_id) for task_id in unread]
-            datas.extend(read_nodes(client, paths, self._on_watch))
+            datas.extend(read_nodes(client, paths, self._watch_cb))
         for data in datas:
             if data:
                 self.on_state_change(self.backend.decode_result(data), None)
@@ -202,9 +230,7 @@ class ResultConsumer(BaseResultConsumer):
         self._reset()
 
     def stop(self) -> None:
-        client, self._client = self._client, None
-        if client is not None and self._pid == os.getpid():
-            client.remove_listener(self._on_state)
+        self._client = None
 
     # -- internals ------------------------------------------------------------
     def _check_fork(self) -> None:
@@ -215,7 +241,6 @@ class ResultConsumer(BaseResultConsumer):
         self._check_fork()
         client = self.backend.client
         if client is not self._client:
-            client.add_listener(self._on_state)
             if self._client is not None:  # a new session: no watch of ours on it
                 self._woken.put(_RECONNECTED)
             self._client = client

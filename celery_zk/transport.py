@@ -12,6 +12,8 @@ Features
   session; it goes back to its queue when acked-never and the session ends.
   There is no visibility timeout.
 * Waiting: watch-driven; an idle consumer sends ZooKeeper no requests.
+* Event loop: yes (``implements.asynchronous``): a Celery worker runs it in its
+  event loop, where a busy prefork pool does not block remote control.
 
 Connection String
 =================
@@ -30,6 +32,9 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
 * ``session_timeout`` (float, 10.0): ZooKeeper session timeout in seconds; a
   dead worker's messages are requeued this long after it dies.
 * ``connect_timeout`` (float, 10.0): seconds to wait for the first connection.
+  Unless given here, the broker takes kombu's ``Connection(connect_timeout=)``
+  (Celery's ``broker_connection_timeout``, 4 s). When nothing listens on any
+  host the connection fails at once.
 * ``claim_batch`` (int, 64): most messages claimed in one transaction (also
   bounded by the consumer's prefetch).
 * ``listing_max_age`` (float, 1.0): seconds a consumer may reuse its cached,
@@ -56,13 +61,16 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   get read-only access.
 * ``use_ssl`` (bool, False), ``ca``, ``certfile``, ``keyfile``,
   ``keyfile_password`` (str, ""), ``verify_certs`` (bool, True): TLS.
+* ``session_name`` (str, ""): connections of a process that agree on hosts,
+  credentials, TLS settings, ``session_timeout`` and this name share one
+  ZooKeeper session (see :mod:`celery_zk.session`); a name of its own gives a
+  connection its own session.
 """
 from __future__ import annotations
 
 import json
 import logging
 import socket
-import threading
 from queue import Empty
 from time import monotonic
 from typing import Any
@@ -74,13 +82,22 @@ from kombu.transport import virtual
 
 from .autodelete import AutoDeleteQueues
 from .bindings import Bindings
-from .client import CONNECTION_ERRORS, ClientHandle
-from .config import DEFAULT_PORT, ZKSettings, mask_password, parse_url
+from .client import CONNECTION_ERRORS
+from .config import (
+    DEFAULT_PORT,
+    ZKSettings,
+    hide_secrets,
+    mask_password,
+    parse_url,
+    reveal_secrets,
+)
+from .eventloop import Waker
 from .handoff import HandOff
 from .layout import Layout, parse_message_name
 from .liveness import ConsumerSession
 from .queue import Claimed, QueueStore
 from .queue_view import QueueView
+from .session import ClientHandle
 from .unconfirmed import UnconfirmedPublisher
 from .watches import TreeWatches
 
@@ -88,6 +105,10 @@ logger = logging.getLogger(__name__)
 
 #: How often a waiting drain_events looks whether a worker shutdown began.
 SHUTDOWN_CHECK = 0.25
+#: Most messages delivered per wake-up of Celery's event loop before it runs
+#: its other work (the pool, timers), and how often it looks unasked (seconds).
+EVENT_LOOP_BATCH = 64
+EVENT_LOOP_POKE = 1.0
 
 #: Bumped (from a signal handler: a plain int, no lock) when a Celery worker
 #: in this process starts a warm or cold shutdown. Transports that existed
@@ -103,8 +124,50 @@ def _on_worker_shutting_down(**_: Any) -> None:
     _shutdowns += 1
 
 
+def encode_message(message: dict[str, Any]) -> bytes:
+    """A kombu message as stored: JSON.
+
+    A message property JSON cannot carry (``Producer.publish(..., **kwargs)``
+    passes any keyword as a property; a ``before_task_publish`` handler that
+    republishes with its ``**kwargs`` passes the signal itself) is dropped
+    with a warning, as AMQP (py-amqp) drops properties it has no field for:
+    the broker stores messages, not Python objects. Headers and the body are
+    application data: those still fail, naming what could not be encoded.
+    """
+    try:
+        return json.dumps(message).encode()
+    except TypeError:
+        properties = message.get("properties")
+        if not isinstance(properties, dict):
+            raise
+    kept = {}
+    for name, value in properties.items():
+        try:
+            json.dumps(value)
+        except TypeError as exc:
+            logger.warning("celery_zk: message property %r dropped: %s (only JSON values "
+                           "can be stored, as AMQP stores only its own properties)", name, exc)
+            continue
+        kept[name] = value
+    try:
+        return json.dumps({**message, "properties": kept}).encode()
+    except TypeError as exc:
+        raise TypeError(f"celery_zk cannot store this message: {exc}. Message headers and "
+                        "bodies must be JSON-encodable (the body is already serialized by "
+                        "kombu; check the headers).") from exc
+
+
 class QoS(virtual.QoS):
     """Acks and rejects are ZooKeeper transactions on the owned node."""
+
+    def __init__(self, channel: Any, prefetch_count: int = 0) -> None:
+        super().__init__(channel, prefetch_count)
+        # kombu registers an exit hook that holds this QoS, and through it the
+        # channel and the transport, until the interpreter exits: a Connection
+        # dropped without close() could never be collected. A channel that is
+        # closed requeues its unacked messages itself; one that is dropped has
+        # them requeued by recovery once its consumer node goes with its lease.
+        self._on_collect.cancel()
 
     def _closed(self, delivery_tag: str, what: str) -> bool:
         """True when the channel is closed (e.g. celery restarted its consumer after
@@ -174,6 +237,11 @@ class Channel(virtual.Channel):
             self._no_ack_queues.add(queue)
         result = super().basic_consume(queue, no_ack, *args, **kwargs)
         self.connection.wake()
+        return result
+
+    def basic_qos(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().basic_qos(*args, **kwargs)
+        self.connection.wake()   # a raised prefetch limit frees slots
         return result
 
     def _view(self, queue: str) -> QueueView:
@@ -269,7 +337,7 @@ class Channel(virtual.Channel):
 
     # -- publishing ---------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
-        data = json.dumps(message).encode()
+        data = encode_message(message)
         priority = self._get_message_priority(message)
         transport = self.connection
         if transport.unconfirmed is not None:
@@ -397,7 +465,7 @@ class Transport(virtual.Transport):
     polling_interval = None  # type: ignore[assignment]  # never sleeps: waits for watches
 
     implements = virtual.Transport.implements.extend(
-        asynchronous=False,
+        asynchronous=True,   # register_with_event_loop: see celery_zk.eventloop
         exchange_type=frozenset(["direct", "topic", "fanout"]),
         heartbeats=False,
     )
@@ -408,28 +476,34 @@ class Transport(virtual.Transport):
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
         self.settings = self._settings(client)
-        self.handle = ClientHandle(self.settings)
+        _hide_secrets(client)
+        given = "connect_timeout" in self.settings.given
+        self.handle = ClientHandle(
+            self.settings, owner=self,
+            connect_timeout=None if given or not client.connect_timeout
+            else float(client.connect_timeout))
         self.layout = Layout(self.settings.root)
-        self.store = QueueStore(lambda: self.handle.client, self.layout, self.settings.options)
+        self.store = QueueStore(self.handle, self.layout, self.settings.options)
         self.bindings = Bindings(self.handle, self.layout)
         self.auto_delete = AutoDeleteQueues(self.handle, self.layout, self.store)
-        self.session = ConsumerSession(self.handle, self.layout, self.store,
-                                       leader_duties=[self.auto_delete.sweep])
-        self.watches = (TreeWatches(self.handle) if self.settings.options.persistent_watches
-                        else None)
+        self.session = ConsumerSession(self.handle, self.layout, self.store)
         self.handoff = (HandOff(self.handle, self.layout, self.store)
-                        if self.settings.options.handoff and self.watches is not None
-                        else None)
+                        if self.settings.options.handoff
+                        and self.settings.options.persistent_watches else None)
+        self._watches: TreeWatches | None = None
         self.declared_queues: set[str] = set()
         self.unconfirmed = (None if self.settings.options.confirm_publish
                             else UnconfirmedPublisher(self.store))
-        self._wake = threading.Event()
+        self._wake = Waker()
+        self._loop: Any = None   # the event loop (kombu hub) we are registered with
+        self._poke: Any = None
         self._shutdowns_seen = _shutdowns
         self.handle.add_listener(self._on_state)
 
     @staticmethod
     def _settings(client: Any) -> ZKSettings:
-        urls = [u for u in (client.alt or [client.hostname]) if u]
+        urls = [reveal_secrets(u, client.password) for u in (client.alt or [client.hostname])
+                if u]
         if not urls or "://" not in urls[0]:  # Connection(transport='zk', hostname='h')
             host = client.hostname or "localhost"
             port = client.port or DEFAULT_PORT
@@ -437,18 +511,34 @@ class Transport(virtual.Transport):
             urls = [f"zk://{host}:{port}/{vhost}"]
         return parse_url(urls, client.transport_options)
 
+    @property
+    def watches(self) -> TreeWatches | None:
+        """The session's persistent watches (one per session, shared by its connections)."""
+        if not self.settings.options.persistent_watches:
+            return None
+        session = self.handle.session
+        watches = self._watches
+        if watches is None or watches.handle is not session:
+            watches = self._watches = session.singleton(TreeWatches,
+                                                        lambda: TreeWatches(session))
+        return watches
+
     def wake(self) -> None:
         """Something may be deliverable now (new message, free prefetch slot)."""
         self._wake.set()
 
     def watch_removed(self, queue: str, by: QueueView) -> None:
-        """A view removed its watch on ``queue``, taking this client's one-shot
-        watches there with it: every other view of the queue must look again."""
-        channels: list[Channel] = list(self.channels or ())
-        for channel in channels:
-            view = channel._views.get(queue)
-            if view is not None and view is not by:
-                view.reset()
+        """A view removed its watch on ``queue``, taking the session's one-shot
+        watches there with it: every other view of the queue on this session (in
+        any connection of the process) must look again."""
+        for transport in self.handle.peers():
+            if not isinstance(transport, Transport) or transport.layout != self.layout:
+                continue
+            channels: list[Channel] = list(transport.channels or ())
+            for channel in channels:
+                view = channel._views.get(queue)
+                if view is not None and view is not by:
+                    view.reset()
 
     def _on_state(self, state: KazooState) -> None:
         # kazoo's event thread. After a session change the watches are gone.
@@ -463,7 +553,8 @@ class Transport(virtual.Transport):
 
     def close_connection(self, connection: Any) -> None:
         try:
-            self.store.deferred.close()   # acks held back must land before the session ends
+            if self.handle.started:
+                self.store.deferred.flush()   # acks held back must land before we go
             if self.unconfirmed is not None and not self.unconfirmed.flush(
                     timeout=2 * self.settings.options.session_timeout):
                 logger.error("celery_zk: closing with %d unconfirmed publish(es) in flight",
@@ -472,6 +563,7 @@ class Transport(virtual.Transport):
             if self.handle.started:
                 self.auto_delete.release_all()
         finally:
+            self.unregister_from_event_loop(connection, self._loop)
             self.session.close()
             self.handle.close()
 
@@ -484,21 +576,56 @@ class Transport(virtual.Transport):
                 # only when this returns (and then calls it once more): return
                 # at once, and deliver nothing new, from now on.
                 raise socket.timeout()
-            self._wake.clear()
-            # After a session expiry (else no-ops): queues first, then what routes to them.
-            self.auto_delete.restore()
-            self.bindings.restore_ephemeral()
-            try:
-                assert self.cycle is not None
-                return self.cycle.get(self._deliver)
-            except Empty:
-                pass
-            channels: list[Channel] = list(self.channels or ())
-            for channel in channels:
-                channel.withdraw_offers_if_full()
+            if self._deliver_one():
+                return
             if deadline is not None and deadline <= monotonic():
                 raise socket.timeout()
             self._wait(deadline)
+
+    def _deliver_one(self) -> bool:
+        """Deliver one message if one can be delivered now; True if it was."""
+        self._wake.clear()
+        # After a session expiry (else no-ops): queues first, then what routes to them.
+        self.auto_delete.restore()
+        self.bindings.restore_ephemeral()
+        try:
+            assert self.cycle is not None
+            self.cycle.get(self._deliver)
+            return True
+        except Empty:
+            pass
+        channels: list[Channel] = list(self.channels or ())
+        for channel in channels:
+            channel.withdraw_offers_if_full()
+        return False
+
+    # -- Celery's event loop ------------------------------------------------------
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        """Deliver from the worker's event loop, woken through :class:`Waker`'s pipe."""
+        self.unregister_from_event_loop(connection, self._loop)
+        self._loop = loop
+        loop.add_reader(self._wake.fileno(), self._on_readable)
+        # A safety net for a wake-up nothing sends (a prefetch limit raised by
+        # Celery's QoS): an idle look costs no request.
+        self._poke = loop.call_repeatedly(EVENT_LOOP_POKE, self.wake)
+        self.wake()   # what is waiting already
+
+    def unregister_from_event_loop(self, connection: Any, loop: Any) -> None:
+        if self._loop is not None:
+            try:
+                self._loop.remove_reader(self._wake.fileno())
+            except Exception:   # the hub was reset (a connection error): nothing to remove
+                pass
+        if self._poke is not None:
+            self._poke.cancel()
+        self._loop = self._poke = None
+
+    def _on_readable(self) -> None:
+        # Bounded, so the loop also runs the pool and timers; the rest next turn.
+        for _ in range(EVENT_LOOP_BATCH):
+            if not self._deliver_one():
+                return
+        self.wake()
 
     def _wait(self, deadline: float | None) -> None:
         """Until woken, the deadline or a worker shutdown, whichever comes first."""
@@ -513,7 +640,33 @@ class Transport(virtual.Transport):
                 return
 
     def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
-        return uri if include_password else mask_password(uri)
+        # kombu passes the Connection's hostname, which _hide_secrets masked.
+        if include_password:
+            return reveal_secrets(uri, self.client.password if self.client else None)
+        return mask_password(uri)
 
     def driver_version(self) -> str:
         return getattr(kazoo, "__version__", "unknown")
+
+
+def _hide_secrets(client: Any) -> None:
+    """Keep passwords out of ``Connection.info()`` (``celery inspect stats``, Flower).
+
+    kombu shows ``hostname`` and ``alternates`` there, and for a transport that
+    parses its own URL those are whole URLs. They are replaced by masked ones;
+    :func:`~celery_zk.config.reveal_secrets` gives the real URL back to this
+    process (``Connection.clone()``, reconnects). The password itself moves to
+    the Connection's ``password`` field, which Celery leaves out of the stats
+    and kombu's pools use to tell connections apart.
+    """
+    urls = [client.hostname, *(client.alt or [])]
+    if not any(isinstance(u, str) and "://" in u for u in urls):
+        return
+    settings = parse_url([u for u in urls if isinstance(u, str)])
+    if settings.password is not None and client.password is None:
+        client.userid, client.password = settings.username, settings.password
+    if isinstance(client.hostname, str):
+        client.hostname = hide_secrets(client.hostname, client.password)
+    if client.alt:
+        client.alt = [hide_secrets(u, client.password) if isinstance(u, str) else u
+                      for u in client.alt]

@@ -20,6 +20,10 @@ one; the owner re-adds it (and re-reads what it watches) after a reconnect.
 
 Callbacks run on kazoo's *connection* thread, before kazoo's own watchers:
 they must only record the event and wake someone, never make a request.
+There is one :class:`TreeWatches` per session (:mod:`celery_zk.session`),
+shared by the process's connections, so two of them watching one queue share
+the server's watch; callers pass :func:`~celery_zk.session.weak_callback`
+wrappers, so a watch never keeps a dropped connection alive.
 """
 from __future__ import annotations
 
@@ -27,13 +31,13 @@ import logging
 import threading
 from collections import namedtuple
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import UnimplementedError
 from kazoo.protocol.serialization import Watch, int_struct, write_string
 
-from .client import ClientHandle, log_failure
+from .client import log_failure
 
 __all__ = ["NODE_CREATED", "NODE_DELETED", "TreeWatches"]
 
@@ -72,12 +76,21 @@ class RemoveWatches(_PathAndInt):
     type = 18    # value: the WatcherType
 
 
+class WatchSource(Protocol):
+    """A session: its client, and its state listeners."""
+
+    @property
+    def client(self) -> KazooClient: ...
+
+    def add_listener(self, listener: Callable[[KazooState], None]) -> None: ...
+
+
 class TreeWatches:
-    """The persistent recursive watches of one :class:`ClientHandle`'s client."""
+    """The persistent recursive watches of one session's client."""
 
     add_request: type[AddWatch] = AddWatch   # a test swaps in an opcode the server lacks
 
-    def __init__(self, handle: ClientHandle) -> None:
+    def __init__(self, handle: WatchSource) -> None:
         self.handle = handle
         self.supported = True
         self._client: KazooClient | None = None

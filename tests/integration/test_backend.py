@@ -118,8 +118,69 @@ def test_chord_of_100_uses_the_native_counter(app: Celery,
     result = chord(sig(app, "add", i, i) for i in range(100))(sig(app, "tsum"))
     assert result.get(timeout=60) == sum(2 * i for i in range(100))
     assert "chord_unlock" not in w.output()
-    # Completed chord: the last part deletes its counter (just after sending the body).
-    wait_until(lambda: app.backend.client.get_children(app.backend.layout.chords) == [], 10)
+    # Completed chord: the last part finishes its counter (just after sending the body):
+    # a tombstone without its 100 parts, kept until expiry.
+    layout, client = app.backend.layout, app.backend.client
+    [chord_id] = client.get_children(layout.chords)
+    wait_until(lambda: sorted(client.get_children(layout.chord(chord_id))) == ["~done", "~size"],
+               10)
+
+
+def test_a_chord_header_that_nests_groups_waits_for_every_part(
+        app: Celery, worker: Callable[..., Worker]) -> None:
+    """Celery's own canvas suite (test_nested_group_chain): the header's chain ends
+    in a group, so the chord waits for three parts, not for the two saved header
+    results. One pool process, as Celery's suite runs it: a body fired early
+    joins a part that process has not run, and the worker wedges."""
+    w = worker(pool="prefork", concurrency=1)
+    nested = chain(sig(app, "add", 1, 0, immutable=True),
+                   group(sig(app, "add", 1, 100, immutable=True),
+                         chain(sig(app, "add", 1, 200, immutable=True),
+                               group(sig(app, "add", 1, 1000, immutable=True),
+                                     sig(app, "add", 1, 2000, immutable=True)))),
+                   sig(app, "add", 1, 10, immutable=True))
+    assert nested.apply_async().get(timeout=60) == 11
+    # and the worker goes on: a one-task header right after it
+    single = chord([sig(app, "add", 2, 5)])(sig(app, "tsum"))
+    assert single.get(timeout=60) == 7
+    assert "incremented too many times" not in w.output()
+
+
+def test_a_chord_delivered_twice_fires_its_body_once(
+        app: Celery, worker: Callable[..., Worker]) -> None:
+    """The message ahead of a chord is delivered twice (Celery's canvas suite
+    republishes it from before_task_publish, as RabbitMQ may redeliver it), so
+    the chord is applied twice with one id: its body fires once, and the first
+    run's result stands (a second run used to count afresh, and a second run
+    still going when the first ended found its header deleted)."""
+    from celery.signals import before_task_publish
+
+    w = worker(concurrency=4)
+
+    captured: list[dict[str, Any]] = []
+
+    def capture(body: Any = None, exchange: Any = None, routing_key: Any = None,
+                headers: Any = None, **kwargs: Any) -> None:
+        before_task_publish.disconnect(capture)   # only the canvas's first message
+        captured.append({"body": body, "exchange": exchange, "routing_key": routing_key,
+                         "headers": headers})
+
+    before_task_publish.connect(capture)
+    try:
+        canvas = chain(sig(app, "add", 1, 1),
+                       chord([sig(app, "add", 2), sig(app, "add", 3)], sig(app, "tsum")))
+        result = canvas.apply_async()
+    finally:
+        before_task_publish.disconnect(capture)
+    assert result.get(timeout=30) == 9
+    # Now the duplicate, once the first run is over (a late redelivery).
+    with app.producer_pool.acquire(block=True) as producer:
+        producer.publish(serializer="json", **captured[0])
+    wait_until(lambda: w.output().count("proj.app.add[") >= 2 * 6, 30,
+               message="the duplicate did not run the chord's header again")
+    time.sleep(1)   # a second body would have been sent and run by now
+    assert w.output().count("proj.app.tsum[") == 2, w.output()[-3000:]   # received, done
+    assert app.AsyncResult(result.id).get(timeout=10) == 9
 
 
 def test_chord_header_failure_reaches_the_callback(app: Celery,

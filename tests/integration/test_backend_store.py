@@ -274,13 +274,18 @@ def test_chord_counter_counts_each_part_once(backend: ZooKeeperBackend) -> None:
     from celery_zk.chord import ChordCounter
 
     counter = ChordCounter(backend.client, backend.layout, "chord-1")
-    assert [counter.increment(f"part-{i}") for i in range(3)] == [1, 2, 3]
-    assert counter.increment("part-1") is None  # redelivered header task
+    assert [counter.increment(f"part-{i}") for i in range(3)] == [(1, None), (2, None),
+                                                                 (3, None)]
+    assert counter.increment("part-1") == (None, None)  # redelivered header task
     assert counter.value() == 3
+    assert counter.set_size(5)   # Celery's set_chord_size: the parts it waits for
+    assert counter.increment("part-3") == (4, 5)
+    assert counter.value() == 4
+    assert not ChordCounter(backend.client, backend.layout, "no-such").set_size(2)
 
     racing = ChordCounter(backend.client, backend.layout, "chord-2")
     counts: list[int | None] = []
-    threads = [threading.Thread(target=lambda i=i: counts.append(racing.increment(f"p{i}")))
+    threads = [threading.Thread(target=lambda i=i: counts.append(racing.increment(f"p{i}")[0]))
                for i in range(20)]
     for thread in threads:
         thread.start()

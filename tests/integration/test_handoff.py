@@ -14,6 +14,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from celery_zk.handoff import Offer
 from celery_zk.layout import Layout, parse_message_name, split_owned_name
 
+from .sessions import apart
 from .workers import wait_until
 
 LAYOUT = Layout("/")   # as the zk_client fixture sees it: chrooted at the URL's path
@@ -29,7 +30,7 @@ def unowned_creations(zk_client: KazooClient, queue: str) -> int:
 
 
 def publish(zk_url: str, queue: Queue, *bodies: Any, **kwargs: Any) -> None:
-    with Connection(zk_url) as other:
+    with Connection(apart(zk_url, "publisher")) as other:   # another process
         producer = Producer(other.channel())
         for body in bodies:
             producer.publish(body, exchange=queue.exchange, routing_key=queue.routing_key,
@@ -247,7 +248,7 @@ def test_a_handed_message_of_a_killed_consumer_is_requeued(
     """The owner's session ends before it delivers what it was handed: the
     recovery leader requeues it like any owned message."""
     queue = Queue("dies", Exchange("dies", "direct"), "dies")
-    doomed = Connection(zk_url)
+    doomed = Connection(apart(zk_url, "doomed"))   # a worker process to be killed
     got: list[Any] = []
     cons = consumer(doomed, queue, got)
     cons.consume()

@@ -218,10 +218,6 @@ def test_passwords_never_appear_in_worker_output(
         assert SECRET not in text
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "celery, not celery_zk: 'inspect stats' sends Connection.info(), whose 'hostname' "
-    "is the whole URL for a transport that parses its own URL (can_parse_url); 'report' "
-    "masks result_backend with kombu's sanitize_url, which knows only user:password@"))
 @pytest.mark.parametrize("command", ["inspect stats", "report"])
 def test_celery_cli_masks_passwords(command: str, open_chroot: str,
                                     start_worker: Callable[..., Worker]) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -13,7 +14,7 @@ import pytest
 from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from celery_zk.exceptions import MessageTooLarge, ZKConfigurationError
+from celery_zk.exceptions import MessageTooLarge, ZKConfigurationError, ZKConnectionError
 from celery_zk.layout import Layout
 
 from .spies import CONSUMER_REQUESTS, count_calls
@@ -180,7 +181,7 @@ def test_dead_owner_is_recovered_and_cannot_ack(zk_url: str, zk_client: KazooCli
     """SIGKILL a consumer holding a message: a survivor gets it back, the dead one's ack fails."""
     layout = layout_of(zk_url)
     queue = Queue("dead", Exchange("dead", "direct"), "dead")
-    url = zk_url + "?session_timeout=2"
+    url = zk_url + "?session_timeout=4"   # the least a server with default tickTime grants
     script = f"""
 import json, sys, time, celery_zk
 from kombu import Connection, Consumer, Exchange, Queue
@@ -214,7 +215,7 @@ with Consumer(c, [q], callbacks=[on_message]):
                     pass
             recovery = time.monotonic() - killed
             assert got and got[0][0] == {"x": 1}
-            assert recovery < 2 + 2 + 1  # session timeout + 2 s (+1 s slack for the test)
+            assert recovery < 4 + 2 + 1  # session timeout + 2 s (+1 s slack for the test)
             assert got[0][1].delivery_info["redelivered"] is True
             # The dead owner's late ack must not touch the survivor's claim.
             assert survivor.transport.store.ack(tag, dead_node) is False
@@ -287,10 +288,33 @@ def test_oversized_message_is_refused_before_writing(conn: Connection, zk_url: s
 def test_bad_url_and_unreachable_server_fail_clearly() -> None:
     with pytest.raises(ZKConfigurationError, match="sesion_timeout"):
         Connection("zk://127.0.0.1:1/x?sesion_timeout=1").connect()
+    # Nothing listens: said at once, not after the connect timeout (60 s here).
     started = time.monotonic()
-    with pytest.raises(Exception, match="Could not connect to ZooKeeper at 127.0.0.1:1 within 1s"):
-        Connection("zk://127.0.0.1:1/x?connect_timeout=1").connect()
-    assert time.monotonic() - started < 10
+    with pytest.raises(ZKConnectionError,
+                       match="Could not connect to ZooKeeper at 127.0.0.1:1: connection refused"):
+        Connection("zk://127.0.0.1:1/x?connect_timeout=60").transport.establish_connection()
+    assert time.monotonic() - started < 30
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port that accepts TCP connections and never answers (a hung server)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        yield listener.getsockname()[1]
+
+
+@pytest.mark.parametrize(("url_option", "kombu_timeout", "used"), [
+    ("", 2, "2s"),                        # kombu's (Celery's broker_connection_timeout)
+    ("?connect_timeout=1", 60, "1s"),     # the URL's wins when given
+])
+def test_connect_timeout_comes_from_kombu_unless_given(
+        silent_port: int, url_option: str, kombu_timeout: float, used: str) -> None:
+    conn = Connection(f"zk://127.0.0.1:{silent_port}/x{url_option}",
+                      connect_timeout=kombu_timeout)
+    with pytest.raises(ZKConnectionError, match=f"no session within {used}"):
+        conn.transport.establish_connection()
 
 
 def test_stored_message_is_plain_json(conn: Connection, zk_url: str,
@@ -405,3 +429,52 @@ def test_a_worker_shutdown_stops_drain_events_waiting(
         with Consumer(fresh, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())]):
             fresh.drain_events(timeout=10)
     assert got == ["late"]
+
+
+def test_a_property_json_cannot_carry_is_dropped_as_amqp_does(
+        conn: Connection, caplog: pytest.LogCaptureFixture) -> None:
+    """Producer.publish(**kwargs) makes every keyword a property; one that JSON
+    cannot encode is dropped (py-amqp drops properties it has no field for)."""
+    queue = Queue("props", Exchange("props", "direct"), "props")
+    producer = Producer(conn.channel())
+    producer.publish({"a": 1}, exchange=queue.exchange, routing_key="props", declare=[queue],
+                     signal=object(), correlation_id="kept")
+    [(body, message)] = drain(conn, queue, 1)
+    assert body == {"a": 1}
+    assert message.properties["correlation_id"] == "kept"
+    assert "signal" not in message.properties
+    assert "message property 'signal' dropped" in caplog.text
+    with pytest.raises(TypeError, match="headers"):
+        producer.publish({"b": 2}, exchange=queue.exchange, routing_key="props",
+                         headers={"bad": object()})
+    assert conn.default_channel._size("props") == 0   # nothing half-stored
+
+
+def test_a_before_task_publish_handler_may_republish_with_its_kwargs(zk_url: str) -> None:
+    """Celery's canvas suite republishes from before_task_publish with **kwargs,
+    which carry the signal object."""
+    from celery import Celery
+    from celery.signals import before_task_publish
+
+    app = Celery("republish", broker=zk_url, set_as_current=False)
+
+    @app.task(name="republish.add")
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    def republish(body: Any = None, exchange: Any = None, routing_key: Any = None,
+                  headers: Any = None, properties: Any = None, declare: Any = None,
+                  retry_policy: Any = None, **kwargs: Any) -> None:
+        before_task_publish.disconnect(republish)   # once
+        with app.producer_pool.acquire(block=True) as producer:
+            producer.publish(body, exchange=exchange, routing_key=routing_key,
+                             retry=None, serializer="json", headers=headers, **kwargs)
+
+    before_task_publish.connect(republish)
+    try:
+        add.delay(1, 2)
+    finally:
+        before_task_publish.disconnect(republish)
+    with app.connection() as connection:
+        assert connection.default_channel._size("celery") == 2
+    app.close()

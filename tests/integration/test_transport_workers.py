@@ -58,7 +58,7 @@ def test_thousand_tasks(pool: str, zk_url: str, client_app: Celery, start_worker
 def test_sigkill_one_of_two_workers_loses_nothing(zk_url: str, start_worker: Any,
                                                   task_log: Path, zk_client: KazooClient,
                                                   record_property: Any) -> None:
-    session_timeout = 2
+    session_timeout = 4   # the least a server with ZooKeeper's default tickTime grants
     url = f"{zk_url}?session_timeout={session_timeout}"
     app = Celery("client", broker=url)
     total = 300
@@ -201,3 +201,22 @@ def test_app_config_resolves_zk_alias_without_import(zk_url: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, cwd=str(HERE.parent))
     assert out.stdout.strip() == "celery_zk.transport", out.stderr
+
+
+def test_a_prefork_worker_with_every_process_busy_answers_remote_control(
+        zk_url: str, client_app: Celery, start_worker: Any) -> None:
+    """The worker runs zk:// in Celery's event loop, where a busy pool does not
+    block the consumer (in the synchronous loop billiard's put-locks did, and
+    `celery inspect` got no reply until a task ended: Celery's own suite runs
+    one pool process and revokes while it is busy)."""
+    worker = start_worker(zk_url, pool="prefork", concurrency=1)
+    for _ in range(4):
+        send(client_app, "sleep_then", "slept", 4)
+    wait_until(lambda: worker.output().count("sleep_then[") >= 2, 30,
+               message="the worker did not take the tasks")
+    revoked = send(client_app, "add", 1, 1)
+    revoked.revoke()
+    replies = client_app.control.inspect(timeout=3).revoked()
+    assert replies is not None, "no reply while the pool process was busy"
+    assert [revoked.id] in replies.values()
+    assert client_app.control.inspect(timeout=3).ping()

@@ -13,10 +13,11 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import ConnectionClosedError
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from celery_zk.client import ClientHandle
 from celery_zk.config import parse_url
+from celery_zk.session import ClientHandle
 from celery_zk.watches import NODE_CREATED, NODE_DELETED, AddWatch, TreeWatches
 
+from .sessions import apart
 from .spies import CONSUMER_REQUESTS, count_calls
 from .workers import wait_until
 
@@ -134,7 +135,7 @@ def _expect_idle(conn: Connection) -> None:
 
 
 def _publish(zk_url: str, queue: Queue, *bodies: Any) -> None:
-    with Connection(zk_url) as other:
+    with Connection(apart(zk_url, "publisher")) as other:   # another process
         producer = Producer(other.channel())
         for body in bodies:
             producer.publish(body, exchange=queue.exchange, routing_key=queue.routing_key)

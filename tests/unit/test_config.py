@@ -64,3 +64,26 @@ def test_errors_never_show_passwords() -> None:
 def test_mask_password() -> None:
     assert mask_password("zk://u:p@h:1/x") == "zk://u:**@h:1/x"
     assert mask_password("zk://h:1/x") == "zk://h:1/x"
+
+
+def test_hidden_secrets_come_back_only_in_this_process() -> None:
+    from celery_zk.config import hide_secrets, reveal_secrets
+
+    url = "zk://alice:pw@h1:2181/app?read_only_users=bob:pw2&keyfile_password=k"
+    masked = hide_secrets(url, "pw")
+    assert masked == "zk://alice:**@h1:2181/app?read_only_users=bob:**&keyfile_password=**"
+    assert reveal_secrets(masked, "pw") == url
+    assert reveal_secrets(masked, "other") == masked   # the password is part of the key
+    assert reveal_secrets("zk://h1:2181/app", None) == "zk://h1:2181/app"
+
+
+def test_celery_reports_mask_zk_query_secrets_and_leave_other_urls_alone() -> None:
+    from celery.app import utils
+
+    from celery_zk.config import mask_in_celery_reports
+
+    mask_in_celery_reports()
+    mask_in_celery_reports()   # idempotent
+    masked = utils.sanitize_url("zk://alice:pw@h/app?read_only_users=bob:secret")
+    assert "secret" not in masked and "pw" not in masked
+    assert utils.sanitize_url("redis://:pw@localhost:6379/0") == "redis://:********@localhost:6379/0"

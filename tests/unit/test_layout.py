@@ -132,3 +132,13 @@ def test_a_requeued_handed_message_sorts_ahead_of_the_first_arrival() -> None:
     later = message_prefix(0, "c" * 16) + seq(2)
     ordered, _ = sort_messages([later, first_arrival, requeued])
     assert ordered == [requeued, first_arrival, later]
+
+
+def test_a_chord_size_node_never_collides_with_a_counted_part() -> None:
+    from celery_zk.layout import CHORD_SIZE, escape
+
+    layout = Layout("/r")
+    assert layout.chord_size("g") == "/r/chords/g/~size"
+    for task_id in ("~size", "~", "~x", "size"):
+        assert layout.chord_part("g", task_id) != layout.chord_size("g")
+        assert not escape(task_id).startswith(CHORD_SIZE[0])

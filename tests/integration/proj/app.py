@@ -140,3 +140,15 @@ def call(fn: object, *args: object) -> object:
     value = fn(*args)  # type: ignore[operator]
     _record("call", value)
     return value
+
+
+# -- session and Celery-suite tests (append-only) ---------------------------------
+@app.task
+def wait_for(task_id: str, timeout: float) -> str:
+    """Joins another task's result from inside a task, as a chord join does."""
+    from celery.exceptions import TimeoutError as CeleryTimeout
+
+    try:
+        return str(app.AsyncResult(task_id).get(timeout=timeout, disable_sync_subtasks=False))
+    except CeleryTimeout:
+        return "timed out"

@@ -1,0 +1,83 @@
+"""A wake-up that both a blocking ``drain_events`` and Celery's event loop can wait on.
+
+Watch callbacks (kazoo's threads) only record what happened and wake the
+consuming side. A blocking consumer waits on an event; Celery's worker waits
+in its event loop (kombu's hub, ``epoll``), which can only wait on file
+descriptors. :class:`Waker` is both: an event, and a non-blocking pipe whose
+read end the hub polls.
+
+Why the event loop matters: Celery runs a transport that cannot register
+with it (``implements.asynchronous = False``) in its synchronous loop, and
+there a prefork pool blocks the consumer whenever every pool process is busy
+(billiard's put-locks). Control commands (``celery inspect``, revokes) then
+wait for a task to finish, and a single busy process wedges the worker's
+remote control. In the event loop the pool takes work without blocking, as
+with Redis or RabbitMQ.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+__all__ = ["Waker"]
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
+
+
+class Waker:
+    """An event that is also readable: ``set`` from any thread, even kazoo's."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._fds: list[int] = []   # [read, write] once an event loop asked for it
+        self._finalizer = weakref.finalize(self, _close, self._fds)
+
+    def fileno(self) -> int:
+        """The read end, for an event loop's ``add_reader`` (made on first use)."""
+        if not self._fds:
+            read, write = os.pipe()
+            os.set_blocking(read, False)
+            os.set_blocking(write, False)
+            self._fds += [read, write]
+            if self._event.is_set():
+                self._poke()
+        return self._fds[0]
+
+    def set(self) -> None:
+        self._event.set()
+        if self._fds:
+            self._poke()
+
+    def _poke(self) -> None:
+        try:
+            os.write(self._fds[1], b"!")
+        except (BlockingIOError, IndexError, OSError):
+            pass   # full (already readable), or closed meanwhile
+
+    def clear(self) -> None:
+        # The pipe first: a set() between the two leaves a byte in the pipe (a
+        # spurious wake-up later), never a set event with nothing to read.
+        if self._fds:
+            try:
+                while os.read(self._fds[0], 4096):
+                    pass
+            except (BlockingIOError, IndexError, OSError):
+                pass
+        self._event.clear()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+    def close(self) -> None:
+        self._finalizer()

@@ -98,13 +98,25 @@ def make_client(settings: ZKSettings, connect_timeout: float | None = None) -> K
     )
     why = _start(client, settings.hosts, timeout)
     if why is not None:
-        client.stop()
-        client.close()
+        # kazoo's stop() waits for its connection thread, which may sit in a
+        # connect attempt to a host that never answers for up to 10 s more:
+        # the caller is told now, the client is disposed of in the background.
+        threading.Thread(target=_dispose, args=(client,), name="celery_zk-dispose",
+                         daemon=True).start()
         raise ZKConnectionError(
             f"Could not connect to ZooKeeper at {settings.hosts}: {why}. Is the server "
             "running and reachable? (For a local one: `celery zk server`.) Raise "
             f"'connect_timeout' for a slow network. {_tls_hint(settings)}")
     return client
+
+
+def _dispose(client: KazooClient) -> None:
+    try:
+        client.stop()
+        client.close()
+    except Exception:   # an abandoned client: nothing depends on how it ends
+        logger.debug("celery_zk: disposing of a client that never connected failed",
+                     exc_info=True)
 
 
 #: How long a first connection may fail before we look whether anything listens.

@@ -121,10 +121,6 @@ class ConsumerSession:
         recovery = self._recovery
         return recovery.live_ids() if recovery is not None else []
 
-    def is_leader(self) -> bool:
-        ids = self.live_ids()
-        return bool(ids) and ids[0] == self.consumer_id
-
     def close(self) -> None:
         recovery, self._recovery = self._recovery, None
         if recovery is not None:

@@ -27,7 +27,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError, NotEmptyError
 
 from .client import CONNECTION_ERRORS, log_failure, multi_failure
-from .layout import Layout
+from .layout import Layout, parse_bucket_name
 from .queue import ClientSource, QueueStore
 from .session import AfterExpiry, ClientHandle
 
@@ -122,13 +122,25 @@ class Sweeper:
         pending = [(d, client.get_children_async(d)) for d in layout.queue_directories(queue)]
         nodes: list[str] = []
         directories: list[str] = []
+        buckets: list[str] = []
         for directory, result in pending:
             try:
-                nodes += [f"{directory}/{name}" for name in result.get()]
-                directories.append(directory)
+                children = [f"{directory}/{name}" for name in result.get()]
             except NoNodeError:
-                pass
-        return nodes, directories
+                continue
+            if directory == layout.unowned(queue):
+                buckets = [path for path in children
+                           if parse_bucket_name(path.rpartition("/")[2]) is not None]
+                children = [path for path in children if path not in buckets]
+            nodes += children
+            directories.append(directory)
+        # Buckets' messages, then the buckets: children go before their parents.
+        for bucket, result in [(b, client.get_children_async(b)) for b in buckets]:
+            try:
+                nodes += [f"{bucket}/{name}" for name in result.get()]
+            except NoNodeError:
+                buckets.remove(bucket)
+        return nodes, buckets + directories
 
     def _guarded_delete(self, queue: str, paths: Iterable[str], keep_holders: bool) -> None:
         client, holders = self.client, self.layout.holders(queue)

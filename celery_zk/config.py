@@ -28,6 +28,8 @@ from .exceptions import ZKConfigurationError
 SCHEMES = ("zk", "zookeeper")
 DEFAULT_PORT = 2181
 DEFAULT_ROOT = "/celery"
+MIN_BUCKET_SIZE = 2
+MAX_BUCKET_SIZE = 10_000   # 10,000 names of ~45 bytes: a 450 KB listing
 
 # kombu/celery option names that are meaningful for every virtual transport;
 # accepted (and ignored where they do not apply) so shared settings keep working.
@@ -62,6 +64,11 @@ class ZKOptions:
                                   "before failing with a clear error.")
     claim_batch: int = _opt(64, "Most messages claimed in one multi transaction "
                             "(also bounded by the consumer's prefetch).")
+    bucket_size: int = _opt(4096, "Waiting messages are created in buckets of one "
+                            "priority; a publisher starts the next bucket after this "
+                            "many creates in one. Bounds every listing (about 45 bytes "
+                            "a name) and keeps ZooKeeper's 32-bit sequence counters far "
+                            "from their end. 2 to 10,000.")
     listing_max_age: float = _opt(1.0, "Seconds a consumer may reuse its cached, sorted "
                                   "listing of a busy queue before re-reading it.")
     persistent_watches: bool = _opt(True, "Wake an idle consumer with a persistent "
@@ -164,6 +171,12 @@ def build_options(*sources: Mapping[str, Any] | None) -> ZKOptions:
                     f"Unknown celery_zk option {name!r}. Valid options: "
                     f"{', '.join(sorted(known))}.")
             values[name] = _coerce(name, raw, known[name].type)
+    bucket_size = values.get("bucket_size", ZKOptions.bucket_size)
+    if not MIN_BUCKET_SIZE <= bucket_size <= MAX_BUCKET_SIZE:
+        raise ZKConfigurationError(
+            f"celery_zk option 'bucket_size' must be between {MIN_BUCKET_SIZE} and "
+            f"{MAX_BUCKET_SIZE:,} (got {bucket_size}): a bucket is listed whole, and "
+            "a listing must stay far below the 1 MiB a ZooKeeper reply may carry.")
     return ZKOptions(**values)
 
 

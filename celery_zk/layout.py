@@ -4,10 +4,12 @@
 
     {root}/
       queues/{queue}/                 data: queue meta (JSON)
-        unowned/m{P}-{uid}-{seq}      waiting message; P = 9 - priority
-        unowned/m{P}-{uid}-r{orig}-{seq}   requeued message, keeps its first seq
+        unowned/p{P}-{gen}/           a bucket: waiting messages of one priority,
+                                      at most ``bucket_size`` sequential creates each
+          m{P}-{gen}-{uid}-{seq}      waiting message; P = 9 - priority
+          m{P}-{gen}-{uid}-r{first}   requeued message, keeps its first seq
         owned/{consumer}~{unowned name}   claimed by a live consumer
-        owned/{consumer}~m{P}-{token}-0000000000   handed straight to that consumer
+        owned/{consumer}~m{P}-0000000000-{token}-0000000000   handed straight to it
         offers/{consumer}~{token}     ephemeral: an idle consumer offers to take the
                                       next message (celery_zk.handoff)
         dead/{unowned name}           dead-lettered (rejected / undecodable)
@@ -15,7 +17,8 @@
                                       connection that declared it; none left = deleted
       exchanges/{exchange}/           data: {"type": ...}
         bindings/{queue},{routing key}    ephemeral for auto-delete queues
-      consumers/{consumer}-{seq}      ephemeral: one per live ZooKeeper session
+      consumers/{consumer}            ephemeral: one per live consuming connection;
+                                      the id starts with its creation time in ns
       results/{shard}/{task id}       done node: the task's result meta
       groups/{shard}/{group id}       saved GroupResult
       chords/{group id}               chord counter (children are completed parts)
@@ -26,14 +29,25 @@
 
 Names carry what a reader needs, so a consumer orders a queue from
 ``get_children`` alone: priority first (inverted so a plain sort puts the
-highest first), then the first sequence number ZooKeeper gave the message, so
-a requeued message keeps its original place among its priority. The uid lets
-a create retried after ConnectionLoss find the node it already made.
+highest first), then the bucket's generation, then the first sequence number
+ZooKeeper gave the message, so a requeued message keeps its original place
+among its priority. The uid lets a create retried after ConnectionLoss find
+the node it already made.
+
+Buckets keep every directory small and every sequence counter far from its
+end (a signed 32-bit count of creates per parent): a publisher moves on to
+generation ``gen + 1`` once a create's sequence reaches ``bucket_size``, and
+a consumer deletes an empty bucket once a later one of its priority exists.
+A requeue is not sequential (the uid makes its name unique), so it never
+advances a counter either. Messages of celery_zk before buckets (flat
+``unowned/m{P}-{uid}-{seq}``) are still read, ahead of their priority.
 """
 from __future__ import annotations
 
 import hashlib
 import re
+import time
+import uuid
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,8 +61,12 @@ RESULT_SHARDS_HEX = 2  # 256 shards: a million results is ~4,000 per directory
 CHORD_SIZE = OWNER_SEP + "size"   # beside a chord's counted parts, which are escaped ids
 CHORD_DONE = OWNER_SEP + "done"
 
-_MESSAGE_RE = re.compile(r"^m(\d)-([0-9a-f]{1,32})-(?:r(\d{10})-)?(\d{10})$")
-_CONSUMER_RE = re.compile(r"^(c[0-9a-f]{1,32})-(\d{10})$")
+_MESSAGE_RE = re.compile(r"^m(\d)-(\d{10})-([0-9a-f]{1,32})-(r?)(\d{10})$")
+# Before buckets: flat in unowned/, the requeue sequential too.
+_FLAT_MESSAGE_RE = re.compile(r"^m(\d)-([0-9a-f]{1,32})-(?:r(\d{10})-)?(\d{10})$")
+_BUCKET_RE = re.compile(r"^p(\d)-(\d{10})$")
+# The sequential "-{seq}" suffix is from before consumer ids carried their time.
+_CONSUMER_RE = re.compile(r"^(c[0-9a-f]{1,32})(?:-\d{10})?$")
 _OFFER_RE = re.compile(r"^(c[0-9a-f]{1,32})~([0-9a-f]{1,32})$")
 # Characters that cannot appear raw in a node name, or that we use as separators.
 _ESCAPE_RE = re.compile(r"[%/,~\x00-\x1f\x7f]")
@@ -69,27 +87,32 @@ def unescape(name: str) -> str:
 
 
 class MessageName(NamedTuple):
-    """A parsed unowned message name."""
+    """A parsed waiting-message name."""
 
     inverted_priority: int
+    generation: int | None   # its bucket; None: flat in unowned/ (before buckets)
     uid: str
-    first_seq: int | None
-    seq: int
+    order: int          # the sequence it was first published with
+    requeued: bool      # back from owned/ (a reject, a shutdown or a dead owner)
+    seq: int            # this node's own sequence (a requeue's is its order)
 
     @property
     def priority(self) -> int:
         return MAX_PRIORITY - self.inverted_priority
 
     @property
-    def order(self) -> int:
-        """Position among messages of the same priority (the first sequence)."""
-        return self.first_seq if self.first_seq is not None else self.seq
+    def bucket(self) -> str | None:
+        if self.generation is None:
+            return None
+        return bucket_name(self.inverted_priority, self.generation)
 
     @property
-    def sort_key(self) -> tuple[int, int, int, int]:
+    def sort_key(self) -> tuple[int, int, int, bool, int]:
+        # Flat messages first within their priority: they are older than any bucket.
         # On equal order a requeued message goes first: the tie is a handed
-        # message (order 0, see handed_name) against unowned/'s very first one.
-        return (self.inverted_priority, self.order, self.first_seq is None, self.seq)
+        # message (order 0, see handed_name) against a bucket's very first one.
+        generation = -1 if self.generation is None else self.generation
+        return (self.inverted_priority, generation, self.order, not self.requeued, self.seq)
 
 
 def clamp_priority(priority: int | None) -> int:
@@ -99,25 +122,50 @@ def clamp_priority(priority: int | None) -> int:
     return max(0, min(MAX_PRIORITY, int(priority)))
 
 
-def message_prefix(priority: int | None, uid: str, first_seq: int | None = None) -> str:
-    """Name prefix of a new (or requeued) message; ZooKeeper appends the sequence."""
-    inv = MAX_PRIORITY - clamp_priority(priority)
-    keep = f"r{first_seq:0{SEQ_DIGITS}d}-" if first_seq is not None else ""
-    return f"m{inv}-{uid}-{keep}"
+def inverted(priority: int | None) -> int:
+    return MAX_PRIORITY - clamp_priority(priority)
+
+
+def bucket_name(inverted_priority: int, generation: int) -> str:
+    return f"p{inverted_priority}-{generation:0{SEQ_DIGITS}d}"
+
+
+def parse_bucket_name(name: str) -> tuple[int, int] | None:
+    """``(inverted priority, generation)`` of a bucket, or ``None``."""
+    match = _BUCKET_RE.match(name)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def message_prefix(inverted_priority: int, generation: int, uid: str) -> str:
+    """Name prefix of a new message; ZooKeeper appends the sequence."""
+    return f"m{inverted_priority}-{generation:0{SEQ_DIGITS}d}-{uid}-"
+
+
+def requeued_name(message: MessageName) -> str:
+    """The name a message gets when it goes back to wait: in the bucket of its
+    first publication (flat ones: generation 0, ahead of every bucket),
+    marked requeued, with the sequence that keeps its place."""
+    generation = message.generation or 0
+    return (message_prefix(message.inverted_priority, generation, message.uid)
+            + f"r{message.order:0{SEQ_DIGITS}d}")
 
 
 def parse_message_name(name: str) -> MessageName | None:
-    """Parse an unowned node name; ``None`` for nodes celery_zk did not write."""
+    """Parse a waiting-message name; ``None`` for nodes celery_zk did not write."""
     match = _MESSAGE_RE.match(name)
+    if match:
+        inv, generation, uid, requeued, seq = match.groups()
+        return MessageName(int(inv), int(generation), uid, int(seq), bool(requeued), int(seq))
+    match = _FLAT_MESSAGE_RE.match(name)
     if not match:
         return None
     inv, uid, first, seq = match.groups()
-    return MessageName(int(inv), uid, int(first) if first else None, int(seq))
+    return MessageName(int(inv), None, uid, int(first or seq), first is not None, int(seq))
 
 
 def sort_messages(names: list[str]) -> tuple[list[str], list[str]]:
     """Split a listing into (ours in delivery order, foreign names)."""
-    parsed: list[tuple[tuple[int, int, int, int], str]] = []
+    parsed: list[tuple[tuple[int, int, int, bool, int], str]] = []
     foreign = []
     for name in names:
         msg = parse_message_name(name)
@@ -133,11 +181,11 @@ def handed_name(priority: int | None, token: str) -> str:
     """The name a message handed over in place of offer ``token`` gets.
 
     The consumer knows all of it but the priority, so the creation its watch
-    reports is recognisably its own. The sequence is zero: the message was
-    handed over while its queue was empty, so a requeue puts it back ahead of
-    its priority's later arrivals, where it belongs.
+    reports is recognisably its own. Generation and sequence are zero: the
+    message was handed over while its queue was empty, so a requeue puts it
+    back ahead of its priority's later arrivals, where it belongs.
     """
-    return message_prefix(priority, token) + "0" * SEQ_DIGITS
+    return message_prefix(inverted(priority), 0, token) + "0" * SEQ_DIGITS
 
 
 def offer_name(consumer_id: str, token: str) -> str:
@@ -162,14 +210,16 @@ def split_owned_name(name: str) -> tuple[str, str] | None:
     return consumer, message
 
 
-def consumer_prefix(consumer_id: str) -> str:
-    return f"{consumer_id}-"
+def new_consumer_id() -> str:
+    """A consumer id that sorts by creation time: its node needs no sequence
+    number (whose counter would run out), and the oldest live one leads."""
+    return f"c{time.time_ns():016x}{uuid.uuid4().hex[:8]}"
 
 
-def parse_consumer_name(name: str) -> tuple[str, int] | None:
-    """``(consumer id, sequence)`` of a live-consumer node."""
+def parse_consumer_name(name: str) -> str | None:
+    """The consumer id of a live-consumer node, or ``None`` if foreign."""
     match = _CONSUMER_RE.match(name)
-    return (match.group(1), int(match.group(2))) if match else None
+    return match.group(1) if match else None
 
 
 def holder_name(session_id: int, lease: str) -> str:
@@ -247,8 +297,24 @@ class Layout:
         """The directories every queue has (queues made before offers/ existed lack it)."""
         return (self.unowned(queue), self.owned(queue), self.dead(queue), self.offers(queue))
 
-    def unowned_message(self, queue: str, name: str) -> str:
+    def bucket(self, queue: str, name: str) -> str:
+        """A bucket of ``unowned/`` by its name (see :func:`bucket_name`)."""
         return join(self.unowned(queue), name)
+
+    def unowned_message(self, queue: str, name: str) -> str:
+        """Where a waiting message lives: in the bucket its name states (names
+        from before buckets, and foreign ones, directly in ``unowned/``)."""
+        message = parse_message_name(name)
+        bucket = message.bucket if message is not None else None
+        if bucket is None:
+            return join(self.unowned(queue), name)
+        return join(self.unowned(queue), bucket, name)
+
+    def new_message_prefix(self, queue: str, inverted_priority: int, generation: int,
+                           uid: str) -> str:
+        """The path a new message is created at (ZooKeeper appends the sequence)."""
+        return join(self.bucket(queue, bucket_name(inverted_priority, generation)),
+                    message_prefix(inverted_priority, generation, uid))
 
     def owned_message(self, queue: str, name: str) -> str:
         return join(self.owned(queue), name)
@@ -284,8 +350,8 @@ class Layout:
     def consumers(self) -> str:
         return join(self.root, "consumers")
 
-    def consumer(self, name: str) -> str:
-        return join(self.consumers, name)
+    def consumer(self, consumer_id: str) -> str:
+        return join(self.consumers, consumer_id)
 
     # -- results (the backend) ------------------------------------------------
     @property

@@ -22,7 +22,6 @@ import logging
 import os
 import socket
 import threading
-import uuid
 import weakref
 
 from kazoo.client import KazooState
@@ -32,7 +31,7 @@ from kazoo.recipe.watchers import ChildrenWatch
 from .autodelete import Sweeper
 from .client import create_once, log_failure
 from .config import ZKOptions
-from .layout import Layout, consumer_prefix, parse_consumer_name, split_owned_name
+from .layout import Layout, new_consumer_id, parse_consumer_name, split_owned_name
 from .queue import QueueStore
 from .session import ClientHandle, SharedSession, weak_callback
 
@@ -76,20 +75,14 @@ class ConsumerSession:
 
     def _register(self) -> None:
         client = self.handle.client
-        consumer_id = "c" + uuid.uuid4().hex[:12]
+        consumer_id = new_consumer_id()
         data = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
         client.retry(client.ensure_path, self.layout.consumers)
-
-        def find() -> str | None:  # a lost reply may hide a node we already made
-            for name in client.get_children(self.layout.consumers):
-                parsed = parse_consumer_name(name)
-                if parsed and parsed[0] == consumer_id:
-                    return self.layout.consumer(name)
-            return None
-
-        self.node_path = create_once(
-            client, lambda: client.create(self.layout.consumer(consumer_prefix(consumer_id)),
-                                          data, ephemeral=True, sequence=True), find)
+        path = self.layout.consumer(consumer_id)
+        # Not sequential: the id is unique and sorts by age (see new_consumer_id).
+        create_once(client, lambda: client.create(path, data, ephemeral=True),
+                    lambda: path if client.exists(path) else None)
+        self.node_path = path
         self.handle.own(self.node_path)   # deleted when this connection goes, however
         self.consumer_id = consumer_id
         self._nodes[consumer_id] = self.node_path
@@ -107,8 +100,8 @@ class ConsumerSession:
         message; after an expiry that node is gone and the ack is refused.
         """
         node = self._nodes.get(consumer_id)
-        if node is None:
-            node = self.layout.consumer(consumer_prefix(consumer_id) + "unknown")
+        if node is None:   # a path no consumer has: the ack is refused
+            node = self.layout.consumer(consumer_id + "~unknown")
         return node
 
     def _on_state(self, state: KazooState) -> None:
@@ -181,9 +174,7 @@ class Recovery:
 
     def live_ids(self) -> list[str]:
         """Live consumer ids, oldest registration first (as last seen by the watch)."""
-        live = sorted((p for p in map(parse_consumer_name, self._live) if p),
-                      key=lambda p: p[1])
-        return [consumer_id for consumer_id, _ in live]
+        return sorted(p for p in map(parse_consumer_name, self._live) if p)
 
     def is_leader(self) -> bool:
         ids = self.live_ids()
@@ -220,7 +211,7 @@ class Recovery:
             children = client.retry(client.get_children, self.layout.consumers)
         except NoNodeError:
             children = []
-        live = {p[0] for p in map(parse_consumer_name, children) if p}
+        live = {p for p in map(parse_consumer_name, children) if p}
         moved = 0
         for queue in self.store.queue_names():
             for name in self.store.owned_listing(queue):

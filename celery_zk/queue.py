@@ -22,20 +22,29 @@ from kazoo.exceptions import (
     NoNodeError,
     NotEmptyError,
 )
+from kazoo.protocol.paths import join
+from kazoo.protocol.states import ZnodeStat
 
 from .client import Deferred, RedoThread, create_once, log_failure, multi_failure, reply_or_retry
 from .config import ZKOptions
 from .exceptions import MessageTooLarge
 from .layout import (
     Layout,
-    message_prefix,
+    bucket_name,
+    inverted,
     owned_name,
+    parse_bucket_name,
     parse_message_name,
+    requeued_name,
     sort_messages,
     unescape,
 )
 
 logger = logging.getLogger(__name__)
+
+#: Bytes a claim's two operations carry beside the data and the paths
+#: (headers, version, ACL, flags), rounded up.
+OP_OVERHEAD = 64
 
 @dataclass(frozen=True)
 class Claimed:
@@ -55,6 +64,36 @@ class NewMessage:
     uid: str      # the unique part of its name: finds it after a lost reply
     path: str     # the sequential node's prefix
     data: bytes
+    inverted_priority: int
+    generation: int   # the bucket it goes to
+
+
+@dataclass(frozen=True)
+class Listing:
+    """The head of a queue in delivery order, as :meth:`QueueStore.listing` found it."""
+
+    names: list[str]     # ours, in delivery order
+    foreign: list[str]   # names celery_zk did not write (to dead-letter)
+
+
+def _in_place(bucket: str | None, names: list[str]) -> tuple[list[str], list[str]]:
+    """Split the children of a bucket (``None``: of ``unowned/`` itself) into the
+    message names that belong there and the rest, as paths under ``unowned/``."""
+    ours, foreign = [], []
+    for name in names:
+        parsed = parse_message_name(name)
+        if parsed is not None and parsed.bucket == bucket:
+            ours.append(name)
+        else:
+            foreign.append(f"{bucket}/{name}" if bucket else name)
+    return ours, foreign
+
+
+def creates(stat: ZnodeStat) -> int:
+    """How many children a node ever had created: the sequence its next
+    sequential child gets. ZooKeeper keeps that count and reports ``cversion``
+    as creates plus deletes, i.e. ``2 * creates - children``."""
+    return (stat.cversion + stat.numChildren) // 2
 
 
 def new_uid() -> str:
@@ -81,6 +120,8 @@ class QueueStore:
         self.options = options
         self._ack_retries: RedoThread[tuple[str, str]] = RedoThread(
             "celery_zk-ack-retry", self._ack_again)
+        # (queue, inverted priority) -> the bucket generation this process publishes to
+        self._tails: dict[tuple[str, int], int] = {}
 
     @property
     def client(self) -> KazooClient:
@@ -132,9 +173,16 @@ class QueueStore:
         return self.client.retry(self.client.exists, self.layout.unowned(queue)) is not None
 
     def size(self, queue: str) -> int:
-        """Messages waiting, from the directory's stat alone (no listing)."""
-        stat = self.client.retry(self.client.exists, self.layout.unowned(queue))
-        return stat.numChildren if stat else 0
+        """Messages waiting, from the directories' stats alone (no message listing)."""
+        client = self.client
+        try:
+            buckets, flat = self.buckets(queue)
+        except NoNodeError:
+            return 0
+        stats = [client.exists_async(self.layout.bucket(queue, bucket)) for bucket in buckets]
+        return len(flat) + sum(stat.numChildren for stat in (
+            reply_or_retry(client, result, client.exists, self.layout.bucket(queue, bucket))
+            for bucket, result in zip(buckets, stats)) if stat is not None)
 
     # -- publishing ---------------------------------------------------------------
     def check_size(self, data: bytes, what: str) -> None:
@@ -153,49 +201,156 @@ class QueueStore:
     def new_message(self, queue: str, data: bytes, priority: int | None) -> NewMessage:
         """A message ready to publish (its size checked, its node named)."""
         self.check_size(data, f"A message for queue {queue!r}")
-        uid = new_uid()
+        inv = inverted(priority)
+        generation = self._tails.get((queue, inv))
+        if generation is None:
+            generation = self._find_tail(queue, inv)
+        return self._named(queue, new_uid(), data, inv, generation)
+
+    def _named(self, queue: str, uid: str, data: bytes, inv: int, generation: int
+               ) -> NewMessage:
         # ZooKeeper appends the sequence to this prefix.
-        path = self.layout.unowned_message(queue, message_prefix(priority, uid))
-        return NewMessage(queue, uid, path, data)
+        path = self.layout.new_message_prefix(queue, inv, generation, uid)
+        return NewMessage(queue, uid, path, data, inv, generation)
 
     def put_new(self, message: NewMessage, maybe_made: bool = False) -> str:
         """Create ``message``'s node once (``maybe_made``: an earlier create lost its reply)."""
         try:
-            return self._create_once(message, maybe_made)
+            name = self._create_once(message, maybe_made)
         except NoNodeError:
-            self.declare(message.queue)  # first message to an undeclared queue
-            return self._create_once(message, maybe_made)
+            # Its bucket was emptied and deleted (or the queue never declared): go
+            # to the queue's newest bucket of that priority.
+            self._tails.pop((message.queue, message.inverted_priority), None)
+            generation = max(message.generation,
+                             self._find_tail(message.queue, message.inverted_priority))
+            message = self._named(message.queue, message.uid, message.data,
+                                  message.inverted_priority, generation)
+            name = self._create_once(message, maybe_made)
+        self.created(message, name)
+        return name
+
+    def created(self, message: NewMessage, name: str) -> None:
+        """A publish made ``name``: once its bucket has had ``bucket_size`` creates,
+        the next go to a new one (non-blocking: kazoo's thread may call it).
+
+        The new bucket is created without waiting: ZooKeeper handles a session's
+        requests in order, so it exists before this process's next message."""
+        parsed = parse_message_name(name)
+        if parsed is None or parsed.seq < self.options.bucket_size - 1:
+            return
+        key, following = (message.queue, message.inverted_priority), message.generation + 1
+        if self._tails.get(key, -1) >= following:
+            return   # moved on already
+        self._tails[key] = following
+        self.client.create_async(self.layout.bucket(
+            message.queue, bucket_name(message.inverted_priority, following)))
+
+    def _find_tail(self, queue: str, inv: int) -> int:
+        """The newest bucket of a priority, made if there is none (or it is full)."""
+        layout, client = self.layout, self.client
+        try:
+            names = client.retry(client.get_children, layout.unowned(queue))
+        except NoNodeError:
+            self.declare(queue)   # first message to an undeclared queue
+            names = []
+        generations = [parsed[1] for parsed in map(parse_bucket_name, names)
+                       if parsed is not None and parsed[0] == inv]
+        generation = max(generations, default=0)
+        stat = (client.retry(client.exists, layout.bucket(queue, bucket_name(inv, generation)))
+                if generations else None)
+        if stat is not None and creates(stat) >= self.options.bucket_size:
+            generation += 1
+            stat = None
+        if stat is None:
+            try:
+                client.retry(client.create, layout.bucket(queue, bucket_name(inv, generation)))
+            except NodeExistsError:
+                pass
+            except NoNodeError:   # the queue was deleted meanwhile: declare it again
+                self.declare(queue)
+                return self._find_tail(queue, inv)
+        self._tails[(queue, inv)] = generation
+        return generation
 
     def _create_once(self, message: NewMessage, maybe_made: bool) -> str:
         client = self.client
         return create_once(
             client, lambda: client.create(message.path, message.data,
                                           sequence=True).rpartition("/")[2],
-            lambda: self._find_uid(message.queue, message.uid), maybe_made)
+            lambda: self._find_uid(message), maybe_made)
 
-    def _find_uid(self, queue: str, uid: str) -> str | None:
-        for name in self.client.get_children(self.layout.unowned(queue)):
+    def _find_uid(self, message: NewMessage) -> str | None:
+        try:
+            names = self.client.get_children(self.layout.parent(message.path))
+        except NoNodeError:
+            return None
+        for name in names:
             parsed = parse_message_name(name)
-            if parsed and parsed.uid == uid:
+            if parsed and parsed.uid == message.uid:
                 return name
         return None
 
-    # -- consuming ----------------------------------------------------------------
-    def listing(self, queue: str, watch: Callable[[Any], None] | None = None
+    def buckets(self, queue: str, watch: Callable[[Any], None] | None = None
                 ) -> tuple[list[str], list[str]]:
-        """(messages in delivery order, foreign node names) of a queue."""
+        """``(buckets in delivery order, other names)`` in a queue's ``unowned/``."""
+        client = self.client
+        names = client.retry(client.get_children, self.layout.unowned(queue), watch=watch)
+        buckets = sorted(name for name in names if parse_bucket_name(name) is not None)
+        return buckets, [name for name in names if parse_bucket_name(name) is None]
+
+    # -- consuming ----------------------------------------------------------------
+    def listing(self, queue: str, want: int,
+                watch: Callable[[Any], None] | None = None) -> Listing:
+        """The first ``want`` (or a few more) waiting messages of a queue, in
+        delivery order, from names alone.
+
+        Lists ``unowned/`` and then its buckets in order until ``want`` names
+        are found; ``watch`` is set on every directory listed, so an empty
+        result is fully watched. An empty bucket with a later one of its
+        priority is deleted: no publisher will come back to it.
+        """
         client = self.client
         path = self.layout.unowned(queue)
         while True:
             try:
-                names = client.retry(client.get_children, path, watch=watch)
+                buckets, flat = self.buckets(queue, watch)
             except NoNodeError:
                 # No listing watch on a missing node: watch for its creation instead
                 # (a deleted auto-delete queue its owner re-declares after an expiry).
                 if watch is None or client.retry(client.exists, path, watch=watch) is None:
-                    return [], []
+                    return Listing([], [])
                 continue  # created meanwhile: list it
-            return sort_messages(names)
+            break
+        names, foreign = _in_place(None, flat)
+        for index, bucket in enumerate(buckets):
+            if len(names) >= want:
+                break
+            try:
+                children = client.retry(client.get_children, self.layout.bucket(queue, bucket),
+                                        watch=watch)
+            except NoNodeError:
+                continue   # emptied and deleted meanwhile
+            if not children:
+                later = buckets[index + 1] if index + 1 < len(buckets) else ""
+                if later[:3] == bucket[:3]:   # a later bucket of the same priority
+                    self._delete_bucket(queue, bucket)
+                continue
+            ours, theirs = _in_place(bucket, children)
+            names += ours
+            foreign += theirs
+        return Listing(sort_messages(names)[0], foreign)
+
+    def _delete_bucket(self, queue: str, bucket: str) -> None:
+        """Delete an empty bucket in the background (refused if a message came)."""
+        def done(result: Any) -> None:   # kazoo's thread: never block
+            try:
+                result.get()
+            except (NoNodeError, NotEmptyError):
+                pass
+            except Exception as exc:
+                log_failure(logger, exc, "celery_zk: could not delete the empty bucket "
+                            "%s of queue %r; the next listing tries again", bucket, queue)
+        self.client.delete_async(self.layout.bucket(queue, bucket)).rawlink(done)
 
     def read_async(self, queue: str, name: str) -> Any:
         """Start reading a waiting message (non-blocking: a watch callback may call it)."""
@@ -214,7 +369,8 @@ class QueueStore:
         """Move ``names`` from unowned to owned in one transaction.
 
         ``reads``: reads of some of them already under way (:meth:`read_async`).
-        Returns what was claimed and the names another consumer took first.
+        Returns what was claimed and the names another consumer took first;
+        the others did not fit in one request (see :meth:`_fitting`).
         """
         layout, client = self.layout, self.client
         gone: set[str] = set()
@@ -230,6 +386,7 @@ class QueueStore:
                 gone.add(name)
             else:
                 candidates.append((name, data, stat.version))
+        candidates = self._fitting(queue, consumer_id, candidates)
         while candidates:
             txn = client.transaction()
             for name, data, version in candidates:
@@ -255,6 +412,24 @@ class QueueStore:
                 raise error
             gone.add(candidates.pop(index // 2)[0])  # two ops per candidate
         return [], gone
+
+    def _fitting(self, queue: str, consumer_id: str,
+                 candidates: list[tuple[str, bytes, int]]) -> list[tuple[str, bytes, int]]:
+        """The first candidates whose claim fits in one request.
+
+        ZooKeeper closes the connection of a request larger than its
+        ``jute.maxbuffer``, so a multi carrying several big messages would
+        fail forever; what does not fit stays waiting for the next claim.
+        """
+        layout = self.layout
+        budget = self.options.max_message_size
+        for index, (name, data, _) in enumerate(candidates):
+            budget -= (len(data) + len(layout.unowned_message(queue, name))
+                       + len(layout.owned_message(queue, owned_name(consumer_id, name)))
+                       + OP_OVERHEAD)
+            if budget < 0 and index > 0:
+                return candidates[:index]
+        return candidates
 
     def _ack_ops(self, owned_path: str, consumer_node: str) -> Callable[[TransactionRequest], None]:
         def build(txn: TransactionRequest) -> None:
@@ -336,13 +511,20 @@ class QueueStore:
             except NoNodeError:
                 return False
             expected_version = stat.version
-        path = layout.unowned_message(queue, message_prefix(
-            message.priority, message.uid, message.order))
+        # Not sequential: the uid makes the name unique (one copy of a message
+        # exists at a time), and no bucket's counter moves.
+        path = layout.unowned_message(queue, requeued_name(message))
+
+        bucket = layout.parent(path)
+        make_bucket = False
 
         def move() -> bool:
+            nonlocal make_bucket
             txn = client.transaction()
             txn.delete(owned_path, version=expected_version)
-            txn.create(path, data, sequence=True)
+            if make_bucket:
+                txn.create(bucket)
+            txn.create(path, data)
             try:
                 failure = multi_failure(txn.commit())
             except ConnectionLoss:
@@ -351,9 +533,17 @@ class QueueStore:
                 raise
             if failure is None:
                 return True
-            if isinstance(failure[1], (NoNodeError, BadVersionError)):
+            index, error = failure
+            if index == 1 and isinstance(error, NoNodeError if not make_bucket
+                                         else NodeExistsError):
+                # Its bucket was emptied and deleted since (make it again, in the
+                # same transaction: it sorts ahead of later buckets, where the
+                # message belongs), or made again meanwhile.
+                make_bucket = not make_bucket
+                return move()
+            if isinstance(error, (NoNodeError, BadVersionError)):
                 return False
-            raise failure[1]
+            raise error
 
         return bool(client.retry(move))
 
@@ -382,9 +572,11 @@ class QueueStore:
         self.client.delete_async(owned_path).rawlink(done)
 
     def dead_letter_unowned(self, queue: str, name: str, reason: str) -> bool:
-        """Move a node we cannot deliver out of the way, so it is not retried forever."""
+        """Move a node we cannot deliver out of the way, so it is not retried forever.
+        ``name``: as listed (``bucket/name`` for a foreign node inside a bucket)."""
         return self._move_to_dead(self.layout.unowned_message(queue, name),
-                                  self.layout.dead_message(queue, name), reason)
+                                  self.layout.dead_message(queue, name.replace("/", "~")),
+                                  reason)
 
     def _move_to_dead(self, source: str, target: str, reason: str) -> bool:
         client = self.client
@@ -409,15 +601,28 @@ class QueueStore:
 
     # -- maintenance --------------------------------------------------------------
     def purge(self, queue: str) -> int:
-        """Delete every waiting (unowned) message; owned ones are being worked on."""
+        """Delete every waiting (unowned) message; owned ones are being worked on.
+        One bucket at a time, so a huge backlog is never listed at once."""
         client, layout = self.client, self.layout
         try:
-            names = client.retry(client.get_children, layout.unowned(queue))
+            buckets, flat = self.buckets(queue)
         except NoNodeError:
             return 0
+        removed = self._delete_all([layout.unowned_message(queue, name) for name in flat])
+        for bucket in buckets:
+            path = layout.bucket(queue, bucket)
+            try:
+                names = client.retry(client.get_children, path)
+            except NoNodeError:
+                continue
+            removed += self._delete_all([join(path, name) for name in names])
+        return removed
+
+    def _delete_all(self, paths: list[str]) -> int:
+        """Pipelined deletes; how many this call deleted."""
+        client = self.client
         removed = 0
-        results = [(n, client.delete_async(layout.unowned_message(queue, n))) for n in names]
-        for _, result in results:
+        for result in [client.delete_async(path) for path in paths]:
             try:
                 result.get()
                 removed += 1

@@ -46,7 +46,7 @@ from kazoo.exceptions import NoNodeError
 
 from .client import CONNECTION_ERRORS, log_failure, reply_or_retry
 from .handoff import Offer
-from .layout import parse_message_name, sort_messages, split_owned_name
+from .layout import parse_bucket_name, parse_message_name, sort_messages, split_owned_name
 from .queue import Claimed
 from .session import weak_callback
 from .watches import NODE_CREATED
@@ -101,10 +101,20 @@ class QueueView:
     def _on_one_shot(self, _event: Any) -> None:
         self._woken()
 
-    def _on_tree(self, event_type: int, name: str) -> None:
-        if name and "/" not in name:
+    def _on_tree(self, event_type: int, path: str) -> None:
+        # path is relative to unowned/: "bucket/message", a bucket, or a flat
+        # message of a publisher from before buckets.
+        bucket, _, name = path.rpartition("/")
+        if bucket and "/" in bucket:
+            return   # below a message node: not ours
+        if not bucket and parse_bucket_name(name) is not None:
+            return   # a bucket made or deleted: no message came with it
+        if name:
             if event_type != NODE_CREATED:
                 return   # a claim or purge: nothing new to take, no need to wake
+            message = parse_message_name(name)
+            if message is None or message.bucket != (bucket or None):
+                name = path   # foreign: the listing dead-letters it by its path
             if len(self.arrivals) >= self.options.claim_batch:
                 self.stale = True   # a backlog builds up: the next look lists (and goes busy)
                 self.arrivals.clear()
@@ -119,8 +129,6 @@ class QueueView:
                         pass   # closing meanwhile: the claim reads it, or reports why not
                 self.order += 1
                 self.arrivals.append((self.order, name))
-        elif name:
-            return   # below a message node: not ours
         else:
             self.stale = True   # unowned/ itself was deleted or created (queue re-declared)
         self._woken()
@@ -184,7 +192,10 @@ class QueueView:
             if not self.listing:
                 continue   # only foreign names arrived
             batch = self._pick(limit)   # removes the batch from the listing
-            claimed, _gone = transport.store.claim(self.queue, batch, consumer_id, self.reads)
+            claimed, gone = transport.store.claim(self.queue, batch, consumer_id, self.reads)
+            # Names neither claimed nor gone did not fit in one request: next time.
+            taken = gone.union(message.name for message in claimed)
+            self.listing.extendleft(reversed([name for name in batch if name not in taken]))
             if claimed:
                 self.buffer.extend(claimed)
                 return
@@ -216,9 +227,10 @@ class QueueView:
         self.stale = False
         self.arrivals.clear()   # whatever arrived so far is in this listing
         self.reads.clear()
-        names, foreign = self.transport.store.listing(
-            self.queue, watch=None if tree else self._one_shot_cb)
-        self._dead_letter(foreign)
+        found = self.transport.store.listing(
+            self.queue, self.options.claim_batch, watch=None if tree else self._one_shot_cb)
+        self._dead_letter(found.foreign)
+        names = found.names
         self.listing = deque(names)
         self.listed_at = monotonic()
         self.idle = not names

@@ -35,6 +35,8 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   Unless given here, the broker takes kombu's ``Connection(connect_timeout=)``
   (Celery's ``broker_connection_timeout``, 4 s). When nothing listens on any
   host the connection fails at once.
+* ``bucket_size`` (int, 4096): waiting messages go in buckets of one priority;
+  a publisher starts the next after this many creates (bounds every listing).
 * ``claim_batch`` (int, 64): most messages claimed in one transaction (also
   bounded by the consumer's prefetch).
 * ``listing_max_age`` (float, 1.0): seconds a consumer may reuse its cached,
@@ -304,7 +306,7 @@ class Channel(virtual.Channel):
             properties = payload["properties"]
             properties["delivery_tag"] = claimed.owned_path
             parsed = parse_message_name(claimed.name)
-            if parsed is not None and parsed.first_seq is not None:
+            if parsed is not None and parsed.requeued:
                 # The name says it was requeued (by a reject, a shutdown or a dead owner).
                 payload["redelivered"] = True
                 properties.setdefault("delivery_info", {})["redelivered"] = True

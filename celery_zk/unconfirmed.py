@@ -74,10 +74,11 @@ class UnconfirmedPublisher:
     def _on_reply(self, result: Any, message: NewMessage) -> None:
         # kazoo's event thread: never block here; anything but success goes to the thread.
         try:
-            result.get()
+            path = result.get()
         except Exception:
             self._redo.submit(message)
             return
+        self.store.created(message, path.rpartition("/")[2])
         self._finished()
 
     def _redo_one(self, message: NewMessage) -> None:

@@ -54,6 +54,10 @@ _ANY_WATCHER = 3            # WatcherType: removes every watch of ours on the pa
 TreeCallback = Callable[[int, str], None]
 
 
+#: How far below a watched path an event is handed to its callbacks.
+DEPTH = 2
+
+
 class _PathAndInt(namedtuple("_PathAndInt", "path value")):
     """The wire form both requests share: a path and one int. The reply has no
     body to read (an ErrorResponse whose code the reply header already gave)."""
@@ -107,12 +111,17 @@ class TreeWatches:
             self._generation += 1   # the server dropped our watches with the connection
 
     def _dispatch(self, event_type: int, path: str) -> bool:
-        """Hand an event to the callbacks of the watched path it falls under."""
+        """Hand an event to the callbacks of the watched path it falls under,
+        with its path below that one ("" for the watched node itself)."""
         callbacks = self._callbacks.get(path)
         name = ""
-        if callbacks is None:
-            parent, _, name = path.rpartition("/")
-            callbacks = self._callbacks.get(parent)
+        watched = path
+        for _ in range(DEPTH):   # a queue's messages are two levels down (bucket/message)
+            if callbacks is not None:
+                break
+            watched, _, below = watched.rpartition("/")
+            name = f"{below}/{name}" if name else below
+            callbacks = self._callbacks.get(watched)
         if not callbacks:
             return False
         for callback in callbacks:

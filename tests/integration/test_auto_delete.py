@@ -12,6 +12,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from celery_zk import autodelete
 from celery_zk.layout import Layout
 
+from .queues import waiting
 from .workers import wait_until
 
 LAYOUT = Layout("/")  # zk_client is chrooted at the URL's path
@@ -48,10 +49,10 @@ def test_a_durable_queue_declared_auto_delete_elsewhere_is_never_deleted(
     with Connection(zk_url) as other:
         declare_auto_delete(other, "keep-me")
         assert zk_client.exists(LAYOUT.holders("keep-me")) is None
-    assert len(zk_client.get_children(LAYOUT.unowned("keep-me"))) == 1  # message kept
+    assert len(waiting(zk_client, LAYOUT, "keep-me")) == 1  # message kept
     with Connection(zk_url) as sweeper:
         assert sweeper.transport.auto_delete.sweep() == 0
-    assert len(zk_client.get_children(LAYOUT.unowned("keep-me"))) == 1
+    assert len(waiting(zk_client, LAYOUT, "keep-me")) == 1
 
 
 def test_sweep_deletes_unheld_queues_with_their_messages_in_batches(

@@ -114,7 +114,7 @@ def consumers_of(client: KazooClient, pid: int) -> set[str]:
             continue
         parsed = parse_consumer_name(name)
         if parsed and json.loads(data)["pid"] == pid:
-            ids.add(parsed[0])
+            ids.add(parsed)
     return ids
 
 

@@ -14,6 +14,8 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from celery_zk.handoff import Offer
 from celery_zk.layout import Layout, parse_message_name, split_owned_name
 
+from .queues import unowned_creations as creations
+from .queues import waiting
 from .sessions import apart
 from .workers import wait_until
 
@@ -25,8 +27,8 @@ def offers(zk_client: KazooClient, queue: str) -> list[str]:
 
 
 def unowned_creations(zk_client: KazooClient, queue: str) -> int:
-    """How many children unowned/ ever had made or removed (its cversion)."""
-    return zk_client.exists(LAYOUT.unowned(queue)).cversion
+    """How many messages unowned/ ever had created in it."""
+    return creations(zk_client, LAYOUT, queue)
 
 
 def publish(zk_url: str, queue: Queue, *bodies: Any, **kwargs: Any) -> None:
@@ -91,7 +93,7 @@ def test_no_offers_with_handoff_off(zk_url: str, zk_client: KazooClient) -> None
         publish(zk_url, queue, "x")
         conn.drain_events(timeout=5)
         assert offers(zk_client, "nohand") == []
-        assert unowned_creations(zk_client, "nohand") == before + 2   # put, then claimed
+        assert unowned_creations(zk_client, "nohand") == before + 1   # put (and then claimed)
     assert [body for body, _ in got] == ["x"]
 
 
@@ -122,7 +124,7 @@ def test_a_full_prefetch_withdraws_the_offers_of_the_other_queues(
         expect_idle(conn)
         assert offers(zk_client, "pf-b") == []
         publish(zk_url, second, "b")
-        assert zk_client.get_children(LAYOUT.unowned("pf-b")) != []   # waits for anyone
+        assert waiting(zk_client, LAYOUT, "pf-b") != []   # waits for anyone
         expect_idle(conn)
         got[0][1].ack()
         conn.drain_events(timeout=5)
@@ -152,9 +154,10 @@ def test_a_message_handed_to_a_consumer_that_stops_goes_back_to_its_queue(
     assert got == []
     assert zk_client.get_children(LAYOUT.owned("stop")) == []
     assert offers(zk_client, "stop") == []
-    waiting = zk_client.get_children(LAYOUT.unowned("stop"))
-    assert len(waiting) == 1
-    assert parse_message_name(waiting[0]).first_seq == 0   # ahead of later arrivals
+    back = waiting(zk_client, LAYOUT, "stop")
+    assert len(back) == 1
+    parsed = parse_message_name(back[0])
+    assert parsed.requeued and parsed.order == 0   # ahead of later arrivals
     again: list[Any] = []
     with consumer(conn, queue, again):
         conn.drain_events(timeout=5)
@@ -174,7 +177,7 @@ def test_withdrawing_a_taken_offer_finds_the_handed_message(
     with Connection(zk_url) as other:
         assert other.transport.handoff.give("race", b"body", 5)
         assert not other.transport.handoff.give("race", b"second", 5)   # offer used up
-        assert zk_client.get_children(LAYOUT.unowned("race")) == []   # give() only hands over
+        assert waiting(zk_client, LAYOUT, "race") == []   # give() only hands over
     found = offer.withdraw()
     assert found is not None and found[0] == consumer_id
     assert zk_client.get(found[1].replace(transport.layout.root, "", 1) or "/")[0] == b"body"
@@ -325,7 +328,7 @@ def test_offers_of_every_consumer_are_used_by_concurrent_publishers(
             c.close()
     assert sorted(got) == list(range(80))
     assert zk_client.get_children(LAYOUT.owned("many")) == []
-    assert zk_client.get_children(LAYOUT.unowned("many")) == []
+    assert waiting(zk_client, LAYOUT, "many") == []
 
 
 def _drain_one_quick(conn: Connection) -> None:
@@ -380,4 +383,4 @@ def test_an_ack_held_back_is_sent_before_the_connection_closes(
         message.ack()
     # Neither still owned nor requeued by the close: the ack landed first.
     assert zk_client.get_children(LAYOUT.owned("late-ack")) == []
-    assert zk_client.get_children(LAYOUT.unowned("late-ack")) == []
+    assert waiting(zk_client, LAYOUT, "late-ack") == []

@@ -29,6 +29,7 @@ from celery_zk.layout import Layout
 from celery_zk.pytest_plugin import kazoo_client
 from celery_zk.server import TLSConfig, ZooKeeperServer, free_ports
 
+from .queues import first_bucket_path, waiting_paths
 from .workers import Worker, celery_cli, read_log
 
 TASK = "proj.app."
@@ -90,8 +91,8 @@ def test_acl_protects_every_node(open_chroot: str, start_worker: Callable[..., W
     layout = Layout(root)
     with kazoo(hosts, f"alice:{ALICE_PW}") as alice:
         nodes = walk(alice, root)
-        messages = [join(layout.unowned("parked"), n)
-                    for n in alice.get_children(layout.unowned("parked"))]
+        messages = waiting_paths(alice, layout, "parked")
+        parked_bucket = first_bucket_path(alice, layout, "parked")
         bindings = [join(layout.bindings(e), b)
                     for e in alice.get_children(layout.exchanges)
                     for b in alice.get_children(layout.bindings(e))]
@@ -115,8 +116,8 @@ def test_acl_protects_every_node(open_chroot: str, start_worker: Callable[..., W
                     outsider.get(node)
                 with pytest.raises(NoAuthError):
                     outsider.get_children(node)
-            for queue_dir in (layout.unowned("parked"), layout.unowned("celery"),
-                              layout.owned("celery"), layout.results):
+            for queue_dir in (layout.unowned("parked"), parked_bucket,
+                              layout.unowned("celery"), layout.owned("celery"), layout.results):
                 with pytest.raises(NoAuthError):
                     outsider.create(join(queue_dir, "m0-ffff-0000000000"), b"{}")
             with pytest.raises(NoAuthError):
@@ -130,9 +131,9 @@ def test_acl_protects_every_node(open_chroot: str, start_worker: Callable[..., W
         assert json.loads(bob.get(result)[0])["result"] == 9
         for node in (*bindings, root):
             bob.get(node)
-        assert bob.get_children(layout.unowned("parked"))
+        assert bob.get_children(parked_bucket)
         with pytest.raises(NoAuthError):
-            bob.create(join(layout.unowned("parked"), "m0-ffff-0000000000"), b"{}")
+            bob.create(join(parked_bucket, "m0-ffff-0000000000"), b"{}")
         with pytest.raises(NoAuthError):
             bob.set(messages[0], b"tampered")
         with pytest.raises(NoAuthError):

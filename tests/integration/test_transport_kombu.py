@@ -15,8 +15,9 @@ from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk.exceptions import MessageTooLarge, ZKConfigurationError, ZKConnectionError
-from celery_zk.layout import Layout
+from celery_zk.layout import Layout, parse_bucket_name
 
+from .queues import first_bucket_path, waiting
 from .spies import CONSUMER_REQUESTS, count_calls
 
 
@@ -87,7 +88,7 @@ def test_reject_removes_or_dead_letters(zk_url: str, zk_client: KazooClient) -> 
             (_, message), = drain(c, queue, 1, ack=False)
             message.reject(requeue=False)
             name = queue.name
-            assert zk_client.get_children(layout.unowned(name)) == []
+            assert waiting(zk_client, layout, name) == []
             assert zk_client.get_children(layout.owned(name)) == []
             assert len(zk_client.get_children(layout.dead(name))) == (1 if dead_letter else 0)
 
@@ -170,7 +171,7 @@ def test_cancelling_a_consumer_gives_back_what_it_claimed_but_did_not_deliver(
         assert len(got) == 1 and len(zk_client.get_children(layout.owned("cc"))) == 3
         consumer.cancel()
         # The two claimed but undelivered are waiting again; the delivered one stays owned.
-        assert len(zk_client.get_children(layout.unowned("cc"))) == 2
+        assert len(waiting(zk_client, layout, "cc")) == 2
         assert len(zk_client.get_children(layout.owned("cc"))) == 1
         got[0][1].ack()
     assert sorted(b["n"] for b, _ in drain(conn, queue, 2)) == sorted(
@@ -262,14 +263,19 @@ def test_foreign_and_undecodable_nodes_are_dead_lettered(conn: Connection, zk_ur
     producer = Producer(conn.channel())
     producer.publish({"ok": 1}, exchange=queue.exchange, routing_key="junk", declare=[queue])
     zk_client.create(layout.unowned("junk") + "/something-else", b"hello")
+    # A message name of celery_zk before buckets, flat in unowned/: read, but undecodable.
     zk_client.create(layout.unowned("junk") + "/m0-0123456789abcdef-", b"{not json",
                      sequence=True)
+    # Inside a bucket: a name that is not a message, and one of another bucket.
+    bucket = first_bucket_path(zk_client, layout, "junk")
+    zk_client.create(bucket + "/x-junk", b"hi")
+    zk_client.create(bucket + "/m0-0000000077-0123456789abcdef-0000000001", b"{}")
     producer.publish({"ok": 2}, exchange=queue.exchange, routing_key="junk")
     got = [b for b, _ in drain(conn, queue, 2)]
     assert got == [{"ok": 1}, {"ok": 2}]
-    assert sorted(n.split("-")[0] for n in zk_client.get_children(layout.dead("junk"))) == [
-        "m0", "something"]
-    assert zk_client.get_children(layout.unowned("junk")) == []
+    dead = zk_client.get_children(layout.dead("junk"))
+    assert sorted(n.split("-")[0] for n in dead) == ["m0", "p9", "p9", "something"], dead
+    assert waiting(zk_client, layout, "junk") == []
 
 
 def test_oversized_message_is_refused_before_writing(conn: Connection, zk_url: str,
@@ -280,9 +286,24 @@ def test_oversized_message_is_refused_before_writing(conn: Connection, zk_url: s
     with pytest.raises(MessageTooLarge, match="max_message_size"):
         producer.publish({"blob": "x" * 2_000_000}, exchange=queue.exchange, routing_key="big")
     layout = layout_of(zk_url)
-    assert len(zk_client.get_children(layout.unowned("big"))) == 1
+    assert len(waiting(zk_client, layout, "big")) == 1
     producer.publish({"small": 2}, exchange=queue.exchange, routing_key="big")  # still usable
     assert [b for b, _ in drain(conn, queue, 2)] == [{"small": 1}, {"small": 2}]
+
+
+def test_big_messages_are_claimed_in_requests_the_server_accepts(
+        conn: Connection, zk_url: str) -> None:
+    """Three messages of 400 KB, a prefetch of 3: one claim of all three would be a
+    1.2 MB request, which ZooKeeper (jute.maxbuffer 1 MiB) answers by closing the
+    connection, again on every retry. They come in claims that fit instead."""
+    queue = Queue("bulky", Exchange("bulky", "direct"), "bulky")
+    producer = Producer(conn.channel())
+    for n in range(3):
+        producer.publish({"n": n, "blob": "x" * 400_000}, exchange=queue.exchange,
+                         routing_key="bulky", declare=[queue])
+    with Connection(zk_url) as other:
+        got = drain(other, queue, 3, timeout=20)
+    assert [body["n"] for body, _ in got] == [0, 1, 2]
 
 
 def test_bad_url_and_unreachable_server_fail_clearly() -> None:
@@ -324,9 +345,9 @@ def test_stored_message_is_plain_json(conn: Connection, zk_url: str,
     Producer(conn.channel()).publish({"a": 1}, exchange=queue.exchange, routing_key="plain",
                                      declare=[queue], priority=4)
     layout = layout_of(zk_url)
-    (name,) = zk_client.get_children(layout.unowned("plain"))
+    (name,) = waiting(zk_client, layout, "plain")
     assert name.startswith("m5-")
-    data, _ = zk_client.get(layout.unowned("plain") + "/" + name)
+    data, _ = zk_client.get(layout.unowned_message("plain", name))
     assert json.loads(data)["properties"]["priority"] == 4
 
 
@@ -343,7 +364,8 @@ def test_creates_whose_reply_was_lost_are_not_repeated(
 
     def create_then_lose_reply(path: str, *args: Any, **kwargs: Any) -> str:
         made = real_create(path, *args, **kwargs)
-        if len(lost) < 2:  # the first publish's and the registration's first attempt
+        if len(lost) < 2 and parse_bucket_name(path.rpartition("/")[2]) is None:
+            # the first publish's and the registration's first attempt
             lost.append(made)
             raise ConnectionLoss()
         return made
@@ -352,7 +374,7 @@ def test_creates_whose_reply_was_lost_are_not_repeated(
     layout = layout_of(zk_url)
     transport.store.declare("lossy")
     name = transport.store.put("lossy", b"{}", None)
-    assert zk_client.get_children(layout.unowned("lossy")) == [name]
+    assert waiting(zk_client, layout, "lossy") == [name]
     consumer_id, node = transport.session.ensure_registered()
     assert zk_client.get_children(layout.consumers) == [node.rpartition("/")[2]]
     assert len(lost) == 2 and lost[0].endswith(name) and lost[1] == node
@@ -369,7 +391,7 @@ def test_a_claim_repeats_a_read_whose_reply_was_lost(
     for i in range(3):
         transport.store.put("lost-read", json.dumps({"i": i}).encode(), None)
     consumer_id, _ = transport.session.ensure_registered()
-    names, _ = transport.store.listing("lost-read")
+    names = transport.store.listing("lost-read", 3).names
     real_get_async = client.get_async
     lost: list[str] = []
 

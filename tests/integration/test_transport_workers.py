@@ -15,6 +15,7 @@ from kazoo.client import KazooClient
 
 from celery_zk.layout import Layout, parse_consumer_name, split_owned_name, unescape
 
+from .queues import waiting
 from .workers import HERE, celery_cli, executed_values, read_log, wait_until
 
 LAYOUT = Layout("/")  # the zk_client fixture is chrooted at the test's root
@@ -67,7 +68,7 @@ def test_sigkill_one_of_two_workers_loses_nothing(zk_url: str, start_worker: Any
     doomed = start_worker(url, log=task_log, name="doomed", concurrency=4)
     survivor = start_worker(url, log=task_log, name="survivor", concurrency=4)
     wait_until(lambda: len(read_log(task_log)) >= total // 4, 60)
-    live_before = {parse_consumer_name(n)[0]
+    live_before = {parse_consumer_name(n)
                    for n in zk_client.get_children(LAYOUT.consumers)}
     held = owned_by(zk_client)
     pidboxes = {n: [q for q in map(unescape, zk_client.get_children(LAYOUT.queues))
@@ -76,9 +77,9 @@ def test_sigkill_one_of_two_workers_loses_nothing(zk_url: str, start_worker: Any
     assert all(len(queues) == 1 for queues in pidboxes.values()), pidboxes
     doomed.kill()
     killed = time.monotonic()
-    wait_until(lambda: len({parse_consumer_name(n)[0]
+    wait_until(lambda: len({parse_consumer_name(n)
                             for n in zk_client.get_children(LAYOUT.consumers)}) == 1, 30)
-    dead = live_before - {parse_consumer_name(n)[0]
+    dead = live_before - {parse_consumer_name(n)
                           for n in zk_client.get_children(LAYOUT.consumers)}
     wait_until(lambda: not set(owned_by(zk_client)) & dead, 30,
                message="the dead worker's messages were never requeued")
@@ -171,7 +172,7 @@ def test_purge_cli(zk_url: str, client_app: Celery, zk_client: KazooClient) -> N
         send(client_app, "record", i)
     out = celery_cli(["purge", "-f"], zk_url)
     assert "Purged 10 messages" in out.stdout, out.stdout + out.stderr
-    assert zk_client.get_children(LAYOUT.unowned("celery")) == []
+    assert waiting(zk_client, LAYOUT, "celery") == []
 
 
 def test_warm_shutdown_requeues_unacked(zk_url: str, client_app: Celery, start_worker: Any,
@@ -183,7 +184,7 @@ def test_warm_shutdown_requeues_unacked(zk_url: str, client_app: Celery, start_w
     assert len(zk_client.get_children(LAYOUT.owned("celery"))) > 2  # prefetched, unacked
     assert first.stop(signal.SIGTERM) == 0, first.output()
     assert zk_client.get_children(LAYOUT.owned("celery")) == []
-    assert "Restoring" in first.output() or zk_client.get_children(LAYOUT.unowned("celery"))
+    assert "Restoring" in first.output() or waiting(zk_client, LAYOUT, "celery")
     start_worker(zk_url, log=task_log, name="second", concurrency=4)
     wait_until(lambda: set(executed_values(task_log)) == set(range(20)), 60,
                message="messages restored at shutdown did not all run")

@@ -14,8 +14,9 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss
 from kombu import Connection, Exchange, Producer, Queue
 
-from celery_zk.layout import Layout, sort_messages
+from celery_zk.layout import Layout, parse_message_name
 
+from .queues import waiting
 from .workers import HERE, executed_values, wait_until
 
 LAYOUT = Layout("/")  # zk_client is chrooted at the URL's path
@@ -31,8 +32,8 @@ def decode(raw: bytes) -> Any:
 
 
 def stored_bodies(zk_client: KazooClient, queue: str) -> list[Any]:
-    names, foreign = sort_messages(zk_client.get_children(LAYOUT.unowned(queue)))
-    assert foreign == []
+    names = waiting(zk_client, LAYOUT, queue)
+    assert all(parse_message_name(n) for n in names)
     return [decode(zk_client.get(LAYOUT.unowned_message(queue, n))[0]) for n in names]
 
 

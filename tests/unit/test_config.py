@@ -87,3 +87,10 @@ def test_celery_reports_mask_zk_query_secrets_and_leave_other_urls_alone() -> No
     masked = utils.sanitize_url("zk://alice:pw@h/app?read_only_users=bob:secret")
     assert "secret" not in masked and "pw" not in masked
     assert utils.sanitize_url("redis://:pw@localhost:6379/0") == "redis://:********@localhost:6379/0"
+
+
+@pytest.mark.parametrize("size", ["1", "10001", "0"])
+def test_bucket_size_out_of_range_says_why(size: str) -> None:
+    with pytest.raises(ZKConfigurationError, match="bucket_size.*between 2 and 10,000.*1 MiB"):
+        parse_url(f"zk://h/app?bucket_size={size}")
+    assert parse_url("zk://h/app?bucket_size=2").options.bucket_size == 2

@@ -5,16 +5,21 @@ import pytest
 from celery_zk.layout import (
     Layout,
     binding_name,
+    bucket_name,
     clamp_priority,
     escape,
     handed_name,
+    inverted,
     message_prefix,
+    new_consumer_id,
     offer_name,
     owned_name,
     parse_binding_name,
+    parse_bucket_name,
     parse_consumer_name,
     parse_message_name,
     parse_offer_name,
+    requeued_name,
     result_shard,
     sort_messages,
     split_owned_name,
@@ -26,18 +31,49 @@ def seq(n: int) -> str:
     return f"{n:010d}"
 
 
-def test_message_name_round_trip() -> None:
-    name = message_prefix(7, "abcdef0123456789") + seq(42)
+def new(priority: int, uid: str, n: int, generation: int = 0) -> str:
+    """The name ZooKeeper gives a new message (prefix + its sequence)."""
+    return message_prefix(inverted(priority), generation, uid) + seq(n)
+
+
+def requeued(name: str) -> str:
     parsed = parse_message_name(name)
     assert parsed is not None
-    assert (parsed.priority, parsed.uid, parsed.first_seq, parsed.seq) == (7, "abcdef0123456789",
-                                                                           None, 42)
+    return requeued_name(parsed)
 
 
-def test_requeued_name_keeps_first_sequence() -> None:
-    name = message_prefix(3, "ab", first_seq=5) + seq(99)
+def test_message_name_round_trip() -> None:
+    name = new(7, "abcdef0123456789", 42, generation=3)
     parsed = parse_message_name(name)
-    assert parsed is not None and parsed.order == 5 and parsed.seq == 99 and parsed.priority == 3
+    assert parsed is not None
+    assert (parsed.priority, parsed.generation, parsed.uid, parsed.order, parsed.requeued,
+            parsed.seq) == (7, 3, "abcdef0123456789", 42, False, 42)
+    assert parsed.bucket == bucket_name(2, 3) == "p2-0000000003"
+    assert parse_bucket_name(parsed.bucket) == (2, 3)
+    assert Layout("/a").unowned_message("q", name) == f"/a/queues/q/unowned/p2-{seq(3)}/{name}"
+
+
+def test_requeued_name_keeps_its_bucket_and_first_sequence() -> None:
+    name = requeued(new(3, "ab", 5, generation=8))
+    parsed = parse_message_name(name)
+    assert parsed is not None
+    assert (parsed.order, parsed.requeued, parsed.priority, parsed.generation) == (5, True, 3, 8)
+    assert requeued(name) == name   # requeued again: the same place
+
+
+def test_names_from_before_buckets_are_still_read() -> None:
+    flat = "m6-abcdef-" + seq(12)
+    flat_requeued = "m6-abcdef-r" + seq(4) + "-" + seq(30)
+    parsed = parse_message_name(flat)
+    assert parsed is not None and parsed.generation is None and parsed.bucket is None
+    assert Layout("/a").unowned_message("q", flat) == "/a/queues/q/unowned/" + flat
+    parsed = parse_message_name(flat_requeued)
+    assert parsed is not None and (parsed.order, parsed.requeued) == (4, True)
+    # Requeued again, it goes to the first bucket of its priority, keeping its order.
+    assert parse_message_name(requeued(flat_requeued)).bucket == bucket_name(6, 0)
+    # Older than any bucket: first within their priority.
+    assert sort_messages([new(3, "b", 0), flat, new(9, "c", 7)])[0] == [
+        new(9, "c", 7), flat, new(3, "b", 0)]
 
 
 @pytest.mark.parametrize("priority, expected", [(None, 0), (-3, 0), (0, 0), (5, 5), (9, 9),
@@ -46,34 +82,40 @@ def test_priority_is_clamped_amqp_style(priority: int | None, expected: int) -> 
     assert clamp_priority(priority) == expected
 
 
-def test_sort_orders_by_priority_desc_then_first_sequence() -> None:
+def test_sort_orders_by_priority_desc_then_bucket_then_first_sequence() -> None:
     names = [
-        message_prefix(0, "a1") + seq(1),
-        message_prefix(9, "a2") + seq(2),
-        message_prefix(0, "a3") + seq(3),
-        message_prefix(9, "a4") + seq(4),
-        message_prefix(0, "a5", first_seq=0) + seq(10),  # requeued: goes back to the front
+        new(0, "a1", 1),
+        new(9, "a2", 2),
+        new(0, "a3", 3),
+        new(9, "a4", 4),
+        requeued(new(0, "a5", 0)),            # requeued: goes back to the front
+        new(0, "a6", 0, generation=1),        # a later bucket: after every earlier one
+        requeued(new(0, "a7", 9, generation=1)),
         "not-ours",
     ]
     ordered, foreign = sort_messages(names)
-    assert [parse_message_name(n).uid for n in ordered] == ["a2", "a4", "a5", "a1", "a3"]
+    assert [parse_message_name(n).uid for n in ordered] == [
+        "a2", "a4", "a5", "a1", "a3", "a6", "a7"]
     assert foreign == ["not-ours"]
 
 
 @pytest.mark.parametrize("name", ["", "m1-x-0000000001", "m1-abc-123", "mX-abc-0000000001",
-                                  "lock-0000000001"])
+                                  "lock-0000000001", "m1-0000000001-abc-r123",
+                                  "m1-0000000001-abc--2147483648", "p1-0000000001"])
 def test_foreign_names_are_not_messages(name: str) -> None:
     assert parse_message_name(name) is None
 
 
 def test_owned_name_round_trip() -> None:
-    message = message_prefix(1, "ff") + seq(7)
+    message = new(1, "ff", 7)
     assert split_owned_name(owned_name("c0123", message)) == ("c0123", message)
     assert split_owned_name("garbage") is None
 
 
-def test_consumer_name() -> None:
-    assert parse_consumer_name("cabc123-" + seq(12)) == ("cabc123", 12)
+def test_consumer_ids_sort_by_age_and_old_names_still_parse() -> None:
+    first, second = new_consumer_id(), new_consumer_id()
+    assert first < second and parse_consumer_name(first) == first
+    assert parse_consumer_name("cabc123-" + seq(12)) == "cabc123"   # a sequential one
     assert parse_consumer_name("zz") is None
 
 
@@ -93,10 +135,10 @@ def test_binding_name_round_trip() -> None:
 def test_paths_are_under_root_and_owned_path_inverts() -> None:
     layout = Layout("/app")
     assert layout.unowned("a/b") == "/app/queues/a%2Fb/unowned"
-    path = layout.owned_message("a/b", owned_name("c1", "m9-ab-" + seq(1)))
-    assert layout.split_owned_path(path) == ("a/b", "c1", "m9-ab-" + seq(1))
+    path = layout.owned_message("a/b", owned_name("c1", new(0, "ab", 1)))
+    assert layout.split_owned_path(path) == ("a/b", "c1", new(0, "ab", 1))
     with pytest.raises(ValueError):
-        layout.split_owned_path("/app/queues/x/unowned/m9-ab-" + seq(1))
+        layout.split_owned_path("/app/queues/x/unowned/" + new(0, "ab", 1))
     with pytest.raises(ValueError):
         layout.split_owned_path("/app/queues/x/owned/not-ours")
 
@@ -120,18 +162,18 @@ def test_offer_and_handed_names() -> None:
     assert parse_offer_name("x~y") is None and parse_offer_name("c01") is None
     handed = parse_message_name(handed_name(7, "abcdef0123456789"))
     assert handed is not None
-    assert (handed.priority, handed.uid, handed.first_seq, handed.seq) == (
-        7, "abcdef0123456789", None, 0)
+    assert (handed.priority, handed.uid, handed.generation, handed.requeued, handed.seq) == (
+        7, "abcdef0123456789", 0, False, 0)
 
 
 def test_a_requeued_handed_message_sorts_ahead_of_the_first_arrival() -> None:
     """Both have order 0 (the handed one from its name, the other as unowned/'s
     first node): the requeued one was there first."""
-    first_arrival = message_prefix(0, "b" * 16) + seq(0)
-    requeued = message_prefix(0, "a" * 16, first_seq=0) + seq(1)
-    later = message_prefix(0, "c" * 16) + seq(2)
-    ordered, _ = sort_messages([later, first_arrival, requeued])
-    assert ordered == [requeued, first_arrival, later]
+    first_arrival = new(0, "b" * 16, 0)
+    back = requeued(handed_name(0, "a" * 16))
+    later = new(0, "c" * 16, 2)
+    ordered, _ = sort_messages([later, first_arrival, back])
+    assert ordered == [back, first_arrival, later]
 
 
 def test_a_chord_size_node_never_collides_with_a_counted_part() -> None:

@@ -46,6 +46,21 @@ logger = logging.getLogger(__name__)
 #: (headers, version, ACL, flags), rounded up.
 OP_OVERHEAD = 64
 
+@dataclass
+class ClaimCounts:
+    """What this process's claims cost (for benchmarks and monitoring): the
+    price of consumers contending for one queue's head."""
+
+    transactions: int = 0   # claim multis sent
+    conflicts: int = 0      # of those, refused because another consumer was first
+    messages: int = 0       # messages claimed (hand-offs need no claim)
+
+
+#: This process's counts (a forked child starts from its parent's: read the
+#: difference).
+CLAIMS = ClaimCounts()
+
+
 @dataclass(frozen=True)
 class Claimed:
     """A message this consumer now owns."""
@@ -394,6 +409,7 @@ class QueueStore:
                 # lose the message; with it the message is unowned or owned, never neither.
                 txn.delete(layout.unowned_message(queue, name), version=version)
                 txn.create(layout.owned_message(queue, owned_name(consumer_id, name)), data)
+            CLAIMS.transactions += 1
             try:
                 results = txn.commit()
             except ConnectionLoss:
@@ -404,12 +420,14 @@ class QueueStore:
                 results = []
             failure = multi_failure(results)
             if failure is None:
+                CLAIMS.messages += len(candidates)
                 return [Claimed(queue, name, layout.owned_message(
                     queue, owned_name(consumer_id, name)), data)
                     for name, data, _ in candidates], gone
             index, error = failure
             if not isinstance(error, (NoNodeError, BadVersionError, NodeExistsError)):
                 raise error
+            CLAIMS.conflicts += 1
             gone.add(candidates.pop(index // 2)[0])  # two ops per candidate
         return [], gone
 

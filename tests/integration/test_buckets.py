@@ -6,6 +6,7 @@ as a long-running system does every 4,096.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import random
 import threading
@@ -23,7 +24,7 @@ from celery_zk.layout import (
     parse_message_name,
     split_owned_name,
 )
-from celery_zk.queue import creates
+from celery_zk.queue import CLAIMS, creates
 
 from .queues import buckets, waiting
 from .workers import wait_until
@@ -111,10 +112,14 @@ def test_a_backlog_many_buckets_long_keeps_priority_and_fifo_order(
             return names
 
         client.get_children = spy   # type: ignore[method-assign]
+        before = dataclasses.replace(CLAIMS)
         try:
             got = consume_all(conn, queue, 60)
         finally:
             del client.get_children
+    # A prefetch of 1: one claim per message, and nobody to contend with.
+    assert (CLAIMS.messages - before.messages, CLAIMS.transactions - before.transactions,
+            CLAIMS.conflicts - before.conflicts) == (60, 60, 0)
     expected = sorted(range(60), key=lambda i: (-(priorities[i] or 0), i))
     assert [body for body, _ in got] == expected
     assert listings and max(listings) <= SIZE

@@ -10,6 +10,8 @@
 * ``BENCH_DRAIN_TOTAL`` / ``BENCH_DRAIN_FILE``: the ``bench.drain`` task counts
   distinct task indexes in this (threads pool: single) process and writes the
   first/last execution times to the file when all of them have run.
+* ``BENCH_CLAIMS_FILE``: at shutdown, celery_zk's claim counts of this process
+  (:data:`celery_zk.queue.CLAIMS`: transactions, conflicts, messages) as JSON.
 
 The client imports :func:`make_app` to get the same task names on any broker.
 """
@@ -22,7 +24,7 @@ import time
 from typing import Any
 
 from celery import Celery, Task
-from celery.signals import worker_ready
+from celery.signals import worker_ready, worker_shutdown
 
 import celery_zk  # noqa: F401  (registers the zk:// transport alias)
 
@@ -101,3 +103,14 @@ def _announce_ready(**_: Any) -> None:
     if path:
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(str(os.getpid()))
+
+
+@worker_shutdown.connect
+def _report_claims(**_: Any) -> None:
+    path = os.environ.get("BENCH_CLAIMS_FILE")
+    if path:
+        from dataclasses import asdict
+
+        from celery_zk.queue import CLAIMS
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(asdict(CLAIMS), fh)

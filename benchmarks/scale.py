@@ -1,0 +1,507 @@
+"""Scale and longevity: big backlogs, server memory, restarts, many queues, contention.
+
+One run starts its own ZooKeeper (celery_zk's launcher, default settings, a
+heap big enough for the backlog), ``redis-server`` (no persistence) and a
+private RabbitMQ node on free ports, measures each with real ``celery
+worker`` processes and stops everything it started, also on Ctrl-C.
+
+(backlog)    drain rate of one 4-thread worker over the first ``--window``
+             tasks of a ``--backlog`` (1,000,000) backlog against a whole
+             5,000 backlog, the ``apply_async`` rate of one client into an
+             empty queue and on top of the big backlog, and the purge of
+             what is left. The big backlog is filled by 4 publisher
+             processes (zk: ``confirm_publish=false``, i.e. pipelined).
+(memory)     server memory per waiting message at the big backlog: ZooKeeper
+             ``mntr`` data size and JVM heap after a GC, Redis
+             ``used_memory``, RabbitMQ's queue memory.
+(restart)    zk: seconds until ZooKeeper serves again after a restart with the
+             big backlog stored (and that every message is still there),
+             then a ``--restart-backlog`` (100,000) backlog drained after a
+             restart: each message executed exactly once.
+(queues)     zk: one worker consuming ``--queues`` (1,000) queues: start-up
+             time, watches held (``wchs``), CPU of worker and server idle.
+(contention) 2, 4, 8 and 16 worker processes (threads, ``-c 1``) on one
+             queue with a 20,000 backlog: drain rate, and for zk the failed
+             claim transactions per delivered message.
+
+Usage::
+
+    .venv/bin/python benchmarks/scale.py [--quick] [--brokers zk,redis,rabbitmq]
+        [--only backlog,restart,queues,contention] [--backlog N] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from bench import Processes, RedisServer, log, spawn_worker, tail  # noqa: E402
+from bench_app import DRAIN, make_app  # noqa: E402
+from kombu import Connection  # noqa: E402
+from kombu.exceptions import ChannelError  # noqa: E402
+
+from celery_zk.server import (  # noqa: E402
+    SERVER_JVM_FLAGS,
+    ZooKeeperServer,
+    four_letter_word,
+    free_ports,
+)
+
+BROKERS = ("zk", "redis", "rabbitmq")
+PARTS = ("backlog", "restart", "queues", "contention")
+QUEUE = "scale"
+FILLERS = 4
+SMALL = 5_000
+
+
+# -- servers ---------------------------------------------------------------------------
+class RabbitServer:
+    """A private RabbitMQ node in the foreground (Debian's wrapper runs it as user
+    rabbitmq, so its directories are that user's)."""
+
+    def __init__(self, procs: Processes, work_dir: str) -> None:
+        self.procs = procs
+        self.port, dist = free_ports(2)
+        self.node = f"scale{self.port}@localhost"
+        self.base = os.path.join(work_dir, "rabbitmq")
+        os.chmod(work_dir, 0o755)   # mkdtemp's 0700 would keep user rabbitmq out
+        os.makedirs(os.path.join(self.base, "log"))
+        open(os.path.join(self.base, "enabled_plugins"), "w").write("[].")
+        shutil.chown(self.base, "rabbitmq", "rabbitmq")
+        for name in os.listdir(self.base):
+            shutil.chown(os.path.join(self.base, name), "rabbitmq", "rabbitmq")
+        self.env = dict(os.environ, RABBITMQ_NODE_PORT=str(self.port),
+                        RABBITMQ_NODENAME=self.node, RABBITMQ_DIST_PORT=str(dist),
+                        RABBITMQ_MNESIA_BASE=os.path.join(self.base, "mnesia"),
+                        RABBITMQ_LOG_BASE=os.path.join(self.base, "log"),
+                        RABBITMQ_ENABLED_PLUGINS_FILE=os.path.join(self.base, "enabled_plugins"),
+                        RABBITMQ_FEATURE_FLAGS_FILE=os.path.join(self.base, "feature_flags"))
+        self.out = os.path.join(work_dir, "rabbitmq.out")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.beam = 0   # the node's OS pid
+
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+
+    def ctl(self, *args: str, timeout: float = 60) -> str:
+        return subprocess.run(["rabbitmqctl", "-n", self.node, *args], env=self.env,
+                              capture_output=True, text=True, timeout=timeout).stdout
+
+    def start(self) -> RabbitServer:
+        self.proc = self.procs.spawn(["rabbitmq-server"], self.out, self.env)
+        deadline = time.monotonic() + 120
+        while True:   # await_startup fails at once until the node is known to epmd
+            result = subprocess.run(["rabbitmqctl", "-n", self.node, "await_startup",
+                                     "--timeout", "10"], env=self.env, capture_output=True,
+                                    text=True)
+            if result.returncode == 0:
+                self.beam = int(self.ctl("eval", "os:getpid().").strip().strip('"'))
+                return self
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"RabbitMQ did not start:\n{tail(self.out)}\n"
+                                   f"{result.stdout}{result.stderr}")
+            time.sleep(1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            subprocess.run(["rabbitmqctl", "-n", self.node, "stop"], env=self.env,
+                           capture_output=True, timeout=60)
+            self.procs.stop(self.proc)
+        if self.beam:   # su runs the node in a session of its own: wait for it by pid
+            deadline = time.monotonic() + 30
+            while os.path.exists(f"/proc/{self.beam}") and time.monotonic() < deadline:
+                time.sleep(0.2)
+            try:
+                os.kill(self.beam, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.beam = 0
+        # epmd is started by the node for the whole host; stop it if it serves us alone.
+        subprocess.run(["epmd", "-kill"], capture_output=True)
+
+    def version(self) -> str:
+        return self.ctl("version").strip()
+
+    def memory(self) -> int:
+        """Bytes the node uses (its own total, as `rabbitmqctl status` reports)."""
+        out = self.ctl("eval", "erlang:memory(total).")
+        return int(out.strip().rstrip("."))
+
+
+def zk_server(heap: str) -> ZooKeeperServer:
+    # The launcher's production flags say -Xmx512m; the later -Xmx wins.
+    return ZooKeeperServer(jvm_flags=(*SERVER_JVM_FLAGS, f"-Xms{heap}", f"-Xmx{heap}"),
+                           tick_time=2000)
+
+
+def mntr(server: ZooKeeperServer) -> dict[str, str]:
+    assert server.port is not None
+    reply = four_letter_word(server.host, server.port, "mntr", timeout=10)
+    return dict(line.split("\t", 1) for line in reply.splitlines() if "\t" in line)
+
+
+def heap_used(pid: int) -> int:
+    """Live heap after a full GC, bytes (jcmd)."""
+    subprocess.run(["jcmd", str(pid), "GC.run"], capture_output=True, timeout=120)
+    out = subprocess.run(["jcmd", str(pid), "GC.heap_info"], capture_output=True,
+                         text=True, timeout=60).stdout
+    for line in out.splitlines():
+        if " used " in line and "total" in line:
+            return int(line.split(" used ")[1].split("K")[0]) * 1024
+    raise RuntimeError(f"no heap figure in: {out!r}")
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+        fields = fh.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# -- publishing and counting -----------------------------------------------------------
+def _fill_part(broker: str, start: int, stop: int) -> None:
+    app = make_app(broker)
+    if broker.startswith("zk"):
+        app.conf.broker_transport_options = {"confirm_publish": False}
+    task = app.tasks[DRAIN]
+    with app.producer_or_acquire() as producer:
+        for index in range(start, stop):
+            task.apply_async((index,), queue=QUEUE, producer=producer)
+    app.close()   # an unconfirmed publisher waits for its replies here
+
+
+def fill(broker: str, start: int, count: int) -> float:
+    """Publish ``count`` drain tasks from FILLERS processes; messages/s."""
+    began = time.monotonic()
+    step = -(-count // FILLERS)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_fill_part, args=(broker, low, min(low + step, start + count)))
+             for low in range(start, start + count, step)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+        if proc.exitcode:
+            raise RuntimeError(f"a publisher process failed ({proc.exitcode})")
+    return count / (time.monotonic() - began)
+
+
+def publish_rate(broker: str, start: int, count: int) -> float:
+    """``apply_async`` from one client, confirmed (the default); messages/s."""
+    app = make_app(broker)
+    task = app.tasks[DRAIN]
+    try:
+        with app.producer_or_acquire() as producer:
+            task.apply_async((start,), queue=QUEUE, producer=producer)   # connect first
+            began = time.monotonic()
+            for index in range(start + 1, start + count):
+                task.apply_async((index,), queue=QUEUE, producer=producer)
+            return (count - 1) / (time.monotonic() - began)
+    finally:
+        app.close()
+
+
+def waiting(broker: str, queue: str = QUEUE) -> int:
+    with Connection(broker) as conn:
+        try:
+            return int(conn.default_channel.queue_declare(queue, passive=True).message_count)
+        except ChannelError:   # Redis: an emptied list is no key, so no queue
+            return 0
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str, step: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(step)
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace, work_dir: str) -> None:
+        self.args = args
+        self.work_dir = work_dir
+        self.procs = Processes()
+        self.results: dict[str, dict[str, Any]] = {}
+        self.workers = 0
+        self.zk: ZooKeeperServer   # set while zk is measured
+
+    def drain(self, broker: str, total: int, timeout: float) -> dict[str, Any]:
+        """One 4-thread worker runs ``total`` drain tasks; bench_app's report."""
+        self.workers += 1
+        report = os.path.join(self.work_dir, f"drain{self.workers}.json")
+        worker = spawn_worker(self.procs, self.work_dir, f"w{self.workers}", broker, QUEUE,
+                              env={"BENCH_DRAIN_TOTAL": str(total),
+                                   "BENCH_DRAIN_FILE": report})
+        try:
+            wait_for(lambda: os.path.exists(report), timeout, f"{total} tasks on {broker}", 0.5)
+            with open(report, encoding="utf-8") as fh:
+                result: dict[str, Any] = json.load(fh)
+        finally:
+            self.procs.stop(worker)
+            self.procs.procs.remove(worker)
+        result["rate"] = total / result["elapsed"]
+        return result
+
+    # -- (backlog) and (memory) --------------------------------------------------------
+    def backlog(self, name: str, broker: str, memory: Callable[[], dict[str, float]]
+                ) -> dict[str, Any]:
+        args, out = self.args, self.results.setdefault(name, {})
+        log(f"{name}: publish {SMALL:,} into an empty queue, drain them")
+        out["publish_rate_empty"] = publish_rate(broker, 0, SMALL)
+        out["drain_small"] = self.drain(broker, SMALL, 600)["rate"]
+        before = memory()
+        log(f"{name}: fill a {args.backlog:,} backlog ({FILLERS} publishers)")
+        out["fill_rate"] = fill(broker, 10_000_000, args.backlog)
+        out["publish_rate_big"] = publish_rate(broker, 20_000_000, SMALL)
+        stored = waiting(broker)
+        out["stored"] = stored
+        after = memory()
+        out["memory_per_message"] = {k: (after[k] - before[k]) / stored for k in after}
+        out["memory"] = after
+        if name == "zk" and "restart" in args.only:
+            self.restart_with_backlog(out, broker, stored)
+        log(f"{name}: drain {args.window:,} of the {stored:,} backlog")
+        out["drain_big"] = self.drain(broker, args.window, 3600)["rate"]
+        out["drain_ratio"] = out["drain_big"] / out["drain_small"]
+        began = time.monotonic()
+        with Connection(broker) as conn:
+            out["purged"] = conn.default_channel.queue_purge(QUEUE)
+        out["purge_seconds"] = time.monotonic() - began
+        log(f"{name}: {out}")
+        return out
+
+    def restart_with_backlog(self, out: dict[str, Any], broker: str, stored: int) -> None:
+        zk = self.zk
+        log(f"zk: restart ZooKeeper with {stored:,} messages stored")
+        zk.stop()
+        began = time.monotonic()
+        zk.spawn()
+        wait_for(zk.serving, 3600, "ZooKeeper to serve again", 0.05)
+        out["restart_seconds"] = time.monotonic() - began
+        out["stored_after_restart"] = waiting(broker)
+        out["first_request_seconds"] = time.monotonic() - began
+
+    # -- (restart): exactly once after a restart -----------------------------------------
+    def restart_exactly_once(self, broker: str) -> None:
+        count, out = self.args.restart_backlog, self.results.setdefault("zk", {})
+        log(f"zk: fill {count:,}, restart ZooKeeper, drain them all")
+        fill(broker, 30_000_000, count)
+        self.zk.stop()
+        began = time.monotonic()
+        self.zk.spawn()
+        wait_for(self.zk.serving, 600, "ZooKeeper to serve again", 0.05)
+        out["restart_small_seconds"] = time.monotonic() - began
+        report = self.drain(broker, count, 3600)
+        time.sleep(2)   # a duplicate would still be running now
+        out["exactly_once"] = {"distinct": report["distinct"],
+                               "executions": report["executions"],
+                               "left_waiting": waiting(broker), "published": count}
+        log(f"zk: after restart {out['exactly_once']}")
+
+    # -- (queues) ------------------------------------------------------------------------
+    def many_queues(self, broker: str) -> None:
+        count, out = self.args.queues, self.results.setdefault("zk", {})
+        names = ",".join(f"q{i}" for i in range(count))
+        watches_before = mntr(self.zk).get("zk_watch_count", "0")
+        began = time.monotonic()
+        worker = spawn_worker(self.procs, self.work_dir, "queues", broker, names)
+        out["queues"] = count
+        out["queues_startup_seconds"] = time.monotonic() - began
+        time.sleep(5)   # settle: offers, watches
+        assert self.zk.pid is not None and self.zk.port is not None
+        wchs = four_letter_word(self.zk.host, self.zk.port, "wchs", timeout=10)
+        cpu = (cpu_seconds(worker.pid), cpu_seconds(self.zk.pid))
+        time.sleep(self.args.idle)
+        out["queues_idle_cpu_percent"] = {
+            "worker": 100 * (cpu_seconds(worker.pid) - cpu[0]) / self.args.idle,
+            "zookeeper": 100 * (cpu_seconds(self.zk.pid) - cpu[1]) / self.args.idle}
+        out["queues_watches"] = {"wchs": " ".join(wchs.split()), "before": watches_before,
+                                 "zk_watch_count": mntr(self.zk).get("zk_watch_count")}
+        self.procs.stop(worker)
+        self.procs.procs.remove(worker)
+        log(f"zk: {count} queues: {out['queues_startup_seconds']:.1f}s to start, "
+            f"idle CPU {out['queues_idle_cpu_percent']}, {out['queues_watches']}")
+
+    # -- (contention) --------------------------------------------------------------------
+    def contention(self, name: str, broker: str) -> None:
+        out = self.results.setdefault(name, {}).setdefault("contention", {})
+        backlog = self.args.contention_backlog
+        app = make_app(broker)
+        try:
+            for count in self.args.consumers:
+                log(f"{name}: {count} consumer processes on a {backlog:,} backlog")
+                queue = f"contend{count}"
+                workers, claims = [], []
+                for i in range(count):   # idle on a queue of their own until told
+                    claims.append(os.path.join(self.work_dir, f"claims-{name}-{count}-{i}"))
+                    workers.append(spawn_worker(
+                        self.procs, self.work_dir, f"c{count}-{i}", broker, f"idle{count}",
+                        concurrency=1, wait=False, env={"BENCH_CLAIMS_FILE": claims[-1]}))
+                ready = [os.path.join(self.work_dir, f"c{count}-{i}.ready")
+                         for i in range(count)]
+                wait_for(lambda ready=ready: all(map(os.path.exists, ready)), 180,
+                         "workers to start")
+                fill_queue(broker, queue, backlog)
+                began = time.monotonic()
+                app.control.add_consumer(queue, reply=True, timeout=10, limit=count)
+                wait_for(lambda queue=queue: waiting(broker, queue) == 0, 3600, "the drain",
+                         0.1)
+                elapsed = time.monotonic() - began
+                for worker in workers:
+                    self.procs.stop(worker)
+                    self.procs.procs.remove(worker)
+                entry: dict[str, Any] = {"rate": backlog / elapsed}
+                counts = [json.load(open(c, encoding="utf-8")) for c in claims
+                          if os.path.exists(c)]
+                if name == "zk" and counts:
+                    conflicts = sum(c["conflicts"] for c in counts)
+                    entry.update(conflicts_per_message=conflicts / backlog,
+                                 claim_transactions=sum(c["transactions"] for c in counts),
+                                 claimed=sum(c["messages"] for c in counts))
+                out[str(count)] = entry
+                log(f"{name}: {count} consumers: {entry}")
+        finally:
+            app.close()
+
+
+def fill_queue(broker: str, queue: str, count: int) -> None:
+    """A backlog on another queue than QUEUE, from one process (pipelined on zk)."""
+    app = make_app(broker)
+    if broker.startswith("zk"):
+        app.conf.broker_transport_options = {"confirm_publish": False}
+    task = app.tasks[DRAIN]
+    with app.producer_or_acquire() as producer:
+        for index in range(count):
+            task.apply_async((index,), queue=queue, producer=producer)
+    app.close()
+
+
+def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = ["", f"backlog {args.backlog:,}, window {args.window:,}; small backlog {SMALL:,}",
+             ""]
+    head = (f"{'broker':<9} {'drain 5k/s':>10} {'drain big/s':>11} {'ratio':>6} "
+            f"{'pub empty/s':>11} {'pub big/s':>9} {'fill/s':>7} {'purge s':>8}")
+    lines += [head, "-" * len(head)]
+    for name, out in results.items():
+        if "drain_small" not in out:
+            continue
+        lines.append(f"{name:<9} {out['drain_small']:>10,.0f} {out['drain_big']:>11,.0f} "
+                     f"{out['drain_ratio']:>6.2f} {out['publish_rate_empty']:>11,.0f} "
+                     f"{out['publish_rate_big']:>9,.0f} {out['fill_rate']:>7,.0f} "
+                     f"{out['purge_seconds']:>8.1f}")
+    lines.append("")
+    for name, out in results.items():
+        if "memory_per_message" in out:
+            per = ", ".join(f"{k} {v:,.0f} B" for k, v in out["memory_per_message"].items())
+            lines.append(f"{name}: memory per waiting message: {per}")
+    zk = results.get("zk", {})
+    for key in ("restart_seconds", "stored_after_restart", "restart_small_seconds",
+                "exactly_once", "queues", "queues_startup_seconds", "queues_watches",
+                "queues_idle_cpu_percent"):
+        if key in zk:
+            lines.append(f"zk: {key}: {zk[key]}")
+    for name, out in results.items():
+        for count, entry in out.get("contention", {}).items():
+            extra = (f", {entry['conflicts_per_message']:.3f} failed claims per message "
+                     f"({entry['claim_transactions']:,} claim transactions)"
+                     if "conflicts_per_message" in entry else "")
+            lines.append(f"{name}: {count:>2} consumers: {entry['rate']:,.0f} tasks/s{extra}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--brokers", default=",".join(BROKERS))
+    parser.add_argument("--only", default=",".join(PARTS))
+    parser.add_argument("--backlog", type=int, default=1_000_000)
+    parser.add_argument("--window", type=int, default=50_000)
+    parser.add_argument("--restart-backlog", type=int, default=100_000)
+    parser.add_argument("--queues", type=int, default=1_000)
+    parser.add_argument("--idle", type=float, default=30.0, help="seconds of idle CPU")
+    parser.add_argument("--consumers", default="2,4,8,16")
+    parser.add_argument("--contention-backlog", type=int, default=20_000)
+    parser.add_argument("--zk-heap", default="6g")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes: a smoke run of every part")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.backlog, args.window, args.restart_backlog = 20_000, 5_000, 2_000
+        args.queues, args.idle, args.consumers = 50, 5.0, "2,4"
+        args.contention_backlog, args.zk_heap = 2_000, "1g"
+    args.brokers = args.brokers.split(",")
+    args.only = args.only.split(",")
+    args.consumers = [int(c) for c in args.consumers.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work_dir = tempfile.mkdtemp(prefix="celery-zk-scale-")
+    run = Run(args, work_dir)
+    servers: list[Any] = []
+    try:
+        for name in args.brokers:
+            if name == "zk":
+                run.zk = server = zk_server(args.zk_heap).start()
+                servers.append(server)
+                broker = f"zk://{server.hosts}/scale"
+
+                def memory(server: ZooKeeperServer = server) -> dict[str, float]:
+                    assert server.pid is not None
+                    return {"data": float(mntr(server)["zk_approximate_data_size"]),
+                            "heap": float(heap_used(server.pid))}
+            elif name == "redis":
+                redis_server = RedisServer(run.procs, work_dir).start()
+                broker = redis_server.url()
+
+                def memory(server: RedisServer = redis_server) -> dict[str, float]:
+                    import redis
+                    return {"used_memory": float(
+                        redis.Redis(port=server.port).info("memory")["used_memory"])}
+            else:
+                rabbit = RabbitServer(run.procs, work_dir)
+                servers.append(rabbit)   # stopped even if it fails to start
+                rabbit.start()
+                broker = rabbit.url()
+
+                def memory(server: RabbitServer = rabbit) -> dict[str, float]:
+                    return {"node_total": float(server.memory())}
+            if "backlog" in args.only:
+                run.backlog(name, broker, memory)
+            if name == "zk" and "restart" in args.only:
+                run.restart_exactly_once(broker)
+            if name == "zk" and "queues" in args.only:
+                run.many_queues(broker)
+            if "contention" in args.only:
+                run.contention(name, broker)
+            for server in servers:
+                getattr(server, "close", server.stop)()   # close: removes its data too
+            servers.clear()
+            run.procs.stop_all()
+    finally:
+        for server in servers:
+            getattr(server, "close", server.stop)()
+        run.procs.stop_all()
+        shutil.rmtree(work_dir, ignore_errors=True)
+    print(render(run.results, args))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"args": vars(args), "results": run.results}, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -136,6 +136,12 @@ def parse_bucket_name(name: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
+def same_priority(bucket: str, other: str) -> bool:
+    """Two bucket names of one priority (the later one takes its new messages)."""
+    first, second = parse_bucket_name(bucket), parse_bucket_name(other)
+    return first is not None and second is not None and first[0] == second[0]
+
+
 def message_prefix(inverted_priority: int, generation: int, uid: str) -> str:
     """Name prefix of a new message; ZooKeeper appends the sequence."""
     return f"m{inverted_priority}-{generation:0{SEQ_DIGITS}d}-{uid}-"
@@ -320,7 +326,9 @@ class Layout:
         return join(self.owned(queue), name)
 
     def dead_message(self, queue: str, name: str) -> str:
-        return join(self.dead(queue), name)
+        """``name``: a waiting message's, or a foreign node's path under ``unowned/``
+        (``bucket/name``), kept as one name."""
+        return join(self.dead(queue), name.replace("/", OWNER_SEP))
 
     def split_owned_path(self, path: str) -> tuple[str, str, str]:
         """Inverse of :meth:`owned_message`: ``(queue, consumer id, unowned name)``."""

@@ -36,6 +36,7 @@ from .layout import (
     parse_bucket_name,
     parse_message_name,
     requeued_name,
+    same_priority,
     sort_messages,
     unescape,
 )
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 #: Bytes a claim's two operations carry beside the data and the paths
 #: (headers, version, ACL, flags), rounded up.
 OP_OVERHEAD = 64
+
 
 @dataclass
 class ClaimCounts:
@@ -346,9 +348,8 @@ class QueueStore:
             except NoNodeError:
                 continue   # emptied and deleted meanwhile
             if not children:
-                later = buckets[index + 1] if index + 1 < len(buckets) else ""
-                if later[:3] == bucket[:3]:   # a later bucket of the same priority
-                    self._delete_bucket(queue, bucket)
+                if index + 1 < len(buckets) and same_priority(bucket, buckets[index + 1]):
+                    self._delete_bucket(queue, bucket)   # nobody publishes to it again
                 continue
             ours, theirs = _in_place(bucket, children)
             names += ours
@@ -593,8 +594,7 @@ class QueueStore:
         """Move a node we cannot deliver out of the way, so it is not retried forever.
         ``name``: as listed (``bucket/name`` for a foreign node inside a bucket)."""
         return self._move_to_dead(self.layout.unowned_message(queue, name),
-                                  self.layout.dead_message(queue, name.replace("/", "~")),
-                                  reason)
+                                  self.layout.dead_message(queue, name), reason)
 
     def _move_to_dead(self, source: str, target: str, reason: str) -> bool:
         client = self.client

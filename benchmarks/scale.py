@@ -170,14 +170,14 @@ def cpu_seconds(pid: int) -> float:
 
 
 # -- publishing and counting -----------------------------------------------------------
-def _fill_part(broker: str, start: int, stop: int) -> None:
+def _fill_part(broker: str, start: int, stop: int, queue: str = QUEUE) -> None:
     app = make_app(broker)
     if broker.startswith("zk"):
         app.conf.broker_transport_options = {"confirm_publish": False}
     task = app.tasks[DRAIN]
     with app.producer_or_acquire() as producer:
         for index in range(start, stop):
-            task.apply_async((index,), queue=QUEUE, producer=producer)
+            task.apply_async((index,), queue=queue, producer=producer)
     app.close()   # an unconfirmed publisher waits for its replies here
 
 
@@ -377,15 +377,8 @@ class Run:
 
 
 def fill_queue(broker: str, queue: str, count: int) -> None:
-    """A backlog on another queue than QUEUE, from one process (pipelined on zk)."""
-    app = make_app(broker)
-    if broker.startswith("zk"):
-        app.conf.broker_transport_options = {"confirm_publish": False}
-    task = app.tasks[DRAIN]
-    with app.producer_or_acquire() as producer:
-        for index in range(count):
-            task.apply_async((index,), queue=queue, producer=producer)
-    app.close()
+    """A backlog on another queue than QUEUE, from this process (pipelined on zk)."""
+    _fill_part(broker, 0, count, queue)
 
 
 def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:

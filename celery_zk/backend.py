@@ -296,29 +296,20 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         return False
 
     def _make_directories(self, key: Key, hour: int) -> None:
-        """Create the directories ``key``'s node and index entry go in (idempotent).
+        """Create the two directories ``key``'s node and index entry go in (idempotent).
 
-        A missing shard directory means its whole level is new: the first write
-        under this root, or the first of an hour in the expiry index. All its
-        shards are made at once, pipelined, so the writes that follow do not each
-        pay for a failed multi and a directory of their own.
+        Only those two: when a whole level is new (the first write under this
+        root, or the first of an hour in the expiry index), every pool thread
+        and process finds its shard missing at once, and each making all 256
+        shards of the level put thousands of creates ahead of the results (a
+        worker's first burst of tasks stalled for seconds). A shard made on the
+        first write that needs it costs that write one failed multi, once.
         """
         layout, client = self.layout, self.client
-        directories = layout.shards(layout.expiry_bucket(hour))
-        if key.kind == RESULT:
-            directories += layout.shards(layout.results)
-        elif key.kind == GROUP:
-            directories += layout.shards(layout.groups)
-        else:
-            directories.append(layout.parent(self.path(key)))
-        levels = {layout.parent(d) for d in directories}
-        for made in [client.ensure_path_async(level) for level in levels]:
+        needed = {layout.parent(self.path(key)),
+                  layout.parent(layout.expiry_entry(hour, key.kind, key.id))}
+        for made in [client.ensure_path_async(directory) for directory in needed]:
             made.get()
-        for created in [client.create_async(d) for d in directories]:
-            try:
-                created.get()
-            except NodeExistsError:
-                pass
 
     def _write_once(self, key: Key, data: bytes, keep_success: bool,
                     create_only: bool) -> bool | None:

@@ -254,3 +254,19 @@ def test_restart_keeps_results(app: Celery, worker: Callable[..., Worker],
     w.stop()
     time.sleep(0.2)
     assert app.AsyncResult(result.id).get(timeout=10) == 14
+
+
+def test_a_burst_right_after_start_runs_in_about_two_task_lengths(
+        app: Celery, worker: Callable[..., Worker]) -> None:
+    """Every pool thread of a new worker stores its first result at once, into a
+    root (and an hour of the expiry index) with no shard directories yet. Each
+    thread used to make all 512 of them: the second half of the burst waited
+    seconds behind those creates (6-7 s with a session per thread)."""
+    pool, length = 30, 1.0
+    worker(concurrency=pool)
+    start = time.monotonic()
+    results = [send(app, "sleep_then", i, length) for i in range(2 * pool)]
+    assert [result.get(timeout=60) for result in results] == list(range(2 * pool))
+    elapsed = time.monotonic() - start
+    # Two task lengths, plus publishing and storing 60 results: well under three.
+    assert elapsed < 3 * length, f"a burst of 2 x {pool} tasks of {length} s took {elapsed:.2f} s"

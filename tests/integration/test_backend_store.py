@@ -232,7 +232,7 @@ def test_cleanup_pipelines_its_listings_and_deletes(
     backend.clock = lambda: now + 2 * 24 * HOUR  # all of them are past result_expires
     client = backend.client
     hour = backend.layout.expiry_bucket(expiry_hour(now))
-    shards = len(client.get_children(hour))  # the whole level is made at once
+    shards = len(client.get_children(hour))  # shards are made as writes need them
     calls = count_calls(monkeypatch, client, "get_children", "delete", "transaction")
     backend.cleanup()
     made, calls[:] = list(calls), []

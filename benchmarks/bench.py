@@ -150,18 +150,26 @@ def tail(path: str, lines: int = 30) -> str:
 
 
 class RedisServer:
-    def __init__(self, procs: Processes, work_dir: str) -> None:
+    """``redis-server`` on a free port: no persistence (as most users run it), or with
+    ``durable`` an append-only file synced on every write (``appendfsync always``)."""
+
+    def __init__(self, procs: Processes, work_dir: str, durable: bool = False) -> None:
         self.procs = procs
         self.port = free_ports(1)[0]
-        self.log_path = os.path.join(work_dir, "redis.log")
+        self.durable = durable
+        self.dir = os.path.join(work_dir, f"redis-{self.port}")
+        self.log_path = os.path.join(work_dir, f"redis-{self.port}.log")
         self.proc: subprocess.Popen[bytes] | None = None
 
     def url(self, db: int = 0) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"
 
     def start(self) -> RedisServer:
-        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--daemonize", "no"]
+        persistence = (["--appendonly", "yes", "--appendfsync", "always"] if self.durable
+                       else ["--appendonly", "no"])
+        os.makedirs(self.dir, exist_ok=True)
+        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
+                "--save", "", *persistence, "--daemonize", "no"]
         self.proc = self.procs.spawn(args, self.log_path)
         import redis
         deadline = time.monotonic() + 20

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -31,6 +32,8 @@ import celery_zk  # noqa: F401  (registers the zk:// transport alias)
 ECHO = "bench.echo"
 DRAIN = "bench.drain"
 ADD = "bench.add"
+MARK = "bench.mark"
+NOOP = "bench.noop"
 
 
 def _echo(self: Task, reply_queue: str, token: str) -> None:
@@ -73,6 +76,18 @@ def _add(x: int, y: int) -> int:
     return x + y
 
 
+def _mark(port: int, token: str) -> None:
+    """Tell the client (a UDP datagram) when the task body started: one-way
+    delivery measured without the task publishing anything on the broker."""
+    started = time.monotonic()   # CLOCK_MONOTONIC: the same clock in every process
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.sendto(f"{token} {started!r}".encode(), ("127.0.0.1", port))
+
+
+def _noop(index: int) -> None:
+    """Background load: a task that does nothing and publishes nothing."""
+
+
 def make_app(broker: str, backend: str | None = None) -> Celery:
     app = Celery("bench_app", broker=broker, backend=backend or None, set_as_current=False)
     app.conf.update(
@@ -85,6 +100,8 @@ def make_app(broker: str, backend: str | None = None) -> Celery:
     app.task(name=ECHO, bind=True, ignore_result=True)(_echo)
     app.task(name=DRAIN, ignore_result=True)(_drain)
     app.task(name=ADD)(_add)
+    app.task(name=MARK, ignore_result=True)(_mark)
+    app.task(name=NOOP, ignore_result=True)(_noop)
     return app
 
 

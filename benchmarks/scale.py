@@ -72,6 +72,10 @@ class RabbitServer:
     rabbitmq, so its directories are that user's)."""
 
     def __init__(self, procs: Processes, work_dir: str) -> None:
+        if shutil.which("rabbitmq-server") is None:
+            raise RuntimeError("rabbitmq-server not found: install Debian's package "
+                               "(apt-get install rabbitmq-server), or leave rabbitmq out "
+                               "with --brokers")
         self.procs = procs
         self.port, dist = free_ports(2)
         self.node = f"scale{self.port}@localhost"

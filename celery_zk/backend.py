@@ -60,7 +60,7 @@ from kazoo.protocol.states import WatchedEvent
 from kazoo.retry import ForceRetryError
 
 from .chord import ChordCounter
-from .client import CONNECTION_ERRORS, connected_retry, multi_failure
+from .client import CONNECTION_ERRORS, connected_retry, log_failure, multi_failure
 from .config import mask_in_celery_reports, mask_password, parse_url
 from .exceptions import ResultTooLarge
 from .expiry import CHORD, GROUP, HOUR, RESULT, ExpiryIndex, Key, bucket_expired, expiry_hour
@@ -296,20 +296,58 @@ class ZooKeeperBackend(BaseKeyValueStoreBackend, AsyncBackendMixin):
         return False
 
     def _make_directories(self, key: Key, hour: int) -> None:
-        """Create the two directories ``key``'s node and index entry go in (idempotent).
+        """Create the directories ``key``'s node and index entry go in (idempotent).
 
-        Only those two: when a whole level is new (the first write under this
-        root, or the first of an hour in the expiry index), every pool thread
-        and process finds its shard missing at once, and each making all 256
-        shards of the level put thousands of creates ahead of the results (a
-        worker's first burst of tasks stalled for seconds). A shard made on the
-        first write that needs it costs that write one failed multi, once.
+        A missing shard directory usually means its whole level is new: the
+        first write under this root, or the first of an hour in the expiry
+        index. The writer whose create of the level succeeds makes all its 256
+        shards, in the background, so later writes find them in place. Everyone
+        else makes only the shard it needs: every pool thread (and process) of
+        a freshly started worker meets the missing level at once, and each
+        making all of them stalled the first burst of tasks for seconds.
         """
         layout, client = self.layout, self.client
         needed = {layout.parent(self.path(key)),
                   layout.parent(layout.expiry_entry(hour, key.kind, key.id))}
-        for made in [client.ensure_path_async(directory) for directory in needed]:
-            made.get()
+        sharded = {layout.results, layout.groups, layout.expiry_bucket(hour)}
+        for _ in range(2):
+            # One session's requests are applied in order: each level before its
+            # shard, in one round trip.
+            levels = {level: client.create_async(level)
+                      for level in {layout.parent(d) for d in needed}}
+            shards = [client.create_async(d) for d in needed]
+            missing = []
+            for level, made in levels.items():
+                try:
+                    made.get()
+                except NodeExistsError:
+                    continue
+                except NoNodeError:
+                    missing.append(level)
+                    continue
+                if level in sharded:
+                    self._fill_level(level)
+            for result in shards:
+                try:
+                    result.get()
+                except (NodeExistsError, NoNodeError):
+                    pass   # a missing level is in ``missing``
+            if not missing:
+                return
+            for level in missing:   # a new root: its top directories first
+                client.ensure_path(layout.parent(level))
+
+    def _fill_level(self, level: str) -> None:
+        """Make every shard of a level this process created, without waiting."""
+        def done(result: Any) -> None:   # kazoo's thread: never block
+            try:
+                result.get()
+            except NodeExistsError:
+                pass
+            except Exception as exc:   # the shard is made by the first write needing it
+                log_failure(logger, exc, "celery_zk: could not make %s", level)
+        for shard in self.layout.shards(level):
+            self.client.create_async(shard).rawlink(done)
 
     def _write_once(self, key: Key, data: bytes, keep_success: bool,
                     create_only: bool) -> bool | None:

@@ -232,7 +232,7 @@ def test_cleanup_pipelines_its_listings_and_deletes(
     backend.clock = lambda: now + 2 * 24 * HOUR  # all of them are past result_expires
     client = backend.client
     hour = backend.layout.expiry_bucket(expiry_hour(now))
-    shards = len(client.get_children(hour))  # shards are made as writes need them
+    shards = len(client.get_children(hour))
     calls = count_calls(monkeypatch, client, "get_children", "delete", "transaction")
     backend.cleanup()
     made, calls[:] = list(calls), []
@@ -312,3 +312,32 @@ def test_a_chord_with_a_repeated_header_task_id_is_refused_before_sending(
         backend.layout.chords) == []   # no counter made
     with app.connection_for_write() as conn:   # no header task was published
         assert conn.default_channel.queue_declare("celery", passive=False).message_count == 0
+
+
+def test_a_new_level_is_made_once_whole_and_otherwise_shard_by_shard(
+        app: Celery, backend: ZooKeeperBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first write under a root makes every shard (in the background); the
+    other writers meeting the missing level at once make only their own."""
+    layout, client = backend.layout, backend.client
+    hour = backend.layout.expiry_bucket(expiry_hour(time.time()))
+    creates = count_calls(monkeypatch, client, "create_async")
+    racers = [ZooKeeperBackend(app=app, url=backend.url) for _ in range(8)]
+    try:
+        threads = [threading.Thread(target=racer.store_result, args=(f"race-{i}", i,
+                                                                      states.SUCCESS))
+                   for i, racer in enumerate([backend, *racers])]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for i in range(len(threads)):
+            assert app.AsyncResult(f"race-{i}").get(timeout=5) == i
+        wait_until(lambda: len(client.get_children(layout.results)) == 256
+                   and len(client.get_children(hour)) == 256, timeout=10,
+                   message="the levels were not filled")
+        # Nine writers, two levels: one whole fill of each (2 x 256) plus a few
+        # creates per writer (levels, shards, the root's directories), not 9 x 512.
+        assert len(creates) < 2 * 256 + 9 * 16
+    finally:
+        for racer in racers:
+            racer.close()

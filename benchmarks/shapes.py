@@ -1,0 +1,423 @@
+"""Latency and throughput in the shapes users run: celery_zk against Redis and RabbitMQ.
+
+One run starts its own ZooKeeper (celery_zk's launcher, server defaults),
+two ``redis-server`` (no persistence, and ``appendfsync always``: as durable
+as ZooKeeper's fsync) and a private RabbitMQ node (durable queues, as Celery
+declares them) on free ports, and stops everything it started, also on
+Ctrl-C. Every worker is a real ``celery worker`` (threads pool, ``-c 4``, no
+heartbeat, mingle or gossip).
+
+Latency, p50/p99 ms, each shape idle and under a steady background load
+(``--load`` tasks/s of a no-op task from another process, into the same
+queue, the same worker):
+
+  oneway     ``apply_async`` until the task body starts, seen through a side
+             channel (a UDP datagram from the task). The task publishes
+             nothing and has no result backend: what most tasks look like.
+  get        ``delay().get()`` with the broker's kind of result backend
+             (zk: celery_zk's; Redis: Redis; RabbitMQ: ``rpc://``).
+  roundtrip  the task publishes a reply on the broker and the client waits
+             for it (``bench.py``'s (a)).
+
+Throughput:
+
+  drain      one 4-thread worker drains a backlog of ``--tasks`` no-op tasks
+             (first to last task executed).
+  publish    ``apply_async`` of ``--publish`` tasks from 1 and from 8 threads
+             of one process, no worker; zk confirmed (default) and with
+             ``confirm_publish=false`` (no publisher confirms, as RabbitMQ
+             publishes by default).
+  group      ``group(...).apply_async()`` of a 1,000-task group.
+
+Usage::
+
+    .venv/bin/python benchmarks/shapes.py [--quick] [--brokers zk,redis,redis-aof,rabbitmq]
+        [--samples 200] [--load 200] [--only latency,drain,publish] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from bench import (  # noqa: E402
+    Processes,
+    RedisServer,
+    log,
+    measured_server,
+    percentile,
+    spawn_worker,
+    tail,
+    warm_up_zookeeper,
+)
+from bench_app import ADD, DRAIN, ECHO, MARK, NOOP, make_app  # noqa: E402
+from celery import group  # noqa: E402
+from kombu import Connection, Queue  # noqa: E402
+from scale import RabbitServer  # noqa: E402
+
+BROKERS = ("zk", "redis", "redis-aof", "rabbitmq")
+SHAPES = ("oneway", "get", "roundtrip")
+PARTS = ("latency", "drain", "publish")
+GROUP_SIZE = 1000
+
+
+# -- background load -----------------------------------------------------------------
+def load_main(url: str, queue: str, rate: float) -> None:
+    """The load process: ``rate`` no-op tasks per second into ``queue`` until killed."""
+    app = make_app(url)
+    noop = app.tasks[NOOP]
+    start = time.monotonic()
+    index = 0
+    while True:
+        due = start + index / rate
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        noop.apply_async((index,), queue=queue)
+        index += 1
+
+
+@contextmanager
+def load(procs: Processes, work_dir: str, url: str, queue: str, rate: float
+         ) -> Iterator[None]:
+    if rate <= 0:
+        yield
+        return
+    out = os.path.join(work_dir, f"load-{queue}.out")
+    proc = procs.spawn([sys.executable, os.path.abspath(__file__), "--load-process", url,
+                        queue, str(rate)], out,
+                       dict(os.environ, PYTHONPATH=os.pathsep.join(
+                           filter(None, [HERE, os.environ.get("PYTHONPATH")]))))
+    try:
+        time.sleep(2.0)   # connected and steady
+        if proc.poll() is not None:
+            raise RuntimeError(f"load process exited:\n{tail(out)}")
+        yield
+    finally:
+        procs.stop(proc)
+        procs.procs.remove(proc)
+
+
+# -- one broker --------------------------------------------------------------------------
+class Broker:
+    def __init__(self, name: str, url: str, backend: str, procs: Processes, work_dir: str,
+                 args: argparse.Namespace) -> None:
+        self.name, self.url, self.backend = name, url, backend
+        self.procs, self.work_dir, self.args = procs, work_dir, args
+        self.workers = 0
+
+    @contextmanager
+    def worker(self, queue: str, backend: str | None = None, env: dict[str, str] | None = None,
+               wait: bool = True) -> Iterator[subprocess.Popen[bytes]]:
+        self.workers += 1
+        name = f"{self.name}-{self.workers}"
+        proc = spawn_worker(self.procs, self.work_dir, name, self.url, queue, backend=backend,
+                            env=env, wait=wait)
+        try:
+            yield proc
+        finally:
+            self.procs.stop(proc)
+            self.procs.procs.remove(proc)
+
+    @staticmethod
+    def pause() -> None:
+        time.sleep(random.uniform(0.020, 0.050))
+
+    # -- latency --------------------------------------------------------------------
+    def latency(self, samples: int, rate: float) -> dict[str, dict[str, float]]:
+        queue = f"shapes-{uuid.uuid4().hex[:8]}"
+        app = make_app(self.url, self.backend)
+        out: dict[str, dict[str, float]] = {}
+        with self.worker(queue, backend=self.backend), \
+                load(self.procs, self.work_dir, self.url, queue, rate):
+            for shape, once in (("oneway", self._oneway(app, queue)),
+                                ("get", self._get(app, queue)),
+                                ("roundtrip", self._roundtrip(app, queue))):
+                with once as sample:
+                    for _ in range(5):   # warm-up: connections, declarations
+                        sample()
+                        self.pause()
+                    values = []
+                    for _ in range(samples):
+                        values.append(sample() * 1000)
+                        self.pause()
+                out[shape] = {"p50": percentile(values, 50), "p99": percentile(values, 99),
+                              "n": samples}
+        app.close()
+        return out
+
+    @contextmanager
+    def _oneway(self, app: Any, queue: str) -> Iterator[Callable[[], float]]:
+        mark = app.tasks[MARK]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            sock.settimeout(30)
+            port = sock.getsockname()[1]
+
+            def once() -> float:
+                token = uuid.uuid4().hex
+                sent = time.monotonic()
+                mark.apply_async((port, token), queue=queue)
+                while True:
+                    got, started = sock.recv(200).decode().split()
+                    if got == token:
+                        return float(started) - sent
+            yield once
+
+    @contextmanager
+    def _get(self, app: Any, queue: str) -> Iterator[Callable[[], float]]:
+        add = app.tasks[ADD]
+        counter = iter(range(10**9))
+
+        def once() -> float:
+            i = next(counter)
+            t0 = time.perf_counter()
+            result = add.apply_async((i, 1), queue=queue)
+            value = result.get(timeout=30)
+            elapsed = time.perf_counter() - t0
+            if value != i + 1:
+                raise RuntimeError(f"{self.name}: add({i}, 1) returned {value!r}")
+            result.forget()
+            return elapsed
+        yield once
+
+    @contextmanager
+    def _roundtrip(self, app: Any, queue: str) -> Iterator[Callable[[], float]]:
+        echo = app.tasks[ECHO]
+        reply = f"{queue}-reply"
+        got: list[str] = []
+
+        def on_reply(body: dict[str, str], message: Any) -> None:
+            got.append(body["token"])   # the sample ends here; the ack is not timed
+            message.ack()
+
+        with Connection(self.url) as conn, conn.Consumer(
+                Queue(reply, routing_key=reply, durable=False), accept=["json"],
+                callbacks=[on_reply]):
+            def once() -> float:
+                token = uuid.uuid4().hex
+                t0 = time.perf_counter()
+                echo.apply_async((reply, token), queue=queue)
+                deadline = time.monotonic() + 30
+                while token not in got:
+                    conn.drain_events(timeout=max(0.01, deadline - time.monotonic()))
+                got.clear()
+                return time.perf_counter() - t0
+            yield once
+
+    # -- throughput -----------------------------------------------------------------
+    def drain(self, total: int) -> float:
+        queue = f"shapes-drain-{uuid.uuid4().hex[:8]}"
+        done = os.path.join(self.work_dir, f"{queue}.json")
+        app = make_app(self.url)
+        task = app.tasks[DRAIN]
+        task.apply_async((-1,), queue=queue)   # declares the queue; not counted
+        for index in range(total - 1):
+            task.apply_async((index,), queue=queue)
+        app.close()
+        env = {"BENCH_DRAIN_TOTAL": str(total), "BENCH_DRAIN_FILE": done}
+        with self.worker(queue, env=env, wait=False) as proc:
+            deadline = time.monotonic() + max(120.0, total / 20)
+            while not os.path.exists(done):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name}: drain of {total} did not finish")
+                time.sleep(0.02)
+        with open(done, encoding="utf-8") as fh:
+            report = json.load(fh)
+        return total / report["elapsed"]
+
+    def publish(self, url: str, count: int, threads: int) -> float:
+        queue = f"shapes-pub-{uuid.uuid4().hex[:8]}"
+        app = make_app(url)
+        task = app.tasks[NOOP]
+        task.apply_async((-1,), queue=queue)   # warm-up: connection, declaration
+        per = count // threads
+
+        def publish() -> None:
+            for index in range(per):
+                task.apply_async((index,), queue=queue)
+
+        pool = [threading.Thread(target=publish) for _ in range(threads)]
+        t0 = time.perf_counter()
+        for thread in pool:
+            thread.start()
+        for thread in pool:
+            thread.join()
+        app.close()   # unconfirmed: waits until the server stored every message
+        return per * threads / (time.perf_counter() - t0)
+
+    def group(self, url: str) -> float:
+        queue = f"shapes-group-{uuid.uuid4().hex[:8]}"
+        app = make_app(url)
+        noop = app.tasks[NOOP]
+        noop.apply_async((-1,), queue=queue)
+        t0 = time.perf_counter()
+        group(noop.s(i) for i in range(GROUP_SIZE)).apply_async(queue=queue)
+        app.close()
+        return time.perf_counter() - t0
+
+
+# -- the run ---------------------------------------------------------------------------
+def start_servers(args: argparse.Namespace, procs: Processes, work_dir: str,
+                  stack: list[Callable[[], None]]) -> dict[str, tuple[str, str]]:
+    """Broker and backend URLs of each requested broker, its server started."""
+    urls: dict[str, tuple[str, str]] = {}
+    if "zk" in args.brokers:
+        zk = measured_server(args)
+        zk.start()
+        stack.append(zk.close)
+        warm_up_zookeeper(zk.hosts)
+        urls["zk"] = (f"{zk.url}/shapes", f"{zk.url}/shapes-results")
+    for name, durable in (("redis", False), ("redis-aof", True)):
+        if name in args.brokers:
+            redis = RedisServer(procs, work_dir, durable=durable).start()
+            urls[name] = (redis.url(0), redis.url(1))
+    if "rabbitmq" in args.brokers:
+        rabbit = RabbitServer(procs, work_dir)
+        stack.append(rabbit.stop)
+        log("starting RabbitMQ")
+        rabbit.start()
+        urls["rabbitmq"] = (rabbit.url(), "rpc://")
+    return urls
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    work_dir = tempfile.mkdtemp(prefix="celery-zk-shapes-")
+    procs = Processes()
+    stack: list[Callable[[], None]] = []
+    results: dict[str, Any] = {}
+    try:
+        urls = start_servers(args, procs, work_dir, stack)
+        brokers = {name: Broker(name, *urls[name], procs, work_dir, args)
+                   for name in args.brokers}
+        if "latency" in args.only:
+            for rate in (0.0, args.load):
+                for name, broker in brokers.items():
+                    label = "loaded" if rate else "idle"
+                    log(f"{name}: latency, {label}")
+                    for shape, figures in broker.latency(args.samples, rate).items():
+                        results.setdefault(name, {})[f"{shape} {label}"] = figures
+        if "drain" in args.only:
+            for name, broker in brokers.items():
+                log(f"{name}: drain {args.tasks}")
+                results.setdefault(name, {})["drain/s"] = broker.drain(args.tasks)
+        if "publish" in args.only:
+            for name, broker in brokers.items():
+                variants = [(name, broker.url)]
+                if name == "zk":
+                    variants.append(("zk unconfirmed", broker.url + "?confirm_publish=false"))
+                for label, url in variants:
+                    log(f"{label}: publish {args.publish}")
+                    row = results.setdefault(label, {})
+                    row["publish/s 1 thread"] = broker.publish(url, args.publish, 1)
+                    row["publish/s 8 threads"] = broker.publish(url, args.publish, 8)
+                    row["group of 1,000 s"] = broker.group(url)
+    finally:
+        procs.stop_all()
+        for stop in reversed(stack):
+            stop()
+        if args.keep:
+            log(f"work dir kept: {work_dir}")
+        else:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    return results
+
+
+LATENCY = [f"{shape} {state}" for state in ("idle", "loaded") for shape in SHAPES]
+THROUGHPUT = ["drain/s", "publish/s 1 thread", "publish/s 8 threads", "group of 1,000 s"]
+
+
+def table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w)
+                       for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def render(results: dict[str, Any], load_rate: float) -> str:
+    out = [f"Latency p50 / p99 ms ('loaded': {load_rate:.0f} no-op tasks/s into the same queue)"]
+    rows = [["broker", *LATENCY]]
+    for name, row in results.items():
+        if any(key in row for key in LATENCY):
+            rows.append([name, *(f"{row[k]['p50']:.2f} / {row[k]['p99']:.2f}" if k in row
+                                 else "-" for k in LATENCY)])
+    zk = results.get("zk", {})
+    for other in ("redis", "rabbitmq"):
+        theirs = results.get(other, {})
+        if zk and any(k in zk and k in theirs for k in LATENCY):
+            rows.append([f"zk / {other}", *(
+                f"{zk[k]['p50'] / theirs[k]['p50']:.2f} / {zk[k]['p99'] / theirs[k]['p99']:.2f}"
+                if k in zk and k in theirs else "-" for k in LATENCY)])
+    if len(rows) > 1:
+        out += table(rows)
+    rows = [["broker", *THROUGHPUT]]
+    for name, row in results.items():
+        if any(key in row for key in THROUGHPUT):
+            rows.append([name, *(("-" if k not in row else f"{row[k]:.2f}" if k.endswith(" s")
+                                  else f"{row[k]:,.0f}") for k in THROUGHPUT)])
+    if len(rows) > 1:
+        out += ["", "Throughput (tasks/s; the group: seconds to publish it)", *table(rows)]
+    return "\n".join(out)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--brokers", default=",".join(BROKERS))
+    parser.add_argument("--only", default=",".join(PARTS))
+    parser.add_argument("--samples", type=int, default=200)
+    parser.add_argument("--load", type=float, default=200.0, help="background tasks/s")
+    parser.add_argument("--tasks", type=int, default=5000, help="drain backlog")
+    parser.add_argument("--publish", type=int, default=2000)
+    parser.add_argument("--quick", action="store_true", help="small sizes: checks every part")
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--keep", action="store_true", help="keep the work dir")
+    parser.add_argument("--zk-force-sync", choices=("yes", "no"), default="yes")
+    parser.add_argument("--zk-jvm-flag", action="append", default=[])
+    args = parser.parse_args(argv)
+    args.brokers = [b for b in args.brokers.split(",") if b]
+    args.only = [p for p in args.only.split(",") if p]
+    for name in args.brokers:
+        if name not in BROKERS:
+            parser.error(f"unknown broker {name!r}: choose from {', '.join(BROKERS)}")
+    for part in args.only:
+        if part not in PARTS:
+            parser.error(f"unknown part {part!r}: choose from {', '.join(PARTS)}")
+    if args.quick:
+        args.samples, args.tasks, args.publish = 30, 1000, 400
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--load-process"]:
+        load_main(argv[1], argv[2], float(argv[3]))
+        return 0
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # clean up as on Ctrl-C
+    results = run(args)
+    print(render(results, args.load))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(results, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,6 +9,7 @@ committed, each retry first checks for the effect it was about to cause.
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ logger = logging.getLogger(__name__)
 #: Bytes a claim's two operations carry beside the data and the paths
 #: (headers, version, ACL, flags), rounded up.
 OP_OVERHEAD = 64
+#: Most acks sent in one multi (a few dozen bytes each: far below jute.maxbuffer).
+ACK_BATCH = 256
 
 
 @dataclass
@@ -137,6 +140,8 @@ class QueueStore:
         self.options = options
         self._ack_retries: RedoThread[tuple[str, str]] = RedoThread(
             "celery_zk-ack-retry", self._ack_again)
+        self._acks: list[tuple[str, str]] = []   # (owned path, consumer node) held back
+        self._acks_lock = threading.Lock()
         # (queue, inverted priority) -> the bucket generation this process publishes to
         self._tails: dict[tuple[str, int], int] = {}
 
@@ -481,25 +486,55 @@ class QueueStore:
         """:meth:`ack` without waiting for ZooKeeper, as AMQP's basic.ack.
 
         The task runs while the ack commits. It is sent after a short delay
-        (:attr:`deferred`), so it does not hold up the task's own writes; if
-        the worker dies in between, the message is redelivered (at-least-once).
-        If the reply is lost the ack is redone by a background thread that
-        waits for the reconnect; until it lands the message stays owned, so
-        nothing is lost either way.
+        (:attr:`deferred`), so it does not hold up the task's own writes, and
+        together with the other acks of that moment in one multi (a busy worker
+        acks a prefetch's worth at a time). If the worker dies in between, the
+        message is redelivered (at-least-once). If the reply is lost the ack is
+        redone by a background thread that waits for the reconnect; until it
+        lands the message stays owned, so nothing is lost either way.
         """
-        self.deferred.later(lambda: self._send_ack(owned_path, consumer_node))
+        with self._acks_lock:
+            first = not self._acks
+            self._acks.append((owned_path, consumer_node))
+        if first:
+            self.deferred.later(self._send_acks)
 
-    def _send_ack(self, owned_path: str, consumer_node: str) -> None:
+    def _send_acks(self) -> None:
+        with self._acks_lock:
+            acks, self._acks = self._acks, []
+        by_owner: dict[str, list[str]] = {}
+        for owned_path, consumer_node in acks:
+            by_owner.setdefault(consumer_node, []).append(owned_path)
+        for consumer_node, paths in by_owner.items():
+            for start in range(0, len(paths), ACK_BATCH):
+                self._send_ack_batch(consumer_node, paths[start:start + ACK_BATCH])
+
+    def _send_ack_batch(self, consumer_node: str, paths: list[str]) -> None:
+        """One multi: the owner's session is alive (the check), and every message goes."""
         txn = self.client.transaction()
-        self._ack_ops(owned_path, consumer_node)(txn)
+        txn.check(consumer_node, 0)
+        for owned_path in paths:
+            txn.delete(owned_path)
 
         def done(result: Any) -> None:  # kazoo's event thread: never block here
             try:
-                self._ack_outcome(owned_path, consumer_node, result.get())
-            except NoNodeError:
-                pass
+                results = result.get()
             except Exception:
-                self._ack_retries.submit((owned_path, consumer_node))
+                for owned_path in paths:
+                    self._ack_retries.submit((owned_path, consumer_node))
+                return
+            failure = multi_failure(results)
+            if failure is None:
+                return
+            if failure[0] == 0:   # the session ended: every one of them was requeued
+                for owned_path in paths:
+                    self._ack_outcome(owned_path, consumer_node, results)
+                return
+            # One message was gone already (a requeue raced the ack, say), which
+            # refused the whole multi: ack the others one by one.
+            for index, owned_path in enumerate(paths, start=1):
+                if index != failure[0]:
+                    self._ack_retries.submit((owned_path, consumer_node))
 
         txn.commit_async().rawlink(done)
 

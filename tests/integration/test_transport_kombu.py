@@ -500,3 +500,39 @@ def test_a_before_task_publish_handler_may_republish_with_its_kwargs(zk_url: str
     with app.connection() as connection:
         assert connection.default_channel._size("celery") == 2
     app.close()
+
+
+def test_acks_of_one_moment_go_in_one_multi(conn: Connection, zk_url: str,
+                                             zk_client: KazooClient,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefetch's worth of acks is one transaction, not one each; one message
+    gone meanwhile (requeued, purged) does not keep the others from being acked."""
+    layout = layout_of(zk_url)
+    queue = Queue("acks", Exchange("acks", "direct"), "acks")
+    producer = Producer(conn.channel())
+    for i in range(12):
+        producer.publish({"i": i}, exchange=queue.exchange, routing_key="acks", declare=[queue])
+    got = drain(conn, queue, 12, ack=False)
+    assert len(got) == 12
+    client = conn.transport.store.client
+    multis = count_calls(monkeypatch, client, "transaction")
+    zk_client.delete(layout.owned("acks") + "/" + got[0][1].delivery_tag.rpartition("/")[2])
+    for _, message in got:
+        message.ack()
+    deadline = time.monotonic() + 5
+    while zk_client.get_children(layout.owned("acks")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert zk_client.get_children(layout.owned("acks")) == []
+    # The batch (refused: one message was gone), then the other 11 one by one.
+    assert multis.count("transaction") == 1 + 11
+    for i in range(12):
+        producer.publish({"i": i}, exchange=queue.exchange, routing_key="acks")
+    got = drain(conn, queue, 12, ack=False)
+    multis.clear()
+    for _, message in got:
+        message.ack()
+    deadline = time.monotonic() + 5
+    while zk_client.get_children(layout.owned("acks")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert zk_client.get_children(layout.owned("acks")) == []
+    assert multis.count("transaction") == 1

@@ -95,6 +95,7 @@ class RabbitServer:
         self.out = os.path.join(work_dir, "rabbitmq.out")
         self.proc: subprocess.Popen[bytes] | None = None
         self.beam = 0   # the node's OS pid
+        self.epmd_before: set[int] = set()
 
     def url(self) -> str:
         return f"amqp://guest:guest@127.0.0.1:{self.port}//"
@@ -104,6 +105,7 @@ class RabbitServer:
                               capture_output=True, text=True, timeout=timeout).stdout
 
     def start(self) -> RabbitServer:
+        self.epmd_before = epmd_pids()
         self.proc = self.procs.spawn(["rabbitmq-server"], self.out, self.env)
         deadline = time.monotonic() + 120
         while True:   # await_startup fails at once until the node is known to epmd
@@ -132,8 +134,13 @@ class RabbitServer:
             except ProcessLookupError:
                 pass
             self.beam = 0
-        # epmd is started by the node for the whole host; stop it if it serves us alone.
-        subprocess.run(["epmd", "-kill"], capture_output=True)
+        # The node starts epmd for the whole host (a daemon: not our child): stop
+        # the ones that were not running before we started, by pid.
+        for pid in epmd_pids() - self.epmd_before:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
     def version(self) -> str:
         return self.ctl("version").strip()
@@ -142,6 +149,11 @@ class RabbitServer:
         """Bytes the node uses (its own total, as `rabbitmqctl status` reports)."""
         out = self.ctl("eval", "erlang:memory(total).")
         return int(out.strip().rstrip("."))
+
+
+def epmd_pids() -> set[int]:
+    found = subprocess.run(["pgrep", "-x", "epmd"], capture_output=True, text=True).stdout
+    return {int(pid) for pid in found.split()}
 
 
 def zk_server(heap: str) -> ZooKeeperServer:

@@ -283,7 +283,8 @@ def start_servers(args: argparse.Namespace, procs: Processes, work_dir: str,
         zk.start()
         stack.append(zk.close)
         warm_up_zookeeper(zk.hosts)
-        urls["zk"] = (f"{zk.url}/shapes", f"{zk.url}/shapes-results")
+        query = "?" + "&".join(args.zk_option) if args.zk_option else ""
+        urls["zk"] = (f"{zk.url}/shapes{query}", f"{zk.url}/shapes-results{query}")
     for name, durable in (("redis", False), ("redis-aof", True)):
         if name in args.brokers:
             redis = RedisServer(procs, work_dir, durable=durable).start()
@@ -321,7 +322,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for name, broker in brokers.items():
                 variants = [(name, broker.url)]
                 if name == "zk":
-                    variants.append(("zk unconfirmed", broker.url + "?confirm_publish=false"))
+                    sep = "&" if "?" in broker.url else "?"
+                    variants.append(("zk unconfirmed", broker.url + sep + "confirm_publish=false"))
                 for label, url in variants:
                     log(f"{label}: publish {args.publish}")
                     row = results.setdefault(label, {})
@@ -390,6 +392,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep the work dir")
     parser.add_argument("--zk-force-sync", choices=("yes", "no"), default="yes")
     parser.add_argument("--zk-jvm-flag", action="append", default=[])
+    parser.add_argument("--zk-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a celery_zk option for the zk broker and backend URLs")
     args = parser.parse_args(argv)
     args.brokers = [b for b in args.brokers.split(",") if b]
     args.only = [p for p in args.only.split(",") if p]

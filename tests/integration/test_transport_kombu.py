@@ -536,3 +536,28 @@ def test_acks_of_one_moment_go_in_one_multi(conn: Connection, zk_url: str,
         time.sleep(0.02)
     assert zk_client.get_children(layout.owned("acks")) == []
     assert multis.count("transaction") == 1
+
+
+def test_a_draining_consumer_reads_its_next_batches_ahead(conn: Connection) -> None:
+    """Reads of the next two batches are under way while one is delivered (a
+    session's requests are answered in order: sent with the claim, they waited
+    behind its acks); what they read is delivered once and in order."""
+    queue = Queue("ahead", Exchange("ahead", "direct"), "ahead")
+    producer = Producer(conn.channel())
+    for i in range(40):
+        producer.publish({"i": i}, exchange=queue.exchange, routing_key="ahead",
+                         declare=[queue])
+    got: list[Any] = []
+    with Consumer(conn, [queue], callbacks=[lambda body, message: got.append((body, message))],
+                  prefetch_count=4):   # claims of 4
+        deadline = time.monotonic() + 10
+        while len(got) < 4 and time.monotonic() < deadline:
+            conn.drain_events(timeout=1)
+        view = conn.default_channel._views["ahead"]
+        assert set(view.reads) == set(list(view.listing)[:8])
+        for _, message in got:
+            message.ack()
+        while len(got) < 40 and time.monotonic() < deadline:
+            conn.drain_events(timeout=1)
+            got[-1][1].ack()
+    assert [body["i"] for body, _ in got] == list(range(40))

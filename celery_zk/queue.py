@@ -88,6 +88,21 @@ class NewMessage:
     generation: int   # the bucket it goes to
 
 
+@dataclass
+class PendingClaim:
+    """A claim sent without waiting (:meth:`QueueStore.claim_async`)."""
+
+    queue: str
+    consumer_id: str
+    candidates: list[tuple[str, bytes, int]]   # (name, data, version), in order
+    result: Any                                # the multi's async result
+    gone: set[str]                             # found gone while building it
+    leftover: list[str]                        # not in this claim (did not fit)
+
+    def ready(self) -> bool:
+        return self.result is None or bool(self.result.ready())
+
+
 @dataclass(frozen=True)
 class Listing:
     """The head of a queue in delivery order, as :meth:`QueueStore.listing` found it."""
@@ -436,6 +451,74 @@ class QueueStore:
             CLAIMS.conflicts += 1
             gone.add(candidates.pop(index // 2)[0])  # two ops per candidate
         return [], gone
+
+    def claim_async(self, queue: str, names: list[str], consumer_id: str,
+                    reads: dict[str, Any]) -> PendingClaim | None:
+        """Send the claim of ``names`` without waiting for it (see :meth:`claim`).
+
+        Only when every one of their reads (``reads``) has landed: the
+        transaction needs their data and versions, and this never blocks.
+        Otherwise nothing is sent and None returned. :meth:`finish_claim`
+        gives the outcome.
+        """
+        if not names or any(name not in reads or not reads[name].ready() for name in names):
+            return None
+        candidates: list[tuple[str, bytes, int]] = []
+        gone: set[str] = set()
+        unread: list[str] = []
+        for name in names:
+            try:
+                data, stat = reads.pop(name).get()
+            except NoNodeError:
+                gone.add(name)
+            except Exception:
+                unread.append(name)   # a lost reply: read again by a later claim
+            else:
+                candidates.append((name, data, stat.version))
+        fitting = self._fitting(queue, consumer_id, candidates)
+        leftover = [name for name, _, _ in candidates[len(fitting):]] + unread
+        if not fitting:
+            return PendingClaim(queue, consumer_id, [], None, gone, leftover)
+        layout, txn = self.layout, self.client.transaction()
+        for name, data, version in fitting:
+            txn.delete(layout.unowned_message(queue, name), version=version)
+            txn.create(layout.owned_message(queue, owned_name(consumer_id, name)), data)
+        CLAIMS.transactions += 1
+        return PendingClaim(queue, consumer_id, fitting, txn.commit_async(), gone, leftover)
+
+    def finish_claim(self, pending: PendingClaim) -> tuple[list[Claimed], set[str], list[str]]:
+        """Wait for a claim :meth:`claim_async` sent: ``(claimed, gone, not claimed)``.
+
+        The names not claimed are still waiting (the transaction is all or
+        nothing): they go back to the listing.
+        """
+        layout, client = self.layout, self.client
+        queue, consumer_id, candidates = pending.queue, pending.consumer_id, pending.candidates
+        gone, leftover = set(pending.gone), list(pending.leftover)
+        if not candidates:
+            return [], gone, leftover
+        names = [name for name, _, _ in candidates]
+        try:
+            results = pending.result.get()
+        except ConnectionLoss:
+            # Did it commit? The first create tells (the multi is all or nothing).
+            first = layout.owned_message(queue, owned_name(consumer_id, names[0]))
+            if client.retry(client.exists, first) is None:
+                return [], gone, names + leftover
+            results = []
+        failure = multi_failure(results)
+        if failure is None:
+            CLAIMS.messages += len(candidates)
+            return [Claimed(queue, name, layout.owned_message(
+                queue, owned_name(consumer_id, name)), data)
+                for name, data, _ in candidates], gone, leftover
+        index, error = failure
+        if not isinstance(error, (NoNodeError, BadVersionError, NodeExistsError)):
+            raise error
+        CLAIMS.conflicts += 1
+        lost = names.pop(index // 2)   # two ops per candidate
+        gone.add(lost)
+        return [], gone, names + leftover
 
     def _fitting(self, queue: str, consumer_id: str,
                  candidates: list[tuple[str, bytes, int]]) -> list[tuple[str, bytes, int]]:

@@ -47,7 +47,7 @@ from kazoo.exceptions import NoNodeError
 from .client import CONNECTION_ERRORS, log_failure, reply_or_retry
 from .handoff import Offer
 from .layout import parse_bucket_name, parse_message_name, sort_messages, split_owned_name
-from .queue import Claimed
+from .queue import Claimed, PendingClaim
 from .session import weak_callback
 from .watches import NODE_CREATED
 
@@ -71,6 +71,7 @@ class QueueView:
         self.listing: deque[str] = deque()   # sorted, not yet tried
         self.listed_at = 0.0
         self.buffer: deque[Claimed] = deque()   # claimed, not delivered yet
+        self.ahead: deque[PendingClaim] = deque()   # claims sent, not yet come back
         self.armed = False    # empty at last look, and no watch has fired since
         self.events = 0       # bumped by every watch; detects a fire during a listing
         self.idle = True      # the last listing was empty: the next one adds the tree watch
@@ -192,6 +193,9 @@ class QueueView:
             if not self.listing:
                 continue   # only foreign names arrived
             batch = self._pick(limit)   # removes the batch from the listing
+            if self.consuming and not self.idle:
+                self._claim_async(batch, consumer_id)
+                return   # the event loop delivers it when it lands (see collect)
             claimed, gone = transport.store.claim(self.queue, batch, consumer_id, self.reads)
             # Names neither claimed nor gone did not fit in one request: next time.
             taken = gone.union(message.name for message in claimed)
@@ -343,6 +347,59 @@ class QueueView:
             self.reads.pop(name, None)
             self.transport.store.dead_letter_unowned(
                 self.queue, name, "node name was not written by celery_zk")
+
+    @property
+    def claiming(self) -> int:
+        """Messages in claims sent and not yet come back (they hold prefetch slots)."""
+        return sum(len(pending.candidates) for pending in self.ahead)
+
+    def _claim_async(self, batch: list[str], consumer_id: str) -> None:
+        """Claim ``batch`` from a backlog without waiting on the consuming thread.
+
+        A draining consumer otherwise waits for every read and every claim's
+        commit while its pool runs out of work. Here the claim is sent once its
+        reads have landed (else the reads are started, the batch goes back to
+        the listing, and the consumer is woken when they land); the event loop
+        goes on meanwhile, and a prefetch slot freed meanwhile starts the next
+        claim. Claims land in the order they were sent (one session's requests
+        are answered in order) and are delivered in that order.
+        """
+        transport = self.transport
+        store = transport.store
+        try:
+            for name in batch:
+                if name not in self.reads:
+                    self.reads[name] = store.read_async(self.queue, name)
+            pending = store.claim_async(self.queue, batch, consumer_id, self.reads)
+        except CONNECTION_ERRORS:
+            self.listing.extendleft(reversed(batch))
+            raise
+        if pending is None:
+            self.listing.extendleft(reversed(batch))
+            last = self.reads.get(batch[-1])
+            if last is None:
+                transport.wake()   # the reads were dropped meanwhile (a new listing)
+            else:
+                last.rawlink(lambda _: transport.wake())
+            return
+        self.ahead.append(pending)
+        if pending.result is None:
+            transport.wake()
+        else:
+            pending.result.rawlink(lambda _: transport.wake())
+
+    def collect(self, block: bool = False) -> None:
+        """Move what the claims sent took into the buffer, oldest first, as long
+        as they have landed (``block``: wait for all of them)."""
+        store = self.transport.store
+        while self.ahead and (block or self.ahead[0].ready()):
+            pending = self.ahead.popleft()
+            claimed, _gone, leftover = store.finish_claim(pending)
+            self.listing.extendleft(reversed(leftover))
+            self.buffer.extend(claimed)
+            size = sum(len(message.data) for message in claimed)
+            if claimed and 2 * size <= self.options.max_message_size:
+                self._read_ahead(2 * len(claimed))
 
     def _read_ahead(self, limit: int) -> None:
         """Start reading the batches the next claims will take, while this one is

@@ -271,6 +271,11 @@ class Channel(virtual.Channel):
             return
         view.close()
         store = self.connection.store if self.connection else None
+        if store is not None:
+            try:
+                view.collect(block=True)   # ours now: given back with the buffer
+            except CONNECTION_ERRORS:
+                pass   # the session's end gives them back
         while view.buffer and store is not None:
             claimed = view.buffer.popleft()
             store.requeue(claimed.owned_path, claimed.data)
@@ -282,8 +287,9 @@ class Channel(virtual.Channel):
         view = self._view(queue)
         view.consuming = queue in self._active_queues
         while True:
+            view.collect()
             if not view.buffer:
-                view.fill(self._claim_limit())
+                view.fill(self._claim_limit() - view.claiming)
             if not view.buffer:
                 raise Empty()
             claimed = view.buffer.popleft()

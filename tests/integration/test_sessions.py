@@ -160,7 +160,10 @@ def test_connections_of_a_process_share_one_session_and_own_their_nodes(
 
     reply = Queue("shared-reply", Exchange("shared-reply", type="direct"), "r",
                   auto_delete=True)
-    first, second = Connection(zk_url), Connection(zk_url)
+    # A session name of its own: a connection an earlier test left to the
+    # garbage collector must not be counted as this test's session.
+    url = zk_url + "?session_name=shared-by-two"
+    first, second = Connection(url), Connection(url)
     key = zk_session.session_key(first.transport.settings)
     try:
         for conn in (first, second):

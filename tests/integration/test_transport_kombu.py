@@ -561,3 +561,39 @@ def test_a_draining_consumer_reads_its_next_batches_ahead(conn: Connection) -> N
             conn.drain_events(timeout=1)
             got[-1][1].ack()
     assert [body["i"] for body, _ in got] == list(range(40))
+
+
+def test_two_consumers_claiming_without_waiting_deliver_each_message_once(
+        zk_url: str) -> None:
+    """A backlog drained by two connections at once, with claims in flight while
+    the event loop goes on: claims that lose a race give their other names back,
+    and every message is delivered exactly once."""
+    queue = Queue("race", Exchange("race", "direct"), "race")
+    with Connection(zk_url) as conn:
+        producer = Producer(conn.channel())
+        for i in range(300):
+            producer.publish({"i": i}, exchange=queue.exchange, routing_key="race",
+                             declare=[queue])
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def consume() -> None:
+        with Connection(zk_url) as connection:
+            def on_message(body: Any, message: Any) -> None:
+                with lock:
+                    seen.append(body["i"])
+                message.ack()
+            with Consumer(connection, [queue], callbacks=[on_message], prefetch_count=8):
+                deadline = time.monotonic() + 30
+                while len(seen) < 300 and time.monotonic() < deadline:
+                    try:
+                        connection.drain_events(timeout=0.5)
+                    except TimeoutError:
+                        pass
+
+    threads = [threading.Thread(target=consume) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(seen) == list(range(300))

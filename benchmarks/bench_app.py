@@ -10,6 +10,8 @@
 * ``BENCH_DRAIN_TOTAL`` / ``BENCH_DRAIN_FILE``: the ``bench.drain`` task counts
   distinct task indexes in this (threads pool: single) process and writes the
   first/last execution times to the file when all of them have run.
+* ``BENCH_PREFETCH_MULTIPLIER``: Celery's ``worker_prefetch_multiplier``
+  (default 4).
 * ``BENCH_CLAIMS_FILE``: at shutdown, celery_zk's claim counts of this process
   (:data:`celery_zk.queue.CLAIMS`: transactions, conflicts, messages) as JSON.
 
@@ -96,6 +98,7 @@ def make_app(broker: str, backend: str | None = None) -> Celery:
         task_serializer="json",
         result_serializer="json",
         accept_content=["json"],
+        worker_prefetch_multiplier=int(os.environ.get("BENCH_PREFETCH_MULTIPLIER", "4")),
     )
     app.task(name=ECHO, bind=True, ignore_result=True)(_echo)
     app.task(name=DRAIN, ignore_result=True)(_drain)

@@ -95,9 +95,8 @@ class PendingClaim:
     queue: str
     consumer_id: str
     candidates: list[tuple[str, bytes, int]]   # (name, data, version), in order
-    result: Any                                # the multi's async result
-    gone: set[str]                             # found gone while building it
-    leftover: list[str]                        # not in this claim (did not fit)
+    result: Any                                # the multi's async result (None: no multi)
+    leftover: list[str]                        # not in this claim (did not fit, unread)
 
     def ready(self) -> bool:
         return self.result is None or bool(self.result.ready())
@@ -424,32 +423,12 @@ class QueueStore:
                 candidates.append((name, data, stat.version))
         candidates = self._fitting(queue, consumer_id, candidates)
         while candidates:
-            txn = client.transaction()
-            for name, data, version in candidates:
-                # Without the transaction a crash between delete and create would
-                # lose the message; with it the message is unowned or owned, never neither.
-                txn.delete(layout.unowned_message(queue, name), version=version)
-                txn.create(layout.owned_message(queue, owned_name(consumer_id, name)), data)
-            CLAIMS.transactions += 1
-            try:
-                results = txn.commit()
-            except ConnectionLoss:
-                # Did it commit? The first create tells (the multi is all or nothing).
-                first = layout.owned_message(queue, owned_name(consumer_id, candidates[0][0]))
-                if client.retry(client.exists, first) is None:
-                    continue
-                results = []
-            failure = multi_failure(results)
-            if failure is None:
-                CLAIMS.messages += len(candidates)
-                return [Claimed(queue, name, layout.owned_message(
-                    queue, owned_name(consumer_id, name)), data)
-                    for name, data, _ in candidates], gone
-            index, error = failure
-            if not isinstance(error, (NoNodeError, BadVersionError, NodeExistsError)):
-                raise error
-            CLAIMS.conflicts += 1
-            gone.add(candidates.pop(index // 2)[0])  # two ops per candidate
+            claimed, lost = self._settle_claim(
+                queue, consumer_id, candidates, self._send_claim(queue, consumer_id, candidates))
+            if claimed is not None:
+                return claimed, gone
+            if lost is not None:
+                gone.add(candidates.pop(lost)[0])
         return [], gone
 
     def claim_async(self, queue: str, names: list[str], consumer_id: str,
@@ -459,66 +438,80 @@ class QueueStore:
         Only when every one of their reads (``reads``) has landed: the
         transaction needs their data and versions, and this never blocks.
         Otherwise nothing is sent and None returned. :meth:`finish_claim`
-        gives the outcome.
+        gives the outcome. A name found gone is simply not claimed.
         """
         if not names or any(name not in reads or not reads[name].ready() for name in names):
             return None
         candidates: list[tuple[str, bytes, int]] = []
-        gone: set[str] = set()
         unread: list[str] = []
         for name in names:
             try:
                 data, stat = reads.pop(name).get()
             except NoNodeError:
-                gone.add(name)
+                continue   # gone: another consumer took it
             except Exception:
                 unread.append(name)   # a lost reply: read again by a later claim
             else:
                 candidates.append((name, data, stat.version))
         fitting = self._fitting(queue, consumer_id, candidates)
         leftover = [name for name, _, _ in candidates[len(fitting):]] + unread
-        if not fitting:
-            return PendingClaim(queue, consumer_id, [], None, gone, leftover)
-        layout, txn = self.layout, self.client.transaction()
-        for name, data, version in fitting:
-            txn.delete(layout.unowned_message(queue, name), version=version)
-            txn.create(layout.owned_message(queue, owned_name(consumer_id, name)), data)
-        CLAIMS.transactions += 1
-        return PendingClaim(queue, consumer_id, fitting, txn.commit_async(), gone, leftover)
+        result = self._send_claim(queue, consumer_id, fitting) if fitting else None
+        return PendingClaim(queue, consumer_id, fitting, result, leftover)
 
-    def finish_claim(self, pending: PendingClaim) -> tuple[list[Claimed], set[str], list[str]]:
-        """Wait for a claim :meth:`claim_async` sent: ``(claimed, gone, not claimed)``.
+    def finish_claim(self, pending: PendingClaim) -> tuple[list[Claimed], list[str]]:
+        """Wait for a claim :meth:`claim_async` sent: ``(claimed, not claimed)``.
 
         The names not claimed are still waiting (the transaction is all or
         nothing): they go back to the listing.
         """
-        layout, client = self.layout, self.client
-        queue, consumer_id, candidates = pending.queue, pending.consumer_id, pending.candidates
-        gone, leftover = set(pending.gone), list(pending.leftover)
+        candidates = pending.candidates
         if not candidates:
-            return [], gone, leftover
-        names = [name for name, _, _ in candidates]
+            return [], pending.leftover
+        claimed, lost = self._settle_claim(pending.queue, pending.consumer_id, candidates,
+                                           pending.result)
+        if claimed is not None:
+            return claimed, pending.leftover
+        names = [name for index, (name, _, _) in enumerate(candidates) if index != lost]
+        return [], names + pending.leftover
+
+    def _send_claim(self, queue: str, consumer_id: str,
+                    candidates: list[tuple[str, bytes, int]]) -> Any:
+        """Send one claim transaction; its async result."""
+        layout, txn = self.layout, self.client.transaction()
+        for name, data, version in candidates:
+            # Without the transaction a crash between delete and create would
+            # lose the message; with it the message is unowned or owned, never neither.
+            txn.delete(layout.unowned_message(queue, name), version=version)
+            txn.create(layout.owned_message(queue, owned_name(consumer_id, name)), data)
+        CLAIMS.transactions += 1
+        return txn.commit_async()
+
+    def _settle_claim(self, queue: str, consumer_id: str,
+                      candidates: list[tuple[str, bytes, int]], result: Any
+                      ) -> tuple[list[Claimed] | None, int | None]:
+        """The outcome of a claim :meth:`_send_claim` sent: ``(claimed, None)``
+        when it committed, ``(None, index)`` when another consumer took the
+        candidate at ``index`` first, ``(None, None)`` when it did not commit."""
+        layout, client = self.layout, self.client
         try:
-            results = pending.result.get()
+            results = result.get()
         except ConnectionLoss:
             # Did it commit? The first create tells (the multi is all or nothing).
-            first = layout.owned_message(queue, owned_name(consumer_id, names[0]))
+            first = layout.owned_message(queue, owned_name(consumer_id, candidates[0][0]))
             if client.retry(client.exists, first) is None:
-                return [], gone, names + leftover
+                return None, None
             results = []
         failure = multi_failure(results)
         if failure is None:
             CLAIMS.messages += len(candidates)
             return [Claimed(queue, name, layout.owned_message(
                 queue, owned_name(consumer_id, name)), data)
-                for name, data, _ in candidates], gone, leftover
+                for name, data, _ in candidates], None
         index, error = failure
         if not isinstance(error, (NoNodeError, BadVersionError, NodeExistsError)):
             raise error
         CLAIMS.conflicts += 1
-        lost = names.pop(index // 2)   # two ops per candidate
-        gone.add(lost)
-        return [], gone, names + leftover
+        return None, index // 2   # two ops per candidate
 
     def _fitting(self, queue: str, consumer_id: str,
                  candidates: list[tuple[str, bytes, int]]) -> list[tuple[str, bytes, int]]:

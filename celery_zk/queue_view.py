@@ -201,10 +201,7 @@ class QueueView:
             taken = gone.union(message.name for message in claimed)
             self.listing.extendleft(reversed([name for name in batch if name not in taken]))
             if claimed:
-                self.buffer.extend(claimed)
-                size = sum(len(message.data) for message in claimed)
-                if 2 * size <= self.options.max_message_size:
-                    self._read_ahead(2 * limit)   # small messages: what it holds stays small
+                self._buffer(claimed, limit)
                 return
 
     def _tree_active(self) -> bool:
@@ -393,13 +390,17 @@ class QueueView:
         as they have landed (``block``: wait for all of them)."""
         store = self.transport.store
         while self.ahead and (block or self.ahead[0].ready()):
-            pending = self.ahead.popleft()
-            claimed, _gone, leftover = store.finish_claim(pending)
+            claimed, leftover = store.finish_claim(self.ahead.popleft())
             self.listing.extendleft(reversed(leftover))
-            self.buffer.extend(claimed)
-            size = sum(len(message.data) for message in claimed)
-            if claimed and 2 * size <= self.options.max_message_size:
-                self._read_ahead(2 * len(claimed))
+            if claimed:
+                self._buffer(claimed, len(claimed))
+
+    def _buffer(self, claimed: list[Claimed], batch: int) -> None:
+        """Buffer what a claim took, and read the next two batches ahead when
+        its messages were small (what the reads hold stays small)."""
+        self.buffer.extend(claimed)
+        if 2 * sum(len(message.data) for message in claimed) <= self.options.max_message_size:
+            self._read_ahead(2 * batch)
 
     def _read_ahead(self, limit: int) -> None:
         """Start reading the batches the next claims will take, while this one is

@@ -19,6 +19,7 @@ from celery_zk.layout import Layout, parse_bucket_name
 
 from .queues import first_bucket_path, waiting
 from .spies import CONSUMER_REQUESTS, count_calls
+from .workers import wait_until
 
 
 @pytest.fixture
@@ -519,10 +520,8 @@ def test_acks_of_one_moment_go_in_one_multi(conn: Connection, zk_url: str,
     zk_client.delete(layout.owned("acks") + "/" + got[0][1].delivery_tag.rpartition("/")[2])
     for _, message in got:
         message.ack()
-    deadline = time.monotonic() + 5
-    while zk_client.get_children(layout.owned("acks")) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert zk_client.get_children(layout.owned("acks")) == []
+    wait_until(lambda: zk_client.get_children(layout.owned("acks")) == [], timeout=5,
+               interval=0.02, message="the acks did not land")
     # The batch (refused: one message was gone), then the other 11 one by one.
     assert multis.count("transaction") == 1 + 11
     for i in range(12):
@@ -531,10 +530,8 @@ def test_acks_of_one_moment_go_in_one_multi(conn: Connection, zk_url: str,
     multis.clear()
     for _, message in got:
         message.ack()
-    deadline = time.monotonic() + 5
-    while zk_client.get_children(layout.owned("acks")) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert zk_client.get_children(layout.owned("acks")) == []
+    wait_until(lambda: zk_client.get_children(layout.owned("acks")) == [], timeout=5,
+               interval=0.02, message="the acks did not land")
     assert multis.count("transaction") == 1
 
 

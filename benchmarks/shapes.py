@@ -71,6 +71,8 @@ from celery import group  # noqa: E402
 from kombu import Connection, Queue  # noqa: E402
 from scale import RabbitServer  # noqa: E402
 
+from celery_zk.unconfirmed import flush_all  # noqa: E402
+
 BROKERS = ("zk", "redis", "redis-aof", "rabbitmq")
 SHAPES = ("oneway", "get", "roundtrip")
 PARTS = ("latency", "drain", "publish")
@@ -259,7 +261,8 @@ class Broker:
             thread.start()
         for thread in pool:
             thread.join()
-        app.close()   # unconfirmed: waits until the server stored every message
+        app.close()
+        flush_all()   # unconfirmed: until the server stored every message (kombu's pool)
         return per * threads / (time.perf_counter() - t0)
 
     def group(self, url: str) -> float:
@@ -270,6 +273,7 @@ class Broker:
         t0 = time.perf_counter()
         group(noop.s(i) for i in range(GROUP_SIZE)).apply_async(queue=queue)
         app.close()
+        flush_all()
         return time.perf_counter() - t0
 
 

@@ -88,6 +88,10 @@ class ZKOptions:
                                  "publishes (many times faster for one publisher); a "
                                  "message still in flight is lost if the process is "
                                  "killed, as with AMQP without publisher confirms.")
+    batch_groups: bool = _opt(True, "Store a group's (or chord header's) messages a few "
+                              "hundred per multi transaction when the group is published, "
+                              "instead of one confirmed create per task; the group's "
+                              "apply_async still returns once all are stored.")
     max_message_size: int = _opt(1_000_000, "Largest encoded message or result, bytes; "
                                  "must stay below the server's jute.maxbuffer (1 MiB).")
     acl: str = _opt("auto", "'auto': with credentials every node gets a digest ACL for "

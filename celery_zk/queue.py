@@ -26,7 +26,15 @@ from kazoo.exceptions import (
 from kazoo.protocol.paths import join
 from kazoo.protocol.states import ZnodeStat
 
-from .client import Deferred, RedoThread, create_once, log_failure, multi_failure, reply_or_retry
+from .client import (
+    Deferred,
+    RedoThread,
+    connected_retry,
+    create_once,
+    log_failure,
+    multi_failure,
+    reply_or_retry,
+)
 from .config import ZKOptions
 from .exceptions import MessageTooLarge
 from .layout import (
@@ -49,6 +57,8 @@ logger = logging.getLogger(__name__)
 OP_OVERHEAD = 64
 #: Most acks sent in one multi (a few dozen bytes each: far below jute.maxbuffer).
 ACK_BATCH = 256
+#: Most messages created in one multi by :meth:`QueueStore.put_batch`.
+PUBLISH_BATCH = 256
 
 
 @dataclass
@@ -158,6 +168,9 @@ class QueueStore:
         self._acks_lock = threading.Lock()
         # (queue, inverted priority) -> the bucket generation this process publishes to
         self._tails: dict[tuple[str, int], int] = {}
+        # (queue, inverted priority) -> (bucket, creates seen in it): how much
+        # room a batch may assume is left in the newest bucket.
+        self._filled: dict[tuple[str, int], tuple[int, int]] = {}
 
     @property
     def client(self) -> KazooClient:
@@ -272,14 +285,121 @@ class QueueStore:
         The new bucket is created without waiting: ZooKeeper handles a session's
         requests in order, so it exists before this process's next message."""
         parsed = parse_message_name(name)
-        if parsed is None or parsed.seq < self.options.bucket_size - 1:
+        if parsed is None:
             return
-        key, following = (message.queue, message.inverted_priority), message.generation + 1
+        key = (message.queue, message.inverted_priority)
+        filled = self._filled.get(key)
+        if filled is None or filled < (message.generation, parsed.seq + 1):
+            self._filled[key] = (message.generation, parsed.seq + 1)
+        if parsed.seq < self.options.bucket_size - 1:
+            return
+        following = message.generation + 1
         if self._tails.get(key, -1) >= following:
             return   # moved on already
         self._tails[key] = following
         self.client.create_async(self.layout.bucket(
             message.queue, bucket_name(message.inverted_priority, following)))
+
+    def put_batch(self, messages: list[NewMessage]) -> list[str | None]:
+        """Create the nodes of ``messages``, in order, up to :data:`PUBLISH_BATCH`
+        per multi; their names (None: one consumed before a lost reply was checked).
+
+        Each multi carries at most ``max_message_size`` and puts no more into a
+        bucket than the room this process knows is left in it, so a batch keeps
+        the bounds of single publishes. A multi is atomic: after a failure some
+        earlier multis may have been stored, never part of one.
+        """
+        names: list[str | None] = []
+        rest = messages
+        while rest:
+            chunk = self._next_chunk(rest)
+            names.extend(self._put_chunk(chunk))
+            rest = rest[len(chunk):]
+        return names
+
+    def _next_chunk(self, messages: list[NewMessage]) -> list[NewMessage]:
+        """The next multi's messages, named for their queues' newest buckets."""
+        budget = self.options.max_message_size
+        chunk: list[NewMessage] = []
+        room: dict[tuple[str, int], int] = {}
+        for message in messages[:PUBLISH_BATCH]:
+            key = (message.queue, message.inverted_priority)
+            if key not in room:
+                generation = self._tails.get(key)
+                if generation is None:
+                    generation = self._find_tail(*key)
+                seen, filled = self._filled.get(key, (generation, 0))
+                room[key] = self.options.bucket_size - (filled if seen == generation else 0)
+            else:
+                generation = self._tails[key]
+            budget -= len(message.data) + len(message.path) + OP_OVERHEAD
+            if chunk and (budget < 0 or room[key] <= 0):
+                break   # the rest go in the next multi, after a roll to a new bucket
+            room[key] -= 1
+            chunk.append(message if message.generation == generation else
+                         self._named(message.queue, message.uid, message.data,
+                                     message.inverted_priority, generation))
+        return chunk
+
+    def _put_chunk(self, chunk: list[NewMessage]) -> list[str | None]:
+        """One multi creating ``chunk``'s nodes, retried as :meth:`put_new` retries."""
+        client = self.client
+        maybe_made = False
+
+        def attempt() -> list[str | None] | None:
+            nonlocal maybe_made
+            if maybe_made:   # a lost reply: a multi is all or nothing, so look for any
+                found = self._find_uids(chunk)
+                if any(found):
+                    return found
+            txn = client.transaction()
+            for message in chunk:
+                txn.create(message.path, message.data, sequence=True)
+            maybe_made = True
+            results = txn.commit()
+            maybe_made = False
+            failure = multi_failure(results)
+            if failure is None:
+                return [path.rpartition("/")[2] for path in results]
+            if isinstance(failure[1], NoNodeError):
+                self._rename_to_tail(chunk, chunk[failure[0]])   # its bucket is gone
+                return None
+            raise failure[1]
+
+        for _ in range(3):
+            names = connected_retry(client, attempt)
+            if names is not None:
+                for message, name in zip(chunk, names):
+                    if name is not None:
+                        self.created(message, name)
+                return names
+        raise NoNodeError(f"celery_zk: the buckets of queue {chunk[0].queue!r} kept "
+                          "disappearing while publishing to it")
+
+    def _rename_to_tail(self, chunk: list[NewMessage], gone: NewMessage) -> None:
+        """``gone``'s bucket was emptied and deleted (or its queue never declared):
+        its queue's messages of that priority in ``chunk`` go to the newest one."""
+        key = (gone.queue, gone.inverted_priority)
+        self._tails.pop(key, None)
+        generation = max(gone.generation, self._find_tail(*key))
+        for index, message in enumerate(chunk):
+            if (message.queue, message.inverted_priority) == key:
+                chunk[index] = self._named(message.queue, message.uid, message.data,
+                                           message.inverted_priority, generation)
+
+    def _find_uids(self, chunk: list[NewMessage]) -> list[str | None]:
+        """The stored names of ``chunk``'s messages (None where not found)."""
+        found: dict[str, str] = {}
+        for parent in {self.layout.parent(message.path) for message in chunk}:
+            try:
+                names = self.client.get_children(parent)
+            except NoNodeError:
+                continue
+            for name in names:
+                parsed = parse_message_name(name)
+                if parsed is not None:
+                    found[parsed.uid] = name
+        return [found.get(message.uid) for message in chunk]
 
     def _find_tail(self, queue: str, inv: int) -> int:
         """The newest bucket of a priority, made if there is none (or it is full)."""
@@ -306,6 +426,7 @@ class QueueStore:
                 self.declare(queue)
                 return self._find_tail(queue, inv)
         self._tails[(queue, inv)] = generation
+        self._filled[(queue, inv)] = (generation, creates(stat) if stat is not None else 0)
         return generation
 
     def _create_once(self, message: NewMessage, maybe_made: bool) -> str:

@@ -110,10 +110,14 @@ class UnconfirmedPublisher:
         return self._in_flight
 
 
-def _flush_all() -> None:
-    """Pooled connections are often never closed: wait for their publishes at exit."""
+def flush_all(timeout: float = 30) -> None:
+    """Wait until every unconfirmed publish of this process is stored (or ``timeout``).
+
+    Pooled connections are often never closed (Celery's ``app.close()`` leaves
+    kombu's producer pool open): this runs at exit, and a script may call it.
+    """
     for publisher in list(_publishers):
-        if not publisher.flush(timeout=30):
+        if not publisher.flush(timeout=timeout):
             logger.error("celery_zk: %d unconfirmed publish(es) still in flight at exit",
                          publisher.in_flight)
 
@@ -132,11 +136,11 @@ def _hook_exit() -> None:
     global _hooked_pid
     if _hooked_pid != os.getpid():
         _hooked_pid = os.getpid()
-        Finalize(None, _flush_all, exitpriority=100)
+        Finalize(None, flush_all, exitpriority=100)
 
 
 @worker_process_shutdown.connect(weak=False)
 def _flush_in_pool_child(**_: Any) -> None:
     """Celery sends this in a pool child just before billiard's ``os._exit``
     (after ``--max-tasks-per-child`` tasks, at a pool shrink or a shutdown)."""
-    _flush_all()
+    flush_all()

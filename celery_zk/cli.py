@@ -5,15 +5,25 @@ only creates a default app lazily, so ``celery zk server`` needs no ``-A``.
 """
 from __future__ import annotations
 
+import json
+import logging
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 import click
 
-from .config import mask_in_celery_reports
+from .config import mask_in_celery_reports, mask_password
+from .dead import DeadLetters
 from .exceptions import CeleryZKError
+from .report import format_dead, format_status
 from .server import ZooKeeperServer
+from .status import Status, collect
+from .status import queue_names as status_queue_names
+from .tree import export
 
 # Celery imports this module (the celery.commands entry point) before it runs
 # any command, `celery report` included.
@@ -80,3 +90,230 @@ def server(port: int, host: str, data_dir: str | None, timeout: float) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     click.echo("ZooKeeper stopped.")
+
+
+# -- the operator's view: status, dead letters, metrics, tree ----------------------
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{text} ({type(exc).__name__})" if type(exc).__name__ not in text else text
+
+
+@contextmanager
+def _clear_errors(what: str) -> Iterator[None]:
+    """Every failure becomes one line on stderr and exit code 1."""
+    from kazoo.exceptions import KazooException, NoAuthError
+
+    try:
+        yield
+    except click.ClickException:
+        raise
+    except NoAuthError as exc:
+        raise click.ClickException(
+            f"{what}: ZooKeeper refused access (NoAuth): wrong user or password in the "
+            "URL, or a user without read access") from exc
+    except (CeleryZKError, KazooException, OSError, ConnectionError) as exc:
+        raise click.ClickException(f"{what}: {_one_line(exc)}") from exc
+
+
+@contextmanager
+def _zk_broker(ctx: click.Context, timeout: float) -> Iterator[Any]:
+    """The app's zk:// broker transport, connected (a clear error otherwise)."""
+    from .transport import Transport
+
+    if not logging.getLogger().handlers:
+        # kazoo's reconnect warnings would reach stderr through logging's last
+        # resort; a command says what went wrong in one line of its own.
+        logging.getLogger("kazoo").addHandler(logging.NullHandler())
+    app = ctx.obj.app
+    conn = app.connection_for_write(connect_timeout=timeout)
+    try:
+        if not isinstance(conn.transport, Transport):
+            raise click.ClickException(
+                f"the broker is {mask_password(conn.as_uri())}, not zk://: give the app "
+                "(celery -A proj zk ...) or the broker URL (celery -b zk://host:2181/path "
+                "zk ...)")
+        with _clear_errors(f"cannot connect to {mask_password(conn.as_uri())}"):
+            conn.transport.establish_connection()
+        yield conn.transport
+    finally:
+        conn.release()
+
+
+def _report(ctx: click.Context, transport: Any, queues: tuple[str, ...]) -> Status:
+    from .backend import ZooKeeperBackend
+
+    app = ctx.obj.app
+    backend = app.backend if str(app.conf.result_backend or "").startswith("zk") else None
+    results_layout = results_client = expires = None
+    if isinstance(backend, ZooKeeperBackend):
+        results_layout, results_client = backend.layout, backend.client
+        expires = float(backend.expires) if backend.expires else None
+    known = set(status_queue_names(transport.handle.client, transport.layout))
+    unknown = [queue for queue in queues if queue not in known]
+    if unknown:
+        raise click.ClickException(
+            f"no queue {', '.join(map(repr, unknown))} under {transport.layout.root!r}; "
+            f"queues there: {', '.join(sorted(known)) or 'none'}")
+    return collect(transport.handle.client, transport.layout, transport.settings.hosts,
+                   results_layout, expires, queues or None, results_client=results_client)
+
+
+@zk.command()
+@click.argument("queues", nargs=-1)
+@click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts.")
+@click.option("--watch", type=float, metavar="N", help="Refresh every N seconds.")
+@click.option("--timeout", type=float, default=5, show_default=True,
+              help="Seconds to wait for ZooKeeper.")
+@click.pass_context
+def status(ctx: click.Context, queues: tuple[str, ...], as_json: bool, watch: float | None,
+           timeout: float) -> None:
+    """Queues, consumers, results and the servers' health, from names and stats.
+
+    QUEUES: only these (default: every queue). Never reads message bodies, so it
+    is cheap on a big backlog. --json --watch prints one JSON document per line.
+    """
+    with _zk_broker(ctx, timeout) as transport, _clear_errors("status"):
+        try:
+            while True:
+                report = _report(ctx, transport, queues)
+                if as_json:   # with --watch, one document per line (JSON lines)
+                    click.echo(json.dumps(report.as_dict(), sort_keys=True,
+                                          indent=None if watch else 2))
+                else:
+                    if watch:
+                        click.clear()
+                    click.echo(format_status(report, transport.settings.sanitized_url()))
+                if not watch:
+                    return
+                time.sleep(watch)
+        except KeyboardInterrupt:
+            return
+
+
+@zk.group()
+def dead() -> None:
+    """List, requeue and purge a queue's dead letters."""
+
+
+def _dead_letters(transport: Any, queue: str) -> DeadLetters:
+    letters = DeadLetters(transport.store, queue)
+    letters.check_queue()
+    return letters
+
+
+@dead.command("list")
+@click.argument("queue")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts.")
+@click.option("--timeout", type=float, default=5, show_default=True)
+@click.pass_context
+def dead_list(ctx: click.Context, queue: str, as_json: bool, timeout: float) -> None:
+    """The dead letters of QUEUE, with the reason each was set aside."""
+    with _zk_broker(ctx, timeout) as transport, _clear_errors("dead list"):
+        letters = _dead_letters(transport, queue).list()
+        if as_json:
+            click.echo(json.dumps([letter.as_dict() for letter in letters], indent=2))
+            return
+        click.echo(format_dead(queue, letters))
+
+
+@dead.command("requeue")
+@click.argument("queue")
+@click.argument("ids", nargs=-1)
+@click.option("--all", "every", is_flag=True, help="Every dead letter of the queue.")
+@click.option("--timeout", type=float, default=5, show_default=True)
+@click.pass_context
+def dead_requeue(ctx: click.Context, queue: str, ids: tuple[str, ...], every: bool,
+                 timeout: float) -> None:
+    """Put dead letters of QUEUE back where they waited (one transaction each).
+
+    IDS: as `celery zk dead list` shows them; or --all.
+    """
+    if bool(ids) == every:
+        raise click.UsageError("give the dead letters' IDS, or --all (not both)")
+    with _zk_broker(ctx, timeout) as transport, _clear_errors("dead requeue"):
+        letters = _dead_letters(transport, queue)
+        names = letters.ids() if every else list(ids)
+        if len(names) == 1 and not every:   # one asked for: its error is the error
+            click.echo(f"requeued {names[0]} -> {queue} ({letters.requeue(names[0])})")
+            return
+        failed = 0
+        for name in names:
+            try:
+                new_name = letters.requeue(name)
+            except CeleryZKError as exc:
+                failed += 1
+                click.echo(f"not requeued: {exc}", err=True)
+            else:
+                click.echo(f"requeued {name} -> {queue} ({new_name})")
+        if every and not failed:
+            click.echo(f"queue {queue!r} has {len(letters.ids())} dead letters left")
+        if failed:
+            raise click.ClickException(f"{failed} dead letter(s) of {queue!r} not requeued")
+
+
+@dead.command("purge")
+@click.argument("queue")
+@click.option("-f", "--force", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--timeout", type=float, default=5, show_default=True)
+@click.pass_context
+def dead_purge(ctx: click.Context, queue: str, force: bool, timeout: float) -> None:
+    """Delete every dead letter of QUEUE."""
+    with _zk_broker(ctx, timeout) as transport, _clear_errors("dead purge"):
+        letters = _dead_letters(transport, queue)
+        count = len(letters.ids())
+        if count and not force:
+            click.confirm(f"Delete {count} dead letter(s) of queue {queue!r}?", abort=True)
+        click.echo(f"purged {letters.purge()} dead letter(s) of queue {queue!r}")
+
+
+@zk.command()
+@click.option("--port", type=int, default=9808, show_default=True)
+@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--timeout", type=float, default=5, show_default=True)
+@click.pass_context
+def exporter(ctx: click.Context, port: int, addr: str, timeout: float) -> None:
+    """Serve Prometheus metrics of the queues, consumers and servers (/metrics).
+
+    celery_queue_length{queue_name} and celery_active_consumer_count{queue_name}
+    as celery-exporter names them, plus celery_zk_* (see docs/operations.md).
+    """
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from .exporter import StatusCollector
+
+    with _zk_broker(ctx, timeout) as transport, _clear_errors("exporter"):
+        registry = CollectorRegistry()
+        registry.register(StatusCollector(lambda: _report(ctx, transport, ())))
+        start_http_server(port, addr=addr, registry=registry)
+        click.echo(f"celery_zk exporter: http://{addr}:{port}/metrics for "
+                   f"{transport.settings.sanitized_url()}  (Ctrl-C stops it)")
+        previous = signal.signal(signal.SIGTERM, _raise_stop)
+        try:
+            while True:
+                time.sleep(3600)
+        except (KeyboardInterrupt, _StopRequested):
+            click.echo("exporter stopped")
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
+@zk.command()
+@click.argument("path", default="")
+@click.option("--data", is_flag=True, help="Include each node's data (messages, results).")
+@click.option("--timeout", type=float, default=5, show_default=True)
+@click.pass_context
+def tree(ctx: click.Context, path: str, data: bool, timeout: float) -> None:
+    """The celery_zk tree as JSON with ACLs, for support; never a password.
+
+    PATH: under the broker's root (e.g. queues/celery); default: the whole root.
+    """
+    from kazoo.exceptions import NoNodeError
+
+    with _zk_broker(ctx, timeout) as transport, _clear_errors("tree"):
+        root = transport.layout.root
+        full = "/" + "/".join(p for p in (root.strip("/"), path.strip("/")) if p)
+        try:
+            click.echo(json.dumps(export(transport.handle.client, full, data), indent=2))
+        except NoNodeError:
+            raise click.ClickException(f"no node {full!r} (PATH is under the broker's "
+                                       f"root {root!r})") from None

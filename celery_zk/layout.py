@@ -12,13 +12,15 @@
         owned/{consumer}~m{P}-0000000000-{token}-0000000000   handed straight to it
         offers/{consumer}~{token}     ephemeral: an idle consumer offers to take the
                                       next message (celery_zk.handoff)
-        dead/{unowned name}           dead-lettered (rejected / undecodable)
+        dead/{unowned name}           dead-lettered (rejected / undecodable); data: a
+                                      reason line, then the message (celery_zk.dead)
         holders/s{session}-{lease}    auto-delete queues only: ephemeral, one per
                                       connection that declared it; none left = deleted
       exchanges/{exchange}/           data: {"type": ...}
         bindings/{queue},{routing key}    ephemeral for auto-delete queues
       consumers/{consumer}            ephemeral: one per live consuming connection;
-                                      the id starts with its creation time in ns
+                                      the id starts with its creation time in ns;
+                                      data: {"host", "pid", "queues"}
       results/{shard}/{task id}       done node: the task's result meta
       groups/{shard}/{group id}       saved GroupResult
       chords/{group id}               chord counter (children are completed parts)

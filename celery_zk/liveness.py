@@ -23,6 +23,7 @@ import os
 import socket
 import threading
 import weakref
+from typing import Any
 
 from kazoo.client import KazooState
 from kazoo.exceptions import NoNodeError
@@ -52,6 +53,7 @@ class ConsumerSession:
         self._lock = threading.Lock()
         self._nodes: dict[str, str] = {}  # every consumer id this connection registered
         self._recovery: Recovery | None = None
+        self._queues: frozenset[str] = frozenset()
         handle.add_listener(self._on_state)
 
     # -- identity -------------------------------------------------------------------
@@ -76,7 +78,7 @@ class ConsumerSession:
     def _register(self) -> None:
         client = self.handle.client
         consumer_id = new_consumer_id()
-        data = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
+        data = self._data()
         client.retry(client.ensure_path, self.layout.consumers)
         path = self.layout.consumer(consumer_id)
         # Not sequential: the id is unique and sorts by age (see new_consumer_id).
@@ -87,6 +89,31 @@ class ConsumerSession:
         self.consumer_id = consumer_id
         self._nodes[consumer_id] = self.node_path
         logger.debug("celery_zk: registered consumer %s", self.node_path)
+
+    def _data(self) -> bytes:
+        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                           "queues": sorted(self._queues)}).encode()
+
+    def set_queues(self, queues: set[str]) -> None:
+        """The queues this connection consumes, kept in its node's data for
+        operators (``celery zk status``) and ``queue_declare``'s consumer count.
+        Sent without waiting: it changes only when consumers start or stop."""
+        if frozenset(queues) == self._queues:
+            return
+        self._queues = frozenset(queues)
+        if not (self._valid and self.node_path and self._pid == os.getpid()
+                and self.handle.started):
+            return   # registering writes it
+        path = self.node_path
+
+        def done(result: Any) -> None:   # kazoo's thread: never block
+            try:
+                result.get()
+            except NoNodeError:
+                pass   # re-registered (an expiry) with the new data already
+            except Exception as exc:
+                log_failure(logger, exc, "celery_zk: could not update %s", path)
+        self.handle.client.set_async(path, self._data()).rawlink(done)
 
     @property
     def registered(self) -> bool:

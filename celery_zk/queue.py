@@ -36,6 +36,7 @@ from .client import (
     reply_or_retry,
 )
 from .config import ZKOptions
+from .dead import wrap
 from .exceptions import MessageTooLarge
 from .layout import (
     Layout,
@@ -59,6 +60,8 @@ OP_OVERHEAD = 64
 ACK_BATCH = 256
 #: Most messages created in one multi by :meth:`QueueStore.put_batch`.
 PUBLISH_BATCH = 256
+#: A multi's check of a node that must exist, whatever its data (ZooKeeper: -1).
+ANY_VERSION = -1
 
 
 @dataclass
@@ -656,7 +659,8 @@ class QueueStore:
         def build(txn: TransactionRequest) -> None:
             # The check makes an ack from an expired session a no-op: by then a
             # survivor may have requeued the message and another worker holds it.
-            txn.check(consumer_node, 0)
+            # Any version: the node's data (its queues) changes as consumers do.
+            txn.check(consumer_node, ANY_VERSION)
             txn.delete(owned_path)
         return build
 
@@ -709,7 +713,7 @@ class QueueStore:
     def _send_ack_batch(self, consumer_node: str, paths: list[str]) -> None:
         """One multi: the owner's session is alive (the check), and every message goes."""
         txn = self.client.transaction()
-        txn.check(consumer_node, 0)
+        txn.check(consumer_node, ANY_VERSION)
         for owned_path in paths:
             txn.delete(owned_path)
 
@@ -837,7 +841,7 @@ class QueueStore:
 
         def build(txn: TransactionRequest) -> None:
             txn.delete(source, version=stat.version)
-            txn.create(target, data)
+            txn.create(target, wrap(data, reason))   # the reason is kept (celery_zk.dead)
 
         failure = multi_failure(self.commit(build))
         if failure is None:
@@ -858,17 +862,17 @@ class QueueStore:
             buckets, flat = self.buckets(queue)
         except NoNodeError:
             return 0
-        removed = self._delete_all([layout.unowned_message(queue, name) for name in flat])
+        removed = self.delete_all([layout.unowned_message(queue, name) for name in flat])
         for bucket in buckets:
             path = layout.bucket(queue, bucket)
             try:
                 names = client.retry(client.get_children, path)
             except NoNodeError:
                 continue
-            removed += self._delete_all([join(path, name) for name in names])
+            removed += self.delete_all([join(path, name) for name in names])
         return removed
 
-    def _delete_all(self, paths: list[str]) -> int:
+    def delete_all(self, paths: list[str]) -> int:
         """Pipelined deletes; how many this call deleted."""
         client = self.client
         removed = 0

@@ -87,6 +87,7 @@ import kazoo
 from celery.signals import worker_shutting_down
 from kazoo.client import KazooState
 from kombu.transport import virtual
+from kombu.transport.virtual.base import queue_declare_ok_t
 
 from .autodelete import AutoDeleteQueues
 from .bindings import Bindings
@@ -107,6 +108,7 @@ from .liveness import ConsumerSession
 from .queue import Claimed, NewMessage, QueueStore
 from .queue_view import QueueView
 from .session import ClientHandle
+from .status import consumer_count
 from .unconfirmed import UnconfirmedPublisher
 from .watches import TreeWatches
 
@@ -280,6 +282,7 @@ class Channel(virtual.Channel):
         if no_ack:
             self._no_ack_queues.add(queue)
         result = super().basic_consume(queue, no_ack, *args, **kwargs)
+        self.connection.consuming_changed()
         self.connection.wake()
         return result
 
@@ -304,6 +307,8 @@ class Channel(virtual.Channel):
         result = super().basic_cancel(consumer_tag)
         if queue is not None and queue not in self._active_queues:
             self._drop_view(queue)
+        if self.connection is not None:   # None once the channel is closed
+            self.connection.consuming_changed()
         return result
 
     def _drop_view(self, queue: str) -> None:
@@ -419,6 +424,17 @@ class Channel(virtual.Channel):
         else:
             transport.store.declare(queue, json.dumps({"auto_delete": False}).encode())
         transport.declared_queues.add(queue)
+
+    def queue_declare(self, queue: str | None = None, passive: bool = False,
+                      **kwargs: Any) -> Any:
+        """kombu's, with the consumer count filled in for a passive declare
+        (generic exporters read it); a plain declare skips that read."""
+        ok = super().queue_declare(queue, passive=passive, **kwargs)
+        if not passive:
+            return ok
+        transport = self.connection
+        consumers = consumer_count(transport.handle.client, transport.layout, ok.queue)
+        return queue_declare_ok_t(ok.queue, ok.message_count, consumers)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         return self.connection.store.exists(queue)
@@ -589,6 +605,13 @@ class Transport(virtual.Transport):
         if held is None or not self.settings.options.batch_groups:
             return None
         return held.setdefault(self.store, [])
+
+    def consuming_changed(self) -> None:
+        """The queues this connection consumes changed: its consumer node says
+        which (``celery zk status``, ``queue_declare``'s consumer count)."""
+        channels: list[Channel] = list(self.channels or ())
+        self.session.set_queues({queue for channel in channels
+                                 for queue in channel._active_queues})
 
     def wake(self) -> None:
         """Something may be deliverable now (new message, free prefetch slot)."""

@@ -1,12 +1,14 @@
 """How long ``celery zk status`` takes on a big backlog (issue: under 2 s at 100,000).
 
-Starts a ZooKeeper server with its default settings, publishes a backlog of
-Celery task messages (600-byte bodies, the default priority) into one queue
-and a few into others, then times :func:`celery_zk.status.collect` in this
-process (warm: connection made) and the whole ``celery zk status`` command
-(a new process: interpreter, Celery, connection and report).
+Starts a ZooKeeper server with its default settings (a heap of ``--zk-heap``:
+the whole tree lives in it; see docs/sizing.md), publishes a backlog of
+Celery task messages (a no-op task with one argument, about 1 KB stored, the
+default priority) into one queue and one message into two others, then
+times :func:`celery_zk.status.collect` in this process (warm: connection
+made) and the whole ``celery zk status`` command (a new process:
+interpreter, Celery, connection and report).
 
-    .venv/bin/python benchmarks/status.py [--messages 100000] [--rounds 5]
+    .venv/bin/python benchmarks/status.py [--messages 100000] [--rounds 5] [--zk-heap 2g]
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from celery import Celery  # noqa: E402
 
-from celery_zk.server import ZooKeeperServer  # noqa: E402
+from celery_zk.server import SERVER_JVM_FLAGS, ZooKeeperServer  # noqa: E402
 from celery_zk.status import collect  # noqa: E402
 from celery_zk.transport import publish_together  # noqa: E402
 
@@ -37,7 +39,7 @@ def fill(url: str, messages: int) -> float:
         for first in range(0, messages, BATCH):
             with publish_together():
                 for index in range(first, min(first + BATCH, messages)):
-                    app.send_task("bench.noop", args=(index, "x" * 600), queue="backlog",
+                    app.send_task("bench.noop", args=(index,), queue="backlog",
                                   producer=producer)
         for queue in ("small-a", "small-b"):
             app.send_task("bench.noop", args=(0,), queue=queue, producer=producer)
@@ -50,9 +52,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--zk-heap", default="2g", help="the server's -Xmx")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work:
-        server = ZooKeeperServer(data_dir=os.path.join(work, "zk"))
+        heap = f"-Xmx{args.zk_heap}"
+        server = ZooKeeperServer(data_dir=os.path.join(work, "zk"), jvm_flags=(
+            heap, *(flag for flag in SERVER_JVM_FLAGS if not flag.startswith("-Xm"))))
         server.start()
         try:
             url = f"{server.url}/status-bench"
@@ -79,6 +84,9 @@ def main() -> None:
                 subprocess.run([sys.executable, "-m", "celery", "-b", url, "zk", "status"],
                                check=True, env=env, capture_output=True, timeout=120)
                 command.append(time.perf_counter() - started)
+        except BaseException:
+            print(f"ZooKeeper's log, last lines:\n{server.read_log(last_lines=30)}")
+            raise
         finally:
             server.close()
     print(f"status report (collect), warm, {args.rounds} rounds: median "

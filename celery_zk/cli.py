@@ -158,12 +158,16 @@ def _report(ctx: click.Context, transport: Any, queues: tuple[str, ...]) -> Stat
                    results_layout, expires, queues or None, results_client=results_client)
 
 
+#: Every command that talks to ZooKeeper takes it.
+timeout_option = click.option("--timeout", type=float, default=5, show_default=True,
+                              help="Seconds to wait for ZooKeeper.")
+
+
 @zk.command()
 @click.argument("queues", nargs=-1)
 @click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts.")
 @click.option("--watch", type=float, metavar="N", help="Refresh every N seconds.")
-@click.option("--timeout", type=float, default=5, show_default=True,
-              help="Seconds to wait for ZooKeeper.")
+@timeout_option
 @click.pass_context
 def status(ctx: click.Context, queues: tuple[str, ...], as_json: bool, watch: float | None,
            timeout: float) -> None:
@@ -195,21 +199,25 @@ def dead() -> None:
     """List, requeue and purge a queue's dead letters."""
 
 
-def _dead_letters(transport: Any, queue: str) -> DeadLetters:
-    letters = DeadLetters(transport.store, queue)
-    letters.check_queue()
-    return letters
+@contextmanager
+def _dead_letters(ctx: click.Context, queue: str, timeout: float,
+                  what: str) -> Iterator[DeadLetters]:
+    """QUEUE's dead letters, on a connected broker; an unknown queue is an error."""
+    with _zk_broker(ctx, timeout) as transport, _clear_errors(what):
+        letters = DeadLetters(transport.store, queue)
+        letters.check_queue()
+        yield letters
 
 
 @dead.command("list")
 @click.argument("queue")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts.")
-@click.option("--timeout", type=float, default=5, show_default=True)
+@timeout_option
 @click.pass_context
 def dead_list(ctx: click.Context, queue: str, as_json: bool, timeout: float) -> None:
     """The dead letters of QUEUE, with the reason each was set aside."""
-    with _zk_broker(ctx, timeout) as transport, _clear_errors("dead list"):
-        letters = _dead_letters(transport, queue).list()
+    with _dead_letters(ctx, queue, timeout, "dead list") as dead_letters:
+        letters = dead_letters.list()
         if as_json:
             click.echo(json.dumps([letter.as_dict() for letter in letters], indent=2))
             return
@@ -220,7 +228,7 @@ def dead_list(ctx: click.Context, queue: str, as_json: bool, timeout: float) -> 
 @click.argument("queue")
 @click.argument("ids", nargs=-1)
 @click.option("--all", "every", is_flag=True, help="Every dead letter of the queue.")
-@click.option("--timeout", type=float, default=5, show_default=True)
+@timeout_option
 @click.pass_context
 def dead_requeue(ctx: click.Context, queue: str, ids: tuple[str, ...], every: bool,
                  timeout: float) -> None:
@@ -230,8 +238,7 @@ def dead_requeue(ctx: click.Context, queue: str, ids: tuple[str, ...], every: bo
     """
     if bool(ids) == every:
         raise click.UsageError("give the dead letters' IDS, or --all (not both)")
-    with _zk_broker(ctx, timeout) as transport, _clear_errors("dead requeue"):
-        letters = _dead_letters(transport, queue)
+    with _dead_letters(ctx, queue, timeout, "dead requeue") as letters:
         names = letters.ids() if every else list(ids)
         if len(names) == 1 and not every:   # one asked for: its error is the error
             click.echo(f"requeued {names[0]} -> {queue} ({letters.requeue(names[0])})")
@@ -254,12 +261,11 @@ def dead_requeue(ctx: click.Context, queue: str, ids: tuple[str, ...], every: bo
 @dead.command("purge")
 @click.argument("queue")
 @click.option("-f", "--force", is_flag=True, help="Do not ask for confirmation.")
-@click.option("--timeout", type=float, default=5, show_default=True)
+@timeout_option
 @click.pass_context
 def dead_purge(ctx: click.Context, queue: str, force: bool, timeout: float) -> None:
     """Delete every dead letter of QUEUE."""
-    with _zk_broker(ctx, timeout) as transport, _clear_errors("dead purge"):
-        letters = _dead_letters(transport, queue)
+    with _dead_letters(ctx, queue, timeout, "dead purge") as letters:
         count = len(letters.ids())
         if count and not force:
             click.confirm(f"Delete {count} dead letter(s) of queue {queue!r}?", abort=True)
@@ -269,7 +275,7 @@ def dead_purge(ctx: click.Context, queue: str, force: bool, timeout: float) -> N
 @zk.command()
 @click.option("--port", type=int, default=9808, show_default=True)
 @click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
-@click.option("--timeout", type=float, default=5, show_default=True)
+@timeout_option
 @click.pass_context
 def exporter(ctx: click.Context, port: int, addr: str, timeout: float) -> None:
     """Serve Prometheus metrics of the queues, consumers and servers (/metrics).
@@ -300,7 +306,7 @@ def exporter(ctx: click.Context, port: int, addr: str, timeout: float) -> None:
 @zk.command()
 @click.argument("path", default="")
 @click.option("--data", is_flag=True, help="Include each node's data (messages, results).")
-@click.option("--timeout", type=float, default=5, show_default=True)
+@timeout_option
 @click.pass_context
 def tree(ctx: click.Context, path: str, data: bool, timeout: float) -> None:
     """The celery_zk tree as JSON with ACLs, for support; never a password.

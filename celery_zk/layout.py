@@ -28,6 +28,8 @@
         ~size                         how many parts it waits for (Celery's set_chord_size)
         ~done                         the body was sent: parts deleted, counter kept until expiry
       expiry/h{hour}/{shard}/{kind}~{id}  index of results/groups/chords by write hour
+      revoked/{shard}/t~{task id}     a revoke kept for workers started later; data:
+      revoked/{shard}/s~{hash}        when (and the stamp) (celery_zk.revokes)
 
 Names carry what a reader needs, so a consumer orders a queue from
 ``get_children`` alone: priority first (inverted so a plain sort puts the
@@ -62,6 +64,7 @@ BINDING_SEP = ","
 RESULT_SHARDS_HEX = 2  # 256 shards: a million results is ~4,000 per directory
 CHORD_SIZE = OWNER_SEP + "size"   # beside a chord's counted parts, which are escaped ids
 CHORD_DONE = OWNER_SEP + "done"
+REVOKED_TASK, REVOKED_STAMP = "t" + OWNER_SEP, "s" + OWNER_SEP   # kinds under revoked/
 
 _MESSAGE_RE = re.compile(r"^m(\d)-(\d{10})-([0-9a-f]{1,32})-(r?)(\d{10})$")
 # Before buckets: flat in unowned/, the requeue sequential too.
@@ -399,6 +402,23 @@ class Layout:
     def chord_done(self, group_id: str) -> str:
         """Made when the chord's body was sent: the counter is then a tombstone."""
         return join(self.chord(group_id), CHORD_DONE)
+
+    # -- durable revokes (celery_zk.revokes) ----------------------------------
+    @property
+    def revoked(self) -> str:
+        return join(self.root, "revoked")
+
+    def revoked_task(self, task_id: str) -> str:
+        """A revoked task id, sharded like results/ (Celery keeps up to 50,000)."""
+        key = REVOKED_TASK + escape(task_id)
+        return join(self.revoked, result_shard(key), key)
+
+    def revoked_stamp(self, header: str, value: str) -> str:
+        """A revoked stamp (revoke_by_stamped_headers): named by a hash of both,
+        which may be any text; the node's data says which."""
+        digest = hashlib.sha1(f"{header}\0{value}".encode()).hexdigest()
+        key = REVOKED_STAMP + digest
+        return join(self.revoked, result_shard(key), key)
 
     @property
     def expiry(self) -> str:

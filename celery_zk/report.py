@@ -65,7 +65,7 @@ def format_status(status: Status, url: str) -> str:
                 rows.append([server, "DOWN", health["error"], "", "", "", ""])
                 continue
             rows.append([server, str(health.get("zk_server_state", "?")),
-                         f"{health.get('zk_avg_latency', '?')}/{health.get('zk_max_latency', '?')}",
+                         f"{_ms(health.get('zk_avg_latency'))}/{_ms(health.get('zk_max_latency'))}",
                          str(health.get("zk_outstanding_requests", "?")),
                          _number(health.get("zk_znode_count")),
                          _number(health.get("zk_watch_count")),
@@ -75,6 +75,10 @@ def format_status(status: Status, url: str) -> str:
         notes = {h["note"] for h in status.servers.values() if "note" in h}
         parts += sorted(notes)
     return "\n".join(parts)
+
+
+def _ms(value: object) -> str:
+    return f"{value:.2f}".rstrip("0").rstrip(".") if isinstance(value, (int, float)) else "?"
 
 
 def _number(value: object) -> str:

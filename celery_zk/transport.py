@@ -75,7 +75,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -107,6 +109,7 @@ from .layout import Layout, parse_message_name
 from .liveness import ConsumerSession
 from .queue import Claimed, NewMessage, QueueStore
 from .queue_view import QueueView
+from .revokes import RevokeStore, control_command, load_into_worker
 from .session import ClientHandle
 from .status import consumer_count
 from .unconfirmed import UnconfirmedPublisher
@@ -125,6 +128,9 @@ EVENT_LOOP_POKE = 1.0
 #: in this process starts a warm or cold shutdown. Transports that existed
 #: then stop waiting in drain_events; ones made later are not affected.
 _shutdowns = 0
+
+#: The pid that loaded the revokes kept in ZooKeeper (see honour_kept_revokes).
+_revokes_loaded_by = 0
 
 #: This thread's open publish_together: the messages it holds, per QueueStore.
 _together = threading.local()
@@ -279,6 +285,7 @@ class Channel(virtual.Channel):
     def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
         # Register before the first claim: an owned message must always name a session.
         self.connection.session.ensure_registered()
+        self.connection.honour_kept_revokes()
         if no_ack:
             self._no_ack_queues.add(queue)
         result = super().basic_consume(queue, no_ack, *args, **kwargs)
@@ -409,6 +416,11 @@ class Channel(virtual.Channel):
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
+        if exchange.endswith(".pidbox"):   # Celery's remote control: keep revokes
+            command = control_command(message)
+            if command is not None:
+                transport = self.connection
+                RevokeStore(transport.handle.client, transport.layout).keep(command)
         # Broadcasts are rare and must reach a worker that bound a moment ago.
         queues = {queue for _, queue in self.connection.bindings.table(exchange, fresh=True)}
         for queue in queues:
@@ -605,6 +617,15 @@ class Transport(virtual.Transport):
         if held is None or not self.settings.options.batch_groups:
             return None
         return held.setdefault(self.store, [])
+
+    def honour_kept_revokes(self) -> None:
+        """In a Celery worker, once per process: the revokes kept in ZooKeeper
+        join its revoked set before any task is delivered (celery_zk.revokes)."""
+        global _revokes_loaded_by
+        if _revokes_loaded_by == os.getpid() or "celery.worker.state" not in sys.modules:
+            return
+        _revokes_loaded_by = os.getpid()
+        load_into_worker(self.handle.client, self.layout)
 
     def consuming_changed(self) -> None:
         """The queues this connection consumes changed: its consumer node says

@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import kombu.pools
 from celery import Celery
+from example_worker import start_worker, stop_worker
 
 URL_ENV = "CELERY_ZK_CLOUDPICKLE_URL"
-HERE = Path(__file__).resolve().parent
+MODULE = "cloudpickle_example"
 
 app = Celery("cloudpickle_example", broker=os.environ.get(URL_ENV, "zk://"),
              backend=os.environ.get(URL_ENV, "zk://"))
@@ -46,47 +45,13 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
-def start_worker(url: str, log_path: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, URL_ENV: url,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE),
-                                                       os.environ.get("PYTHONPATH")]))}
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "cloudpickle_example", "worker",
-             "--loglevel=INFO", "--pool=threads", "--concurrency=2",
-             "--hostname=cloudpickle@%h", "--without-mingle", "--without-gossip"],
-            cwd=HERE, env=env, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)  # own group: we stop it and its children together
-    deadline = time.monotonic() + 60
-    while "ready." not in log_path.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_worker(proc)
-            raise SystemExit(f"worker did not start:\n{log_path.read_text(errors='replace')}")
-        time.sleep(0.1)
-    return proc
-
-
-def stop_worker(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)  # warm shutdown
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 def main() -> int:
     from celery_zk.server import ZooKeeperServer
 
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with ZooKeeperServer() as zk, tempfile.TemporaryDirectory() as tmp:
         url = f"zk://example:example-password@{zk.hosts}/cloudpickle-example"
-        worker = start_worker(url, Path(tmp) / "worker.log")
+        worker = start_worker(MODULE, {URL_ENV: url}, Path(tmp) / "worker.log")
         client = Celery("client", broker=url, backend=url, set_as_current=False)
         try:
             factor = 7

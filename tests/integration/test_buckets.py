@@ -239,4 +239,6 @@ def test_consumer_nodes_take_no_sequence_number(zk_url: str, zk_client: KazooCli
     with Connection(zk_url) as first, Connection(url(zk_url, "other")) as second:
         ids = [c.transport.session.ensure_registered()[0] for c in (first, second)]
         assert sorted(zk_client.get_children(LAYOUT.consumers)) == sorted(ids)
-        assert first.transport.session.live_ids() == sorted(ids)   # the oldest first
+        # The oldest first, once the recovery watch has seen the second one.
+        wait_until(lambda: first.transport.session.live_ids() == sorted(ids), 10,
+                   message=f"{first.transport.session.live_ids()} != {sorted(ids)}")

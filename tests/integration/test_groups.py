@@ -21,7 +21,6 @@ from kombu import Connection
 
 from celery_zk.exceptions import MessageTooLarge
 from celery_zk.layout import Layout
-from celery_zk.queue import PUBLISH_BATCH
 
 from .queues import buckets, waiting
 from .test_unconfirmed import decode
@@ -56,23 +55,19 @@ def transactions(items: list[tuple[Any, int]]) -> int:
     return len({czxid for _, czxid in items})
 
 
+@pytest.mark.parametrize(("options", "size", "multis"), [
+    ("", 600, 3),                          # 256 per multi, not 600 creates
+    ("?confirm_publish=false", 300, 2),    # stored, not pipelined, by its end
+    ("?batch_groups=false", 20, 20),       # turned off: task by task
+])
 def test_a_group_is_stored_in_a_few_multis_and_in_order(
-        zk_url: str, zk_client: KazooClient) -> None:
-    with client_app(zk_url) as app:
-        group(sig(app, i, "grp") for i in range(600)).apply_async()
+        zk_url: str, zk_client: KazooClient, options: str, size: int, multis: int) -> None:
+    with client_app(zk_url + options) as app:
+        group(sig(app, i, "grp") for i in range(size)).apply_async()
         # apply_async returned: every message is stored, nothing left to flush.
         items = stored(zk_client, "grp")
-    assert [value for value, _ in items] == list(range(600))
-    assert transactions(items) == -(-600 // PUBLISH_BATCH)   # 3, not 600
-
-
-def test_batch_groups_false_publishes_task_by_task(
-        zk_url: str, zk_client: KazooClient) -> None:
-    with client_app(zk_url + "?batch_groups=false") as app:
-        group(sig(app, i, "grp-off") for i in range(20)).apply_async()
-        items = stored(zk_client, "grp-off")
-    assert [value for value, _ in items] == list(range(20))
-    assert transactions(items) == 20
+    assert [value for value, _ in items] == list(range(size))
+    assert transactions(items) == multis
 
 
 def test_a_group_rolls_to_new_buckets_and_keeps_their_bound(
@@ -118,15 +113,6 @@ def test_nested_groups_and_chains_are_stored_with_the_outer_group(
     assert [value for value, _ in items] == [0, 1, 2, 3]   # 4 waits for 3
     # Celery's chain does not pass the group's producer on: its first task goes
     # through a pooled connection of its own, whose batch is stored right after.
-    assert transactions(items) == 2
-
-
-def test_an_unconfirmed_group_is_stored_when_apply_async_returns(
-        zk_url: str, zk_client: KazooClient) -> None:
-    with client_app(zk_url + "?confirm_publish=false") as app:
-        group(sig(app, i, "grp-unconf") for i in range(300)).apply_async()
-        items = stored(zk_client, "grp-unconf")
-    assert [value for value, _ in items] == list(range(300))
     assert transactions(items) == 2
 
 

@@ -152,3 +152,15 @@ def wait_for(task_id: str, timeout: float) -> str:
         return str(app.AsyncResult(task_id).get(timeout=timeout, disable_sync_subtasks=False))
     except CeleryTimeout:
         return "timed out"
+
+
+if os.environ.get("CELERY_ZK_TEST_DIE_AFTER_SUCCESS"):
+    import signal
+
+    from celery.signals import task_success
+
+    @task_success.connect(weak=False)
+    def _die_before_the_ack(**_: object) -> None:
+        """The result is stored (task_success follows it); a late ack is not sent
+        yet: the worker dies as a power cut would take it."""
+        os.kill(os.getpid(), signal.SIGKILL)

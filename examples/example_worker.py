@@ -1,0 +1,48 @@
+"""Starting and stopping the worker subprocess of an example (shared by them)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def start_worker(module: str, env: dict[str, str], log_path: Path, pool: str = "threads",
+                 wait_ready: bool = True) -> subprocess.Popen[bytes]:
+    """``celery -A MODULE worker`` of this folder, its output in ``log_path``."""
+    full_env = {**os.environ, **env,
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE),
+                                                            os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", module, "worker", "--loglevel=INFO",
+             f"--pool={pool}", "--concurrency=2", f"--hostname={module}@%h",
+             "--without-mingle", "--without-gossip"],
+            cwd=HERE, env=full_env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)  # own group: we stop it and its children together
+    deadline = time.monotonic() + 60
+    while wait_ready and "ready." not in log_path.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_worker(proc)
+            raise SystemExit(f"worker did not start:\n{log_path.read_text(errors='replace')}")
+        time.sleep(0.1)
+    return proc
+
+
+def stop_worker(proc: subprocess.Popen[bytes]) -> None:
+    """Warm shutdown, then the whole process group is killed whatever is left."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

@@ -1,0 +1,109 @@
+"""Durable revokes (celery_zk.revokes): a revoke outlives the workers alive when
+it was sent, on real servers and real workers (prefork)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from kazoo.client import KazooClient
+
+from celery_zk.layout import Layout
+
+from .workers import Worker, celery_cli, executed_values, wait_until
+
+LAYOUT = Layout("/")  # zk_client is chrooted at the URL's path
+
+
+def inspect_revoked(url: str) -> list[str]:
+    done = celery_cli(["inspect", "revoked", "--json"], url)
+    assert done.returncode == 0, done.stderr
+    return [task_id for ids in json.loads(done.stdout).values() for task_id in ids]
+
+
+def test_a_revoke_sent_while_no_worker_runs_is_honoured_after_start_and_restart(
+        zk_url: str, zk_client: KazooClient, start_worker: Callable[..., Worker],
+        task_log: Path) -> None:
+    client = Celery("client", broker=zk_url, backend=zk_url, set_as_current=False)
+    try:
+        doomed = client.send_task("proj.app.record", args=("revoked",))
+        kept = client.send_task("proj.app.record", args=("kept",))
+        client.control.revoke(doomed.id)   # no worker is running: nobody hears it
+        assert zk_client.exists(LAYOUT.revoked_task(doomed.id))
+        worker = start_worker(zk_url, backend=zk_url, log=task_log, pool="prefork",
+                              concurrency=2)
+        assert kept.get(timeout=60) == "kept"
+        wait_until(lambda: doomed.state == "REVOKED", 30,
+                   message=f"state {doomed.state}; worker:\n{worker.output()[-3000:]}")
+        assert executed_values(task_log) == {"kept": 1}
+        assert doomed.id in inspect_revoked(zk_url)
+        worker.stop()
+        # Restarted: still revoked, and a message of that id is not run either.
+        worker = start_worker(zk_url, backend=zk_url, log=task_log, pool="prefork",
+                              concurrency=2, name="again")
+        assert doomed.id in inspect_revoked(zk_url)
+        again = client.send_task("proj.app.record", args=("revoked",), task_id=doomed.id)
+        after = client.send_task("proj.app.record", args=("after",))
+        assert after.get(timeout=60) == "after"
+        wait_until(lambda: again.state == "REVOKED", 30)
+        assert executed_values(task_log) == {"kept": 1, "after": 1}
+    finally:
+        client.close()
+
+
+def test_revokes_by_stamped_headers_are_kept_too(
+        zk_url: str, start_worker: Callable[..., Worker], task_log: Path) -> None:
+    client = Celery("client", broker=zk_url, backend=zk_url, set_as_current=False)
+    try:
+        stamped = client.signature("proj.app.record", args=("stamped",))
+        stamped.stamp(batch="b-7")
+        doomed = stamped.apply_async()
+        plain = client.send_task("proj.app.record", args=("plain",))
+        client.control.revoke_by_stamped_headers({"batch": "b-7"})
+        start_worker(zk_url, backend=zk_url, log=task_log, concurrency=2)
+        assert plain.get(timeout=60) == "plain"
+        wait_until(lambda: doomed.state == "REVOKED", 30, message=doomed.state)
+        assert executed_values(task_log) == {"plain": 1}
+    finally:
+        client.close()
+
+
+def test_a_revoke_for_named_workers_only_is_not_kept(
+        zk_url: str, zk_client: KazooClient) -> None:
+    client = Celery("client", broker=zk_url, set_as_current=False)
+    try:
+        client.control.revoke("some-task", destination=["w1@nowhere"])
+        client.control.revoke("all-task")
+    finally:
+        client.close()
+    assert zk_client.exists(LAYOUT.revoked_task("all-task"))
+    assert not zk_client.exists(LAYOUT.revoked_task("some-task"))
+
+
+def test_an_expired_revoke_is_dropped_when_a_worker_loads_them(
+        zk_url: str, zk_client: KazooClient, start_worker: Callable[..., Worker]) -> None:
+    old = LAYOUT.revoked_task("ancient")
+    zk_client.create(old, json.dumps({"at": 1.0, "task_id": "ancient"}).encode(),
+                     makepath=True)
+    fresh: Any = LAYOUT.revoked_task("fresh")
+    client = Celery("client", broker=zk_url, set_as_current=False)
+    try:
+        client.control.revoke("fresh")
+    finally:
+        client.close()
+    start_worker(zk_url)
+    wait_until(lambda: zk_client.exists(old) is None, 30)
+    assert zk_client.exists(fresh)
+    assert "fresh" in inspect_revoked(zk_url) and "ancient" not in inspect_revoked(zk_url)
+
+
+def test_the_durable_revokes_example_runs() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(repo / "examples" / "durable_revokes.py")],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "unwanted: REVOKED" in proc.stdout and "wanted: wanted" in proc.stdout

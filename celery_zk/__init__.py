@@ -18,4 +18,13 @@ from .groups import install_when_imported
 TRANSPORT_ALIASES.setdefault("zk", "celery_zk.transport:Transport")
 install_when_imported()
 
-__all__ = ["__version__"]
+__all__ = ["LockHeld", "Singleton", "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    """``celery_zk.Singleton`` / ``LockHeld``, imported on first use: this package
+    is imported with kombu, before Celery's Task class may be importable."""
+    if name in ("Singleton", "LockHeld"):
+        from . import singleton
+        return getattr(singleton, name)
+    raise AttributeError(f"module 'celery_zk' has no attribute {name!r}")

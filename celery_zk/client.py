@@ -96,8 +96,11 @@ def make_client(settings: ZKSettings, connect_timeout: float | None = None) -> K
             opts.session_timeout, 5.0)),
         **kwargs,
     )
-    why = _start(client, settings.hosts, timeout)
-    if why is not None:
+    why = _start(client, settings.hosts, timeout,
+                 fail_fast=settings.hosts not in _reached)
+    if why is None:
+        _reached.add(settings.hosts)
+    else:
         # kazoo's stop() waits for its connection thread, which may sit in a
         # connect attempt to a host that never answers for up to 10 s more:
         # the caller is told now, the client is disposed of in the background.
@@ -121,22 +124,29 @@ def _dispose(client: KazooClient) -> None:
 
 #: How long a first connection may fail before we look whether anything listens.
 _PROBE_AFTER = 0.2
+#: Hosts this process has had a session with. A server that refuses them now is
+#: restarting or failing over: a new session waits connect_timeout for it, as
+#: kazoo's own reconnect does, instead of failing at once like a first contact.
+_reached: set[str] = set()
 
 
-def _start(client: KazooClient, hosts: str, timeout: float) -> str | None:
+def _start(client: KazooClient, hosts: str, timeout: float,
+           fail_fast: bool = True) -> str | None:
     """Start ``client``; None once connected, else why not.
 
-    kazoo retries a refused connection until the timeout. When nothing listens
-    on any of the hosts (refused, or no such host) waiting cannot help, so
-    that is said at once, as a TCP client would (kombu's connect() retries
-    after 2 s, and Celery's broker_connection_timeout is 4 s). The look is a
-    plain TCP connect, made only after kazoo's own attempt has not succeeded.
+    kazoo retries a refused connection until the timeout. On a first contact
+    (``fail_fast``), when nothing listens on any of the hosts (refused, or no
+    such host) waiting cannot help, so that is said at once, as a TCP client
+    would (kombu's connect() retries after 2 s, and Celery's
+    broker_connection_timeout is 4 s). The look is a plain TCP connect, made
+    only after kazoo's own attempt has not succeeded.
     """
     deadline = monotonic() + timeout
     connected = client.start_async()
     if connected.wait(min(_PROBE_AFTER, timeout)) and client.connected:
         return None
-    refused = _nothing_listens(hosts, max(0.05, min(1.0, deadline - monotonic())))
+    refused = (_nothing_listens(hosts, max(0.05, min(1.0, deadline - monotonic())))
+               if fail_fast else None)
     if refused:
         return refused
     connected.wait(max(0.0, deadline - monotonic()))

@@ -28,6 +28,8 @@
         ~size                         how many parts it waits for (Celery's set_chord_size)
         ~done                         the body was sent: parts deleted, counter kept until expiry
       expiry/h{hour}/{shard}/{kind}~{id}  index of results/groups/chords by write hour
+      locks/{key}                     ephemeral: a running singleton task's lock
+                                      (celery_zk.singleton); czxid: fencing token
       revoked/{shard}/t~{task id}     a revoke kept for workers started later; data:
       revoked/{shard}/s~{hash}        when (and the stamp) (celery_zk.revokes)
 
@@ -402,6 +404,15 @@ class Layout:
     def chord_done(self, group_id: str) -> str:
         """Made when the chord's body was sent: the counter is then a tombstone."""
         return join(self.chord(group_id), CHORD_DONE)
+
+    # -- singleton locks (celery_zk.singleton) --------------------------------
+    @property
+    def locks(self) -> str:
+        return join(self.root, "locks")
+
+    def lock(self, key: str) -> str:
+        """A singleton task's lock: ephemeral, of the session of the run holding it."""
+        return join(self.locks, escape(key))
 
     # -- durable revokes (celery_zk.revokes) ----------------------------------
     @property

@@ -211,6 +211,29 @@ def test_server_restart_mid_run_loses_nothing(
     assert worker.proc.poll() is None, worker.output()
 
 
+def test_a_new_session_waits_for_a_restarting_server_it_has_used(
+        own_server: ZooKeeperServer) -> None:
+    """A first contact with a server that refuses fails at once (nothing listens);
+    a process that has had a session there waits connect_timeout for it instead:
+    the server is restarting, and a publish retried meanwhile should not fail."""
+    from kombu import Connection
+
+    url = f"{own_server.url}{ROOT}?connect_timeout=15&session_name=restart-wait"
+    with Connection(url) as first:
+        first.connect()
+    own_server.stop()
+    restarter = threading.Timer(3.0, own_server.start)
+    restarter.start()
+    try:
+        started = time.monotonic()
+        with Connection(url) as second:
+            second.connect()   # refused for 3 s, then the server is back
+            assert second.transport.handle.client.connected
+        assert time.monotonic() - started >= 2.5
+    finally:
+        restarter.join()
+
+
 # -- 2. the leader of a 3-node ensemble stopped -----------------------------------
 @pytest.mark.slow
 def test_ensemble_leader_stopped_mid_run_loses_nothing(

@@ -164,3 +164,27 @@ if os.environ.get("CELERY_ZK_TEST_DIE_AFTER_SUCCESS"):
         """The result is stored (task_success follows it); a late ack is not sent
         yet: the worker dies as a power cut would take it."""
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+from celery_zk import Singleton  # noqa: E402
+
+
+def _single(task: Singleton, key: str, seconds: float) -> list[object]:
+    started = time.time()
+    held_at_start = task.lock_held()
+    time.sleep(seconds)
+    entry = [key, started, time.time(), task.lock.token, held_at_start, task.lock_held()]
+    _record("single", entry)
+    return entry
+
+
+@app.task(bind=True, base=Singleton, lock_key="single-{0}")
+def single_skip(self: Singleton, key: str, seconds: float = 0.0) -> list[object]:
+    """A second call while one runs fails with LockHeld."""
+    return _single(self, key, seconds)
+
+
+@app.task(bind=True, base=Singleton, lock_key="single-{0}", lock_wait=120)
+def single_wait(self: Singleton, key: str, seconds: float = 0.0) -> list[object]:
+    """A second call while one runs waits for the lock."""
+    return _single(self, key, seconds)

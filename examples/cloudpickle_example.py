@@ -15,15 +15,11 @@ so only this user can write messages (see docs/security.md).
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any, Callable
 
-import kombu.pools
 from celery import Celery
-from example_worker import start_worker, stop_worker
+from example_worker import Example
 
 URL_ENV = "CELERY_ZK_CLOUDPICKLE_URL"
 MODULE = "cloudpickle_example"
@@ -46,29 +42,19 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def main() -> int:
-    from celery_zk.server import ZooKeeperServer
+    with Example(MODULE, URL_ENV, "cloudpickle-example",
+                 credentials="example:example-password@") as example:
+        example.start_worker()
+        factor = 7
 
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    with ZooKeeperServer() as zk, tempfile.TemporaryDirectory() as tmp:
-        url = f"zk://example:example-password@{zk.hosts}/cloudpickle-example"
-        worker = start_worker(MODULE, {URL_ENV: url}, Path(tmp) / "worker.log")
-        client = Celery("client", broker=url, backend=url, set_as_current=False)
-        try:
-            factor = 7
+        def scale(x: int) -> int:  # a closure: it captures `factor`
+            return x * factor
 
-            def scale(x: int) -> int:  # a closure: it captures `factor`
-                return x * factor
-
-            result = client.send_task("cloudpickle_example.call", (scale, 6),
-                                      serializer="cloudpickle")
-            value = result.get(timeout=30)
-            print(f"result: {value}")
-            return 0 if value == 42 else 1
-        finally:
-            client.backend.close()
-            client.close()
-            kombu.pools.reset()  # app.close() leaves pooled producers connected
-            stop_worker(worker)
+        result = example.client.send_task("cloudpickle_example.call", (scale, 6),
+                                          serializer="cloudpickle")
+        value = result.get(timeout=30)
+        print(f"result: {value}")
+        return 0 if value == 42 else 1
 
 
 if __name__ == "__main__":

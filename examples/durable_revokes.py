@@ -10,15 +10,11 @@ state is REVOKED. Exit status 0 when that is what happened.
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-import kombu.pools
 from celery import Celery
-from example_worker import start_worker, stop_worker
+from example_worker import Example
 
 URL_ENV = "CELERY_ZK_REVOKES_URL"
 MODULE = "durable_revokes"
@@ -35,34 +31,20 @@ def report(name: str) -> str:
 
 
 def main() -> int:
-    from celery_zk.server import ZooKeeperServer
-
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    with ZooKeeperServer() as zk, tempfile.TemporaryDirectory() as tmp:
-        url = f"zk://{zk.hosts}/durable-revokes"
-        client = Celery("client", broker=url, backend=url, set_as_current=False)
-        worker = None
-        try:
-            unwanted = client.send_task("durable_revokes.report", ("unwanted",))
-            wanted = client.send_task("durable_revokes.report", ("wanted",))
-            client.control.revoke(unwanted.id)
-            print(f"revoked {unwanted.id} with no worker running; starting one")
-            worker = start_worker(MODULE, {URL_ENV: url}, Path(tmp) / "worker.log",
-                                  pool="prefork")
-            print(f"wanted: {wanted.get(timeout=60)}")
-            deadline = time.monotonic() + 30
-            while unwanted.state != "REVOKED" and time.monotonic() < deadline:
-                time.sleep(0.2)
-            print(f"unwanted: {unwanted.state}")
-            log = (Path(tmp) / "worker.log").read_text(errors="replace")
-            ran_unwanted = "running unwanted" in log
-            return 0 if unwanted.state == "REVOKED" and not ran_unwanted else 1
-        finally:
-            client.backend.close()
-            client.close()
-            kombu.pools.reset()  # app.close() leaves pooled producers connected
-            if worker is not None:
-                stop_worker(worker)
+    with Example(MODULE, URL_ENV, "durable-revokes") as example:
+        client = example.client
+        unwanted = client.send_task("durable_revokes.report", ("unwanted",))
+        wanted = client.send_task("durable_revokes.report", ("wanted",))
+        client.control.revoke(unwanted.id)
+        print(f"revoked {unwanted.id} with no worker running; starting one")
+        example.start_worker(pool="prefork")
+        print(f"wanted: {wanted.get(timeout=60)}")
+        deadline = time.monotonic() + 30
+        while unwanted.state != "REVOKED" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        print(f"unwanted: {unwanted.state}")
+        ran_unwanted = "running unwanted" in example.worker_output()
+        return 0 if unwanted.state == "REVOKED" and not ran_unwanted else 1
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Starting and stopping the worker subprocess of an example (shared by them)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,3 +48,45 @@ def stop_worker(proc: subprocess.Popen[bytes]) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+class Example:
+    """A throwaway ZooKeeper, a client app on it, and the example's worker once
+    started; all stopped on exit, whatever happens (SIGTERM included)."""
+
+    def __init__(self, module: str, url_env: str, path: str, credentials: str = "") -> None:
+        self.module, self.url_env = module, url_env
+        self.path, self.credentials = path, credentials
+        self.worker: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Example:
+        from celery import Celery
+
+        from celery_zk.server import ZooKeeperServer
+
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        self._stack = contextlib.ExitStack()
+        zk = self._stack.enter_context(ZooKeeperServer())
+        self.log_path = Path(self._stack.enter_context(tempfile.TemporaryDirectory())) / "w.log"
+        self.url = f"zk://{self.credentials}{zk.hosts}/{self.path}"
+        self.client = Celery("client", broker=self.url, backend=self.url,
+                             set_as_current=False)
+        return self
+
+    def start_worker(self, pool: str = "threads") -> None:
+        self.worker = start_worker(self.module, {self.url_env: self.url}, self.log_path, pool)
+
+    def worker_output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def __exit__(self, *exc: object) -> None:
+        import kombu.pools
+
+        try:
+            self.client.backend.close()
+            self.client.close()
+            kombu.pools.reset()  # app.close() leaves pooled producers connected
+            if self.worker is not None:
+                stop_worker(self.worker)
+        finally:
+            self._stack.close()

@@ -11,15 +11,11 @@ alongside. Exit status 0 when that is what happened.
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-import kombu.pools
 from celery import Celery
-from example_worker import start_worker, stop_worker
+from example_worker import Example
 
 from celery_zk import Singleton
 
@@ -40,32 +36,22 @@ def nightly_report(self: Singleton, customer: str) -> str:
 
 
 def main() -> int:
-    from celery_zk.server import ZooKeeperServer
-
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    with ZooKeeperServer() as zk, tempfile.TemporaryDirectory() as tmp:
-        url = f"zk://{zk.hosts}/singleton-example"
-        worker = start_worker(MODULE, {URL_ENV: url}, Path(tmp) / "worker.log")
-        client = Celery("client", broker=url, backend=url, set_as_current=False)
+    with Example(MODULE, URL_ENV, "singleton-example") as example:
+        example.start_worker()
+        client = example.client
+        first = client.send_task("singleton.nightly_report", ("acme",))
+        time.sleep(0.5)   # the first run has taken its lock
+        second = client.send_task("singleton.nightly_report", ("acme",))
+        other = client.send_task("singleton.nightly_report", ("globex",))
         try:
-            first = client.send_task("singleton.nightly_report", ("acme",))
-            time.sleep(0.5)   # the first run has taken its lock
-            second = client.send_task("singleton.nightly_report", ("acme",))
-            other = client.send_task("singleton.nightly_report", ("globex",))
-            try:
-                second.get(timeout=30)
-                print("second call ran: unexpected")
-                return 1
-            except Exception as exc:   # LockHeld, raised in the worker
-                print(f"second call: {type(exc).__name__}: {exc}")
-            print(f"first call: {first.get(timeout=30)}")
-            print(f"other customer: {other.get(timeout=30)}")
-            return 0
-        finally:
-            client.backend.close()
-            client.close()
-            kombu.pools.reset()  # app.close() leaves pooled producers connected
-            stop_worker(worker)
+            second.get(timeout=30)
+            print("second call ran: unexpected")
+            return 1
+        except Exception as exc:   # LockHeld, raised in the worker
+            print(f"second call: {type(exc).__name__}: {exc}")
+        print(f"first call: {first.get(timeout=30)}")
+        print(f"other customer: {other.get(timeout=30)}")
+        return 0
 
 
 if __name__ == "__main__":

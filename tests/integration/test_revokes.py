@@ -3,8 +3,6 @@ it was sent, on real servers and real workers (prefork)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +12,7 @@ from kazoo.client import KazooClient
 
 from celery_zk.layout import Layout
 
-from .workers import Worker, celery_cli, executed_values, wait_until
+from .workers import Worker, celery_cli, executed_values, run_example, wait_until
 
 LAYOUT = Layout("/")  # zk_client is chrooted at the URL's path
 
@@ -102,8 +100,6 @@ def test_an_expired_revoke_is_dropped_when_a_worker_loads_them(
 
 
 def test_the_durable_revokes_example_runs() -> None:
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, str(repo / "examples" / "durable_revokes.py")],
-                          capture_output=True, text=True, timeout=180)
+    proc = run_example("durable_revokes")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "unwanted: REVOKED" in proc.stdout and "wanted: wanted" in proc.stdout

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from celery_zk.pytest_plugin import kazoo_client
 from celery_zk.server import TLSConfig, ZooKeeperServer, free_ports
 
 from .queues import first_bucket_path, waiting_paths
-from .workers import Worker, celery_cli, read_log
+from .workers import Worker, celery_cli, read_log, run_example
 
 TASK = "proj.app."
 ALICE_PW = "alice-pw-Zq7"
@@ -400,7 +399,6 @@ def test_cloudpickle_lambda_runs_only_where_accepted(
 
 
 def test_cloudpickle_example_runs() -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / "cloudpickle_example.py")],
-                          capture_output=True, text=True, timeout=180)
+    proc = run_example("cloudpickle_example")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "result: 42" in proc.stdout

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,7 +16,7 @@ from kazoo.client import KazooClient
 
 from celery_zk.layout import Layout
 
-from .workers import Worker, read_log, wait_until
+from .workers import Worker, read_log, run_example, wait_until
 
 LAYOUT = Layout("/")  # zk_client is chrooted at the URL's path
 
@@ -120,8 +118,6 @@ def test_a_holder_that_runs_longer_than_any_timeout_keeps_its_lock(
 
 
 def test_the_singleton_example_runs() -> None:
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, str(repo / "examples" / "singleton.py")],
-                          capture_output=True, text=True, timeout=180)
+    proc = run_example("singleton")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "second call: LockHeld" in proc.stdout and "report for globex" in proc.stdout

@@ -140,3 +140,9 @@ def client_env(broker: str, backend: str | None = None) -> None:
     os.environ["CELERY_ZK_TEST_BACKEND"] = backend or ""
     if str(HERE) not in sys.path:
         sys.path.insert(0, str(HERE))
+
+
+def run_example(name: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """Run ``examples/NAME.py`` as a user would; the finished process."""
+    return subprocess.run([sys.executable, str(HERE.parents[1] / "examples" / f"{name}.py")],
+                          capture_output=True, text=True, timeout=timeout)

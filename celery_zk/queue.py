@@ -512,12 +512,9 @@ class QueueStore:
         self.client.delete_async(self.layout.bucket(queue, bucket)).rawlink(done)
 
     def read_async(self, queue: str, name: str) -> Any:
-        """Start reading a waiting message (non-blocking: a watch callback may call it)."""
+        """Start reading a waiting message (pipelined; not from a tree-watch callback,
+        which runs on kazoo's connection thread: see celery_zk.queue_view)."""
         return self.client.get_async(self.layout.unowned_message(queue, name))
-
-    def read_owned_async(self, queue: str, name: str) -> Any:
-        """Start reading an owned message (non-blocking: a watch callback may call it)."""
-        return self.client.get_async(self.layout.owned_message(queue, name))
 
     def read_owned(self, owned_path: str) -> tuple[bytes, Any]:
         client = self.client

@@ -28,11 +28,11 @@ the message there, in this consumer's name, and the view delivers it without
 a claim. Handed messages and arrivals are delivered in the order their watch
 events came, so one publisher's messages keep their order.
 
-Watch callbacks run on kazoo's threads and only record what happened and wake
-the transport. Requests are made from the consuming thread, with one
-exception: when a message arrives at an idle view, the tree callback starts
-(without waiting) the read its claim (or delivery) begins with, so the read
-is on the wire while the consuming thread wakes up.
+Watch callbacks only record what happened and wake the transport; every
+request is made from the consuming thread. The tree callbacks run on kazoo's
+connection thread itself (celery_zk.watches), where even a request that does
+not wait can block: kazoo wakes that thread through a socket only it drains,
+and a burst of other threads' requests fills it.
 """
 from __future__ import annotations
 
@@ -121,13 +121,11 @@ class QueueView:
                 self.arrivals.clear()
                 self.reads.clear()
             else:
-                if self.armed and not self.closed:
-                    # Idle and able to take it: its read (which the claim needs
-                    # first) is on the wire while the consuming thread wakes up.
-                    try:
-                        self.reads[name] = self.transport.store.read_async(self.queue, name)
-                    except CONNECTION_ERRORS:
-                        pass   # closing meanwhile: the claim reads it, or reports why not
+                # No read from here: this runs on kazoo's connection thread, and a
+                # request made on it can block on kazoo's wake-up socket when
+                # other threads have filled it, which only this thread drains (a
+                # deadlock seen with a 1,000-task chord header). The consuming
+                # thread reads it when it wakes.
                 self.order += 1
                 self.arrivals.append((self.order, name))
         else:
@@ -141,12 +139,8 @@ class QueueView:
         message = parse_message_name(parts[1]) if parts is not None else None
         if parts is None or message is None or not self.offer.taken(parts[0], message.uid):
             return   # someone's claim, or not handed in answer to our offer
-        try:
-            read = self.transport.store.read_owned_async(self.queue, name)
-        except CONNECTION_ERRORS:
-            read = None   # closing meanwhile: delivering it reads again
         self.order += 1
-        self.handed.append((self.order, name, read))
+        self.handed.append((self.order, name, None))   # read when delivered (see _on_tree)
         self._woken()
 
     # -- the consuming thread ---------------------------------------------------

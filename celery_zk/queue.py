@@ -272,11 +272,8 @@ class QueueStore:
         except NoNodeError:
             # Its bucket was emptied and deleted (or the queue never declared): go
             # to the queue's newest bucket of that priority.
-            self._tails.pop((message.queue, message.inverted_priority), None)
-            generation = max(message.generation,
-                             self._find_tail(message.queue, message.inverted_priority))
             message = self._named(message.queue, message.uid, message.data,
-                                  message.inverted_priority, generation)
+                                  message.inverted_priority, self._newest_after(message))
             name = self._create_once(message, maybe_made)
         self.created(message, name)
         return name
@@ -383,12 +380,17 @@ class QueueStore:
         """``gone``'s bucket was emptied and deleted (or its queue never declared):
         its queue's messages of that priority in ``chunk`` go to the newest one."""
         key = (gone.queue, gone.inverted_priority)
-        self._tails.pop(key, None)
-        generation = max(gone.generation, self._find_tail(*key))
+        generation = self._newest_after(gone)
         for index, message in enumerate(chunk):
             if (message.queue, message.inverted_priority) == key:
                 chunk[index] = self._named(message.queue, message.uid, message.data,
                                            message.inverted_priority, generation)
+
+    def _newest_after(self, gone: NewMessage) -> int:
+        """The newest bucket of ``gone``'s queue and priority, looked up again now
+        that ``gone``'s bucket turned out to be missing."""
+        self._tails.pop((gone.queue, gone.inverted_priority), None)
+        return max(gone.generation, self._find_tail(gone.queue, gone.inverted_priority))
 
     def _find_uids(self, chunk: list[NewMessage]) -> list[str | None]:
         """The stored names of ``chunk``'s messages (None where not found)."""
@@ -440,15 +442,7 @@ class QueueStore:
             lambda: self._find_uid(message), maybe_made)
 
     def _find_uid(self, message: NewMessage) -> str | None:
-        try:
-            names = self.client.get_children(self.layout.parent(message.path))
-        except NoNodeError:
-            return None
-        for name in names:
-            parsed = parse_message_name(name)
-            if parsed and parsed.uid == message.uid:
-                return name
-        return None
+        return self._find_uids([message])[0]
 
     def buckets(self, queue: str, watch: Callable[[Any], None] | None = None
                 ) -> tuple[list[str], list[str]]:

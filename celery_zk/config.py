@@ -80,6 +80,10 @@ class ZKOptions:
                          "consumer (one durable write per delivery instead of two: "
                          "see celery_zk.handoff). Needs persistent watches; set it "
                          "on the consumers' side, publishers follow the offers they see.")
+    locality_wait: float = _opt(3.0, "Seconds a consumer leaves a message whose "
+                                "affinity key another live worker holds for that worker, "
+                                "before it takes the message itself (delay scheduling; "
+                                "see celery_zk.affinity). 0: prefer held keys, never wait.")
     dead_letter_rejected: bool = _opt(False, "Keep messages rejected with requeue=False "
                                       "under the queue's dead/ directory instead of "
                                       "deleting them.")

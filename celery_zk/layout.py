@@ -8,6 +8,7 @@
                                       at most ``bucket_size`` sequential creates each
           m{P}-{gen}-{uid}-{seq}      waiting message; P = 9 - priority
           m{P}-{gen}-{uid}-r{first}   requeued message, keeps its first seq
+          m{P}-{gen}-{uid}@{key}-{seq}  one with a data-affinity key (celery_zk.affinity)
         owned/{consumer}~{unowned name}   claimed by a live consumer
         owned/{consumer}~m{P}-0000000000-{token}-0000000000   handed straight to it
         offers/{consumer}~{token}     ephemeral: an idle consumer offers to take the
@@ -32,6 +33,8 @@
                                       (celery_zk.singleton); czxid: fencing token
       revoked/{shard}/t~{task id}     a revoke kept for workers started later; data:
       revoked/{shard}/s~{hash}        when (and the stamp) (celery_zk.revokes)
+      affinity/{h}/{key}~{worker}-{pid}   ephemeral: a worker process holds the data of
+                                      {key} (celery_zk.affinity); h: one hex digit of its hash
 
 Names carry what a reader needs, so a consumer orders a queue from
 ``get_children`` alone: priority first (inverted so a plain sort puts the
@@ -68,15 +71,22 @@ CHORD_SIZE = OWNER_SEP + "size"   # beside a chord's counted parts, which are es
 CHORD_DONE = OWNER_SEP + "done"
 REVOKED_TASK, REVOKED_STAMP = "t" + OWNER_SEP, "s" + OWNER_SEP   # kinds under revoked/
 
-_MESSAGE_RE = re.compile(r"^m(\d)-(\d{10})-([0-9a-f]{1,32})-(r?)(\d{10})$")
+_MESSAGE_RE = re.compile(r"^m(\d)-(\d{10})-([0-9a-f]{1,32})(?:@([^/~]+?))?-(r?)(\d{10})$")
 # Before buckets: flat in unowned/, the requeue sequential too.
 _FLAT_MESSAGE_RE = re.compile(r"^m(\d)-([0-9a-f]{1,32})-(?:r(\d{10})-)?(\d{10})$")
 _BUCKET_RE = re.compile(r"^p(\d)-(\d{10})$")
 # The sequential "-{seq}" suffix is from before consumer ids carried their time.
 _CONSUMER_RE = re.compile(r"^(c[0-9a-f]{1,32})(?:-\d{10})?$")
+_HOLDING_RE = re.compile(r"^([^/~]+)~([0-9a-f]{1,32})-(\d{1,10})$")
 _OFFER_RE = re.compile(r"^(c[0-9a-f]{1,32})~([0-9a-f]{1,32})$")
 # Characters that cannot appear raw in a node name, or that we use as separators.
 _ESCAPE_RE = re.compile(r"[%/,~\x00-\x1f\x7f]")
+#: Longest affinity key kept readable in a message name; a longer one is named
+#: by its hash. A bucket is listed whole (up to 10,000 names), and the listing
+#: must stay within jute.maxbuffer: (45 + 1 + 40) bytes x 10,000 = 860 KB.
+AFFINITY_KEY_CHARS = 40
+AFFINITY_HASH = "#"
+AFFINITY_SHARDS_HEX = 1   # 16 directories under affinity/
 
 
 def escape(name: str) -> str:
@@ -102,6 +112,7 @@ class MessageName(NamedTuple):
     order: int          # the sequence it was first published with
     requeued: bool      # back from owned/ (a reject, a shutdown or a dead owner)
     seq: int            # this node's own sequence (a requeue's is its order)
+    affinity: str | None = None   # its affinity key as named (affinity_token)
 
     @property
     def priority(self) -> int:
@@ -149,9 +160,34 @@ def same_priority(bucket: str, other: str) -> bool:
     return first is not None and second is not None and first[0] == second[0]
 
 
-def message_prefix(inverted_priority: int, generation: int, uid: str) -> str:
-    """Name prefix of a new message; ZooKeeper appends the sequence."""
-    return f"m{inverted_priority}-{generation:0{SEQ_DIGITS}d}-{uid}-"
+def message_prefix(inverted_priority: int, generation: int, uid: str,
+                   affinity: str | None = None) -> str:
+    """Name prefix of a new message; ZooKeeper appends the sequence.
+    ``affinity``: an :func:`affinity_token`."""
+    key = f"@{affinity}" if affinity else ""
+    return f"m{inverted_priority}-{generation:0{SEQ_DIGITS}d}-{uid}{key}-"
+
+
+def affinity_token(key: object) -> str:
+    """How an affinity key appears in node names: escaped (``#`` too, which
+    marks a hash), or ``#`` and a hash when longer than :data:`AFFINITY_KEY_CHARS`.
+
+    Raises ValueError for what cannot be a key (not a str or int, or empty).
+    """
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise ValueError(
+            f"a celery_zk affinity key must be a string (or an int), not "
+            f"{type(key).__name__} {key!r}: pass the dataset's name, e.g. "
+            "headers={'zk_affinity': 'dataset-42'}")
+    text = str(key)
+    if not text:
+        raise ValueError("a celery_zk affinity key must not be empty: leave the "
+                         "'zk_affinity' header out for a message without affinity")
+    escaped = _ESCAPE_RE.sub(lambda m: f"%{ord(m.group()):02X}", text).replace(
+        AFFINITY_HASH, "%23").replace("@", "%40")
+    if len(escaped) <= AFFINITY_KEY_CHARS:
+        return escaped
+    return AFFINITY_HASH + hashlib.sha1(text.encode()).hexdigest()[:24]
 
 
 def requeued_name(message: MessageName) -> str:
@@ -159,7 +195,8 @@ def requeued_name(message: MessageName) -> str:
     first publication (flat ones: generation 0, ahead of every bucket),
     marked requeued, with the sequence that keeps its place."""
     generation = message.generation or 0
-    return (message_prefix(message.inverted_priority, generation, message.uid)
+    return (message_prefix(message.inverted_priority, generation, message.uid,
+                           message.affinity)
             + f"r{message.order:0{SEQ_DIGITS}d}")
 
 
@@ -167,8 +204,9 @@ def parse_message_name(name: str) -> MessageName | None:
     """Parse a waiting-message name; ``None`` for nodes celery_zk did not write."""
     match = _MESSAGE_RE.match(name)
     if match:
-        inv, generation, uid, requeued, seq = match.groups()
-        return MessageName(int(inv), int(generation), uid, int(seq), bool(requeued), int(seq))
+        inv, generation, uid, affinity, requeued, seq = match.groups()
+        return MessageName(int(inv), int(generation), uid, int(seq), bool(requeued), int(seq),
+                           affinity)
     match = _FLAT_MESSAGE_RE.match(name)
     if not match:
         return None
@@ -221,6 +259,26 @@ def split_owned_name(name: str) -> tuple[str, str] | None:
     if not sep or not consumer or parse_message_name(message) is None:
         return None
     return consumer, message
+
+
+def holding_name(token: str, worker: str, pid: int) -> str:
+    """A worker process's affinity holding: key token, worker id, pid."""
+    return f"{token}{OWNER_SEP}{worker}-{pid}"
+
+
+def parse_holding_name(name: str) -> tuple[str, str, int] | None:
+    """``(key token, worker id, pid)`` of a holding node, or ``None`` if foreign."""
+    match = _HOLDING_RE.match(name)
+    return (match.group(1), match.group(2), int(match.group(3))) if match else None
+
+
+def quick_affinity(name: str) -> str | None:
+    """The affinity token of a message name known to be ours (a sorted
+    listing's), without a full parse: a consumer looks at a thousand names
+    per choice. The token runs from the ``@`` after the uid to the ``-``
+    before the sequence, which has none."""
+    at = name.find("@")
+    return None if at < 0 else name[at + 1:name.rindex("-")]
 
 
 def new_consumer_id() -> str:
@@ -324,10 +382,10 @@ class Layout:
         return join(self.unowned(queue), bucket, name)
 
     def new_message_prefix(self, queue: str, inverted_priority: int, generation: int,
-                           uid: str) -> str:
+                           uid: str, affinity: str | None = None) -> str:
         """The path a new message is created at (ZooKeeper appends the sequence)."""
         return join(self.bucket(queue, bucket_name(inverted_priority, generation)),
-                    message_prefix(inverted_priority, generation, uid))
+                    message_prefix(inverted_priority, generation, uid, affinity))
 
     def owned_message(self, queue: str, name: str) -> str:
         return join(self.owned(queue), name)
@@ -430,6 +488,20 @@ class Layout:
         digest = hashlib.sha1(f"{header}\0{value}".encode()).hexdigest()
         key = REVOKED_STAMP + digest
         return join(self.revoked, result_shard(key), key)
+
+    # -- data affinity (celery_zk.affinity) ------------------------------------
+    @property
+    def affinity(self) -> str:
+        return join(self.root, "affinity")
+
+    def affinity_shards(self) -> list[str]:
+        return [join(self.affinity, f"{i:0{AFFINITY_SHARDS_HEX}x}")
+                for i in range(16 ** AFFINITY_SHARDS_HEX)]
+
+    def holding(self, token: str, worker: str, pid: int) -> str:
+        """Ephemeral: worker process ``worker``/``pid`` holds the data of ``token``."""
+        shard = hashlib.sha1(token.encode()).hexdigest()[:AFFINITY_SHARDS_HEX]
+        return join(self.affinity, shard, holding_name(token, worker, pid))
 
     @property
     def expiry(self) -> str:

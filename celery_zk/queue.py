@@ -99,6 +99,7 @@ class NewMessage:
     data: bytes
     inverted_priority: int
     generation: int   # the bucket it goes to
+    affinity: str | None = None   # its affinity key, as named (layout.affinity_token)
 
 
 @dataclass
@@ -250,20 +251,22 @@ class QueueStore:
         """Append a message; returns its node name."""
         return self.put_new(self.new_message(queue, data, priority))
 
-    def new_message(self, queue: str, data: bytes, priority: int | None) -> NewMessage:
-        """A message ready to publish (its size checked, its node named)."""
+    def new_message(self, queue: str, data: bytes, priority: int | None,
+                    affinity: str | None = None) -> NewMessage:
+        """A message ready to publish (its size checked, its node named);
+        ``affinity``: its key's :func:`~celery_zk.layout.affinity_token`."""
         self.check_size(data, f"A message for queue {queue!r}")
         inv = inverted(priority)
         generation = self._tails.get((queue, inv))
         if generation is None:
             generation = self._find_tail(queue, inv)
-        return self._named(queue, new_uid(), data, inv, generation)
+        return self._named(queue, new_uid(), data, inv, generation, affinity)
 
-    def _named(self, queue: str, uid: str, data: bytes, inv: int, generation: int
-               ) -> NewMessage:
+    def _named(self, queue: str, uid: str, data: bytes, inv: int, generation: int,
+               affinity: str | None) -> NewMessage:
         # ZooKeeper appends the sequence to this prefix.
-        path = self.layout.new_message_prefix(queue, inv, generation, uid)
-        return NewMessage(queue, uid, path, data, inv, generation)
+        path = self.layout.new_message_prefix(queue, inv, generation, uid, affinity)
+        return NewMessage(queue, uid, path, data, inv, generation, affinity)
 
     def put_new(self, message: NewMessage, maybe_made: bool = False) -> str:
         """Create ``message``'s node once (``maybe_made``: an earlier create lost its reply)."""
@@ -273,7 +276,8 @@ class QueueStore:
             # Its bucket was emptied and deleted (or the queue never declared): go
             # to the queue's newest bucket of that priority.
             message = self._named(message.queue, message.uid, message.data,
-                                  message.inverted_priority, self._newest_after(message))
+                                  message.inverted_priority, self._newest_after(message),
+                                  message.affinity)
             name = self._create_once(message, maybe_made)
         self.created(message, name)
         return name
@@ -338,7 +342,8 @@ class QueueStore:
             room[key] -= 1
             chunk.append(message if message.generation == generation else
                          self._named(message.queue, message.uid, message.data,
-                                     message.inverted_priority, generation))
+                                     message.inverted_priority, generation,
+                                     message.affinity))
         return chunk
 
     def _put_chunk(self, chunk: list[NewMessage]) -> list[str | None]:
@@ -384,7 +389,8 @@ class QueueStore:
         for index, message in enumerate(chunk):
             if (message.queue, message.inverted_priority) == key:
                 chunk[index] = self._named(message.queue, message.uid, message.data,
-                                           message.inverted_priority, generation)
+                                           message.inverted_priority, generation,
+                                           message.affinity)
 
     def _newest_after(self, gone: NewMessage) -> int:
         """The newest bucket of ``gone``'s queue and priority, looked up again now

@@ -28,6 +28,12 @@ the message there, in this consumer's name, and the view delivers it without
 a claim. Handed messages and arrivals are delivered in the order their watch
 events came, so one publisher's messages keep their order.
 
+When the listing holds messages with affinity keys, the view chooses among
+them by :func:`celery_zk.affinity.choose`. If it may take none yet (their
+keys are held by other workers and have not waited ``locality_wait``), it
+is *deferring*: it lists again on the next watch event, and a timer wakes
+it when the first of them may be taken.
+
 Watch callbacks only record what happened and wake the transport; every
 request is made from the consuming thread. The tree callbacks run on kazoo's
 connection thread itself (celery_zk.watches), where even a request that does
@@ -37,6 +43,7 @@ and a burst of other threads' requests fills it.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from itertools import islice
 from time import monotonic
@@ -44,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from kazoo.exceptions import NoNodeError
 
+from .affinity import choose
 from .client import CONNECTION_ERRORS, log_failure, reply_or_retry
 from .handoff import Offer
 from .layout import parse_bucket_name, parse_message_name, sort_messages, split_owned_name
@@ -84,6 +92,14 @@ class QueueView:
         self.consuming = False   # the channel consumes this queue (a basic_get view never offers)
         self.offer = Offer(transport.handoff, queue) if transport.handoff is not None else None
         self.closed = False
+        self.keyed = False    # the listing holds messages with affinity keys
+        self.seen: dict[str, float] = {}   # keyed messages held elsewhere: first seen at
+        self.started: dict[str, float] = {}   # keys this view started on unheld: when
+        self._in_hand = 0   # delivered and not done with, at the last fill
+        self.deferring: int | None = None   # nothing to take yet: events at that look
+        self._retry_in: float | None = None   # from the last choice: when one may be taken
+        self._timer: threading.Timer | None = None
+        self._timer_due = 0.0
         self._tree_held = False   # our _on_tree is registered with the tree watch
         self._owned_held = False   # our _on_owned is registered with the owned/ watch
         # What kazoo and the session's tree watches hold: weak, so a connection
@@ -156,10 +172,14 @@ class QueueView:
 
     def close(self) -> None:
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
         self._stop_tree()
 
-    def fill(self, limit: int) -> None:
-        """Claim up to ``limit`` messages into :attr:`buffer`, if any are waiting."""
+    def fill(self, limit: int, in_hand: int = 0) -> None:
+        """Claim up to ``limit`` messages into :attr:`buffer`, if any are waiting
+        (``in_hand``: messages the channel delivered that are not done with)."""
+        self._in_hand = in_hand
         if self._handed_next():
             self._take_handed(limit)
             return
@@ -180,6 +200,7 @@ class QueueView:
                     self._make_offer(limit)
                     return
             elif (not self.listing or self.stale
+                  or (self.deferring is not None and self.deferring != self.events)
                   or monotonic() - self.listed_at > self.options.listing_max_age):
                 if not self._list():
                     self._make_offer(limit)
@@ -187,6 +208,9 @@ class QueueView:
             if not self.listing:
                 continue   # only foreign names arrived
             batch = self._pick(limit)   # removes the batch from the listing
+            if not batch:
+                self._defer()
+                return
             if self.consuming and not self.idle:
                 self._claim_async(batch, consumer_id)
                 return   # the event loop delivers it when it lands (see collect)
@@ -218,6 +242,28 @@ class QueueView:
         self.listed_at = monotonic()   # as complete as a listing: nothing else is new
         return True
 
+    def _defer(self) -> None:
+        """Every message listed waits for another worker that holds its key:
+        look again on the next event, or when the first may be taken."""
+        self.deferring = self.events
+        delay = self._retry_in
+        if delay is None:
+            return
+        due = monotonic() + delay
+        if self._timer is not None and self._timer.is_alive() and self._timer_due <= due:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_due = due
+        self._timer = threading.Timer(delay + 0.001, self._woken)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _set_listing(self, names: list[str]) -> None:
+        self.listing = deque(names)
+        self.deferring = None
+        self.keyed = any("@" in name for name in names)
+
     def _list(self) -> bool:
         """List the queue; False when it is empty (then the view is armed)."""
         tree = self._ensure_tree()
@@ -229,7 +275,10 @@ class QueueView:
             self.queue, self.options.claim_batch, watch=None if tree else self._one_shot_cb)
         self._dead_letter(found.foreign)
         names = found.names
-        self.listing = deque(names)
+        self._set_listing(names)
+        if self.seen:   # forget the messages that went
+            listed = set(names)
+            self.seen = {name: at for name, at in self.seen.items() if name in listed}
         self.listed_at = monotonic()
         self.idle = not names
         if tree and len(names) > self.options.claim_batch:
@@ -331,7 +380,7 @@ class QueueView:
     def _use_listing(self, names: list[str]) -> None:
         ordered, foreign = sort_messages(names)
         self._dead_letter(foreign)
-        self.listing = deque(ordered)
+        self._set_listing(ordered)
 
     def _dead_letter(self, foreign: list[str]) -> None:
         for name in foreign:
@@ -404,16 +453,17 @@ class QueueView:
         nothing: if another consumer claims the message first, the claim finds
         it gone, as it would anyway."""
         store = self.transport.store
-        for name in self._peek(limit)[1]:
+        for name in self._peek(limit, claim=False):
             if name not in self.reads:
                 try:
                     self.reads[name] = store.read_async(self.queue, name)
                 except CONNECTION_ERRORS:
                     return   # the claim reads (or reports) itself
 
-    def _peek(self, limit: int) -> tuple[int, list[str]]:
-        """``(start, batch)``: the batch to claim next, at ``start`` in the listing:
-        the head, or one consumer's slice.
+    def _peek(self, limit: int, claim: bool = True) -> list[str]:
+        """The batch to claim next, in delivery order: the head, one consumer's
+        slice of it, or the affinity choice (:func:`celery_zk.affinity.choose`;
+        ``claim=False``: only a look, to read ahead).
 
         Consumers sharing a backlog would all try the same head and abort each
         other's transactions; on a long first priority level each takes its own
@@ -423,27 +473,38 @@ class QueueView:
         listing = self.listing
         session = self.transport.session
         ids = session.live_ids()
-        if session.consumer_id in ids and len(ids) > 1:
-            offset = ids.index(session.consumer_id) * limit
+        place = ids.index(session.consumer_id) if session.consumer_id in ids else 0
+        offset = place * limit if len(ids) > 1 else 0
+        self._retry_in = None
+        if self.keyed:
+            board = self.transport.affinity
+            board.refresh()
+            idle = not (self._in_hand or self.buffer or self.ahead)
+            # A read-ahead's look must not count as starting on a key.
+            started = self.started if claim else dict(self.started)
+            batch, self._retry_in = choose(listing, limit, board, self.seen, started,
+                                           self.options.locality_wait, index=place, idle=idle)
+            return batch
+        if offset:
             window = list(islice(listing, 0, offset + limit))
             head = parse_message_name(window[0]) if window else None
             tail = parse_message_name(window[-1]) if window else None
             if (len(window) == offset + limit and head is not None and tail is not None
                     and head.inverted_priority == tail.inverted_priority):
-                return offset, window[offset:]   # one priority level: spread out
-        return 0, list(islice(listing, 0, limit))
+                return window[offset:]   # one priority level: spread out
+        return list(islice(listing, 0, limit))
 
     def _pick(self, limit: int) -> list[str]:
         """Take the batch to claim (:meth:`_peek`) off the listing."""
-        start, batch = self._peek(limit)
+        batch = self._peek(limit)
         listing = self.listing
-        if start == 0:
-            for _ in batch:
-                listing.popleft()
-            return batch
         taken = set(batch)
-        survivors = [name for name in islice(listing, 0, start + limit) if name not in taken]
-        for _ in range(start + limit):
-            listing.popleft()
-        listing.extendleft(reversed(survivors))
+        skipped = []
+        while taken:   # every name of the batch is in the listing, in its order
+            name = listing.popleft()
+            if name in taken:
+                taken.discard(name)
+            else:
+                skipped.append(name)
+        listing.extendleft(reversed(skipped))
         return batch

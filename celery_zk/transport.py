@@ -50,6 +50,9 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   publisher that sees it creates the message directly in that consumer's
   name: one durable write per delivery instead of two (see
   :mod:`celery_zk.handoff`). Needs persistent watches.
+* ``locality_wait`` (float, 3.0): seconds a consumer leaves a message whose
+  affinity key another live worker holds for that worker before taking it
+  itself (see :mod:`celery_zk.affinity`). 0: prefer held keys, never wait.
 * ``dead_letter_rejected`` (bool, False): keep messages rejected with
   ``requeue=False`` under the queue's ``dead/`` directory.
 * ``confirm_publish`` (bool, True): wait for ZooKeeper to store each message
@@ -91,6 +94,7 @@ from kazoo.client import KazooState
 from kombu.transport import virtual
 from kombu.transport.virtual.base import queue_declare_ok_t
 
+from .affinity import Board, affinity_of, board_for
 from .autodelete import AutoDeleteQueues
 from .bindings import Bindings
 from .client import CONNECTION_ERRORS
@@ -230,6 +234,10 @@ class QoS(virtual.QoS):
                        "the message; it will run again (at-least-once).", what, delivery_tag)
         return True
 
+    def unacked(self) -> int:
+        """Messages delivered and not yet acked or rejected."""
+        return len(self._delivered) - len(self._dirty)  # type: ignore[arg-type]
+
     def ack(self, delivery_tag: str) -> None:
         if self._closed(delivery_tag, "acking"):
             return
@@ -343,7 +351,7 @@ class Channel(virtual.Channel):
         while True:
             view.collect()
             if not view.buffer:
-                view.fill(self._claim_limit() - view.claiming)
+                view.fill(self._claim_limit() - view.claiming, self._in_hand())
             if not view.buffer:
                 raise Empty()
             claimed = view.buffer.popleft()
@@ -353,6 +361,14 @@ class Channel(virtual.Channel):
                     # No ack will come (event monitors): delivered means done.
                     self.connection.store.discard(claimed.owned_path)
                 return payload
+
+    def _in_hand(self) -> int:
+        """Messages delivered and not done with: unacked, or in a Celery worker
+        of this process, its tasks received and not finished (Celery acks a
+        task as it starts, unless acks_late)."""
+        state = sys.modules.get("celery.worker.state")
+        requests = len(state.reserved_requests) if state is not None else 0
+        return max(self.qos.unacked(), requests)
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         message = super().basic_get(queue, no_ack, **kwargs)
@@ -399,19 +415,24 @@ class Channel(virtual.Channel):
 
     # -- publishing ---------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        affinity = affinity_of(message)   # first: a bad key must fail before any write
         data = encode_message(message)
         priority = self._get_message_priority(message)
         transport = self.connection
+        store = transport.store
         together = transport.publishing_together()
         if together is not None:   # stored when the group is (see publish_together)
-            together.append(transport.store.new_message(queue, data, priority))
+            together.append(store.new_message(queue, data, priority, affinity))
             return
         if transport.unconfirmed is not None:
-            transport.unconfirmed.put(queue, data, priority)
+            transport.unconfirmed.put(queue, data, priority, affinity)
             return
-        new = transport.store.new_message(queue, data, priority)   # checks the size
-        if transport.handoff is None or not transport.handoff.give(queue, data, priority):
-            transport.store.put_new(new)
+        new = store.new_message(queue, data, priority, affinity)   # checks the size
+        # A message with an affinity key waits where every consumer can choose
+        # it by its key: it is never handed to whichever consumer is idle.
+        if (affinity is not None or transport.handoff is None
+                or not transport.handoff.give(queue, data, priority)):
+            store.put_new(new)
         transport.store.deferred.flush()   # the write they waited for has been made
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
@@ -604,6 +625,11 @@ class Transport(virtual.Transport):
             watches = self._watches = session.singleton(TreeWatches,
                                                         lambda: TreeWatches(session))
         return watches
+
+    @property
+    def affinity(self) -> Board:
+        """Who holds which affinity key, and what this process holds (celery_zk.affinity)."""
+        return board_for(self.handle.session, self.layout, self.watches)
 
     @property
     def batches_groups(self) -> bool:

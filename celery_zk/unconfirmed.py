@@ -52,8 +52,10 @@ class UnconfirmedPublisher:
         _publishers.add(self)
         _hook_exit()
 
-    def put(self, queue: str, data: bytes, priority: int | None) -> None:
-        message = self.store.new_message(queue, data, priority)  # size errors raise here
+    def put(self, queue: str, data: bytes, priority: int | None,
+            affinity: str | None = None) -> None:
+        # Size errors raise here.
+        message = self.store.new_message(queue, data, priority, affinity)
         with self._cond:
             if self._pid != os.getpid():  # forked: the parent's replies never come here
                 self._pid, self._in_flight, self._redo = os.getpid(), 0, self._redo_thread()

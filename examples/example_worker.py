@@ -14,7 +14,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def start_worker(module: str, env: dict[str, str], log_path: Path, pool: str = "threads",
-                 wait_ready: bool = True) -> subprocess.Popen[bytes]:
+                 wait_ready: bool = True, name: str | None = None,
+                 concurrency: int = 2) -> subprocess.Popen[bytes]:
     """``celery -A MODULE worker`` of this folder, its output in ``log_path``."""
     full_env = {**os.environ, **env,
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE),
@@ -22,8 +23,8 @@ def start_worker(module: str, env: dict[str, str], log_path: Path, pool: str = "
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", module, "worker", "--loglevel=INFO",
-             f"--pool={pool}", "--concurrency=2", f"--hostname={module}@%h",
-             "--without-mingle", "--without-gossip"],
+             f"--pool={pool}", f"--concurrency={concurrency}",
+             f"--hostname={name or module}@%h", "--without-mingle", "--without-gossip"],
             cwd=HERE, env=full_env, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True)  # own group: we stop it and its children together
     deadline = time.monotonic() + 60
@@ -57,7 +58,8 @@ class Example:
     def __init__(self, module: str, url_env: str, path: str, credentials: str = "") -> None:
         self.module, self.url_env = module, url_env
         self.path, self.credentials = path, credentials
-        self.worker: subprocess.Popen[bytes] | None = None
+        self.worker: subprocess.Popen[bytes] | None = None   # the last one started
+        self.workers: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> Example:
         from celery import Celery
@@ -73,11 +75,19 @@ class Example:
                              set_as_current=False)
         return self
 
-    def start_worker(self, pool: str = "threads") -> None:
-        self.worker = start_worker(self.module, {self.url_env: self.url}, self.log_path, pool)
+    def start_worker(self, pool: str = "threads", name: str | None = None,
+                     concurrency: int = 2, env: dict[str, str] | None = None
+                     ) -> subprocess.Popen[bytes]:
+        """Start a worker of the example's module (``name``: a second one's)."""
+        log_path = self.log_path if name is None else self.log_path.with_name(f"{name}.log")
+        self.worker = start_worker(self.module, {self.url_env: self.url, **(env or {})},
+                                   log_path, pool, name=name, concurrency=concurrency)
+        self.workers.append(self.worker)
+        return self.worker
 
-    def worker_output(self) -> str:
-        return self.log_path.read_text(errors="replace")
+    def worker_output(self, name: str | None = None) -> str:
+        log_path = self.log_path if name is None else self.log_path.with_name(f"{name}.log")
+        return log_path.read_text(errors="replace")
 
     def __exit__(self, *exc: object) -> None:
         import kombu.pools
@@ -86,7 +96,7 @@ class Example:
             self.client.backend.close()
             self.client.close()
             kombu.pools.reset()  # app.close() leaves pooled producers connected
-            if self.worker is not None:
-                stop_worker(self.worker)
+            for worker in self.workers:
+                stop_worker(worker)
         finally:
             self._stack.close()

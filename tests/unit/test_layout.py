@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from celery_zk.layout import (
@@ -184,3 +186,82 @@ def test_a_chord_size_node_never_collides_with_a_counted_part() -> None:
     for task_id in ("~size", "~", "~x", "size"):
         assert layout.chord_part("g", task_id) != layout.chord_size("g")
         assert not escape(task_id).startswith(CHORD_SIZE[0])
+
+
+# -- affinity keys in names (celery_zk.affinity) ----------------------------------------
+@pytest.mark.parametrize("key", ["dataset-42", "a-r", "x-", "s3://b/p", "@#~,%", 7,
+                                 "y" * 41, "ünïcode"])
+def test_an_affinity_key_survives_the_name_and_a_requeue(key: object) -> None:
+    from celery_zk.layout import affinity_token, message_prefix, quick_affinity, requeued_name
+
+    token = affinity_token(key)
+    assert "/" not in token and "~" not in token and "@" not in token
+    assert len(token) <= 40
+    name = message_prefix(3, 12, "abc", token) + "0000000005"
+    parsed = parse_message_name(name)
+    assert parsed is not None
+    assert (parsed.affinity, parsed.uid, parsed.seq, parsed.inverted_priority) == (
+        token, "abc", 5, 3)
+    assert quick_affinity(name) == token
+    again = parse_message_name(requeued_name(parsed))
+    assert again is not None and again.requeued and again.affinity == token
+    assert again.sort_key == parsed._replace(requeued=True).sort_key
+
+
+def test_long_affinity_keys_are_named_by_a_hash_that_no_short_key_gives() -> None:
+    from celery_zk.layout import affinity_token
+
+    assert affinity_token("k" * 40) == "k" * 40
+    hashed = affinity_token("k" * 41)
+    assert hashed.startswith("#") and hashed != affinity_token("k" * 42)
+    assert affinity_token(hashed) != hashed   # a literal "#..." key is escaped
+
+
+@pytest.mark.parametrize("key", ["", None, True, ["x"], 1.5])
+def test_what_cannot_be_an_affinity_key_is_refused_clearly(key: object) -> None:
+    from celery_zk.layout import affinity_token
+
+    with pytest.raises(ValueError, match="affinity key"):
+        affinity_token(key)
+
+
+def test_choose_prefers_held_keys_then_one_free_key_and_never_a_lower_priority() -> None:
+    from celery_zk import affinity
+    from celery_zk.layout import message_prefix
+
+    class Holdings:   # what a Board says, without a server
+        def where(self, token: str) -> affinity.Where:
+            return {"mine": affinity.Where.MINE,
+                    "theirs": affinity.Where.ELSEWHERE}.get(token, affinity.Where.NOWHERE)
+
+    def name(inv: int, seq: int, token: str | None) -> str:
+        return message_prefix(inv, 0, f"{seq:x}", token) + f"{seq:010d}"
+
+    listing = [name(0, 1, "theirs"), name(0, 2, None), name(0, 3, "mine"),
+               name(0, 4, "free-a"), name(0, 5, "mine"), name(0, 6, "free-b"),
+               name(0, 7, "free-a"), name(1, 8, "mine")]
+    board: Any = Holdings()
+    seen: dict[str, float] = {}
+    started: dict[str, float] = {}
+
+    def choose(names: list[str], limit: int, index: int = 0, idle: bool = True
+               ) -> tuple[list[str], float | None]:
+        return affinity.choose(names, limit, board, seen, started, 3.0, index, idle)
+
+    # Held keys and keyless messages first, in queue order; never priority 1.
+    assert choose(listing, 10) == ([listing[1], listing[2], listing[4]], None)
+    # Without those: the messages of one free key, a different one per consumer.
+    free = [listing[0], listing[3], listing[5], listing[6]]
+    assert choose(free, 10, index=0) == ([listing[3], listing[6]], None)
+    assert started.keys() == {"free-a"}
+    # While free-a is not yet said to be held, it counts as this consumer's,
+    # and a busy consumer starts no second key.
+    assert choose([listing[0], listing[5], listing[6]], 10, idle=False) == ([listing[6]], None)
+    batch, retry = choose([listing[0], listing[5]], 10, idle=False)
+    assert batch == [] and retry is not None and 2.5 < retry <= 3.0
+    started.clear()
+    assert choose(free, 10, index=1) == ([listing[5]], None)
+    # The one held elsewhere: not before it has waited, then by anyone.
+    started.clear()
+    seen[listing[0]] -= 3.0
+    assert choose(listing[:1], 1) == ([listing[0]], None)

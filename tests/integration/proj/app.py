@@ -188,3 +188,19 @@ def single_skip(self: Singleton, key: str, seconds: float = 0.0) -> list[object]
 def single_wait(self: Singleton, key: str, seconds: float = 0.0) -> list[object]:
     """A second call while one runs waits for the lock."""
     return _single(self, key, seconds)
+
+
+# -- affinity tests (append-only) -------------------------------------------------
+@app.task(bind=True)
+def hold_keys(self, keys: list[str]) -> list[object]:
+    """This worker (its pool process, in prefork) now holds ``keys``."""
+    from celery_zk import affinity
+
+    affinity.hold(*keys, app=app)
+    return [self.request.hostname, os.getpid()]
+
+
+@app.task(bind=True)
+def where_run(self, value: object) -> str:
+    _record("where", [value, self.request.hostname])
+    return str(self.request.hostname)

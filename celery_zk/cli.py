@@ -16,14 +16,14 @@ from typing import Any
 
 import click
 
-from .config import mask_in_celery_reports, mask_password
-from .dead import DeadLetters
 from .exceptions import CeleryZKError
-from .report import format_dead, format_status
-from .server import ZooKeeperServer
-from .status import Status, collect
-from .status import queue_names as status_queue_names
-from .tree import export
+from .ops.dead_letters import DeadLetters
+from .ops.report import format_dead, format_status
+from .ops.status import Status, collect
+from .ops.status import queue_names as status_queue_names
+from .ops.tree import export
+from .server.launcher import ZooKeeperServer
+from .zk.config import mask_in_celery_reports, mask_password
 
 # Celery imports this module (the celery.commands entry point) before it runs
 # any command, `celery report` included.
@@ -118,7 +118,7 @@ def _clear_errors(what: str) -> Iterator[None]:
 @contextmanager
 def _zk_broker(ctx: click.Context, timeout: float) -> Iterator[Any]:
     """The app's zk:// broker transport, connected (a clear error otherwise)."""
-    from .transport import Transport
+    from .broker.transport import Transport
 
     if not logging.getLogger().handlers:
         # kazoo's reconnect warnings would reach stderr through logging's last
@@ -140,7 +140,7 @@ def _zk_broker(ctx: click.Context, timeout: float) -> Iterator[Any]:
 
 
 def _report(ctx: click.Context, transport: Any, queues: tuple[str, ...]) -> Status:
-    from .backend import ZooKeeperBackend
+    from .backend.backend import ZooKeeperBackend
 
     app = ctx.obj.app
     backend = app.backend if str(app.conf.result_backend or "").startswith("zk") else None
@@ -286,7 +286,7 @@ def exporter(ctx: click.Context, port: int, addr: str, timeout: float) -> None:
     """
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from .exporter import StatusCollector
+    from .ops.exporter import StatusCollector
 
     with _zk_broker(ctx, timeout) as transport, _clear_errors("exporter"):
         registry = CollectorRegistry()

@@ -88,7 +88,7 @@ def zookeeper_server(request: pytest.FixtureRequest) -> Iterator[_Server]:
     finally:
         # Pooled connections (kombu keeps pools for the life of a process) would
         # otherwise outlive the server and retry against it until exit.
-        from celery_zk.session import close_all
+        from celery_zk.zk.session import close_all
 
         close_all(launched.hosts)
         launched.close()

@@ -4,7 +4,7 @@
 
 Starts a throwaway ZooKeeper and two workers of this module's ``app``; each
 keeps a small cache of "datasets" (two of them) and says what it holds with
-``celery_zk.affinity.holding``. Then it sends 40 ``summarize`` tasks over four
+``celery_zk.features.affinity.holding``. Then it sends 40 ``summarize`` tasks over four
 datasets, each with ``headers={"zk_affinity": dataset}``, and prints which
 worker ran each dataset's tasks and how often a dataset had to be loaded.
 Without affinity about half the tasks would load their dataset; with it,

@@ -5,8 +5,8 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 from kazoo.protocol.paths import join
 
-from celery_zk.layout import Layout, parse_bucket_name, sort_messages
-from celery_zk.queue import creates
+from celery_zk.broker.queue import creates
+from celery_zk.zk.layout import Layout, parse_bucket_name, sort_messages
 
 
 def buckets(zk_client: KazooClient, layout: Layout, queue: str) -> list[str]:

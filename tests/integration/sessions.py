@@ -21,7 +21,7 @@ _CONS_RE = re.compile(r"^\s*/([0-9.]+):(\d+)\[\d+\]\((.*)\)\s*$")
 def apart(url: str, name: str) -> str:
     """``url`` for a connection standing for another process: a session of its own.
 
-    In one process every connection shares one session (celery_zk.session);
+    In one process every connection shares one session (celery_zk.zk.session);
     a test that plays two processes in one gives the second its own.
     """
     return f"{url}{'&' if '?' in url else '?'}session_name={name}"

@@ -1,4 +1,4 @@
-"""Data-affinity scheduling (celery_zk.affinity) on a real server, with kombu
+"""Data-affinity scheduling (celery_zk.features.affinity) on a real server, with kombu
 consumers and real workers: keys in node names, holders by ephemeral nodes,
 preference, the bounded wait, and priority over affinity."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk import affinity
-from celery_zk.affinity import AffinityKeyError
-from celery_zk.layout import Layout, affinity_token, parse_message_name
+from celery_zk.features.affinity import AffinityKeyError
+from celery_zk.zk.layout import Layout, affinity_token, parse_message_name
 
 from .queues import waiting
 from .workers import Worker, read_log, wait_until

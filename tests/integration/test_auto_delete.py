@@ -9,8 +9,8 @@ import pytest
 from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from celery_zk import autodelete
-from celery_zk.layout import Layout
+from celery_zk.broker import autodelete
+from celery_zk.zk.layout import Layout
 
 from .queues import waiting
 from .workers import wait_until

@@ -15,10 +15,9 @@ from celery import Celery, states
 from kazoo.exceptions import ConnectionClosedError, ConnectionLoss
 from kazoo.protocol.connection import _CONNECTION_DROP
 
-import celery_zk.result_consumer as result_consumer
-from celery_zk import expiry
-from celery_zk.backend import ZooKeeperBackend
-from celery_zk.expiry import HOUR, RESULT, expiry_hour
+import celery_zk.backend.result_consumer as result_consumer
+from celery_zk.backend import ZooKeeperBackend, expiry
+from celery_zk.backend.expiry import HOUR, RESULT, expiry_hour
 
 from .spies import count_calls
 from .workers import wait_until
@@ -271,7 +270,7 @@ def test_forget_and_group_delete(app: Celery, backend: ZooKeeperBackend) -> None
 
 
 def test_chord_counter_counts_each_part_once(backend: ZooKeeperBackend) -> None:
-    from celery_zk.chord import ChordCounter
+    from celery_zk.backend.chord import ChordCounter
 
     counter = ChordCounter(backend.client, backend.layout, "chord-1")
     assert [counter.increment(f"part-{i}") for i in range(3)] == [(1, None), (2, None),

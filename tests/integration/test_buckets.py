@@ -16,7 +16,8 @@ from typing import Any
 from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from celery_zk.layout import (
+from celery_zk.broker.queue import CLAIMS, creates
+from celery_zk.zk.layout import (
     Layout,
     bucket_name,
     inverted,
@@ -24,7 +25,6 @@ from celery_zk.layout import (
     parse_message_name,
     split_owned_name,
 )
-from celery_zk.queue import CLAIMS, creates
 
 from .queues import buckets, waiting
 from .workers import wait_until

@@ -21,9 +21,9 @@ import pytest
 from celery import Celery
 from kazoo.client import KazooClient
 
-from celery_zk.ensemble import ZooKeeperEnsemble
-from celery_zk.layout import Layout, parse_consumer_name, split_owned_name
 from celery_zk.server import ZooKeeperServer, free_ports
+from celery_zk.server.ensemble import ZooKeeperEnsemble
+from celery_zk.zk.layout import Layout, parse_consumer_name, split_owned_name
 
 from .tcpproxy import TCPProxy
 from .workers import Worker, celery_cli, executed_values, read_log, wait_until

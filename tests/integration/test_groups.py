@@ -1,4 +1,4 @@
-"""Groups and chord headers stored a few hundred messages per multi (celery_zk.groups).
+"""Groups and chord headers stored a few hundred messages per multi (celery_zk.broker.groups).
 
 ZooKeeper gives every node a multi creates the same czxid, so the number of
 distinct czxids among a group's messages is the number of transactions that
@@ -20,7 +20,7 @@ from kazoo.exceptions import ConnectionLoss
 from kombu import Connection
 
 from celery_zk.exceptions import MessageTooLarge
-from celery_zk.layout import Layout
+from celery_zk.zk.layout import Layout
 
 from .queues import buckets, waiting
 from .test_unconfirmed import decode

@@ -11,8 +11,8 @@ import pytest
 from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from celery_zk.handoff import Offer
-from celery_zk.layout import Layout, parse_message_name, split_owned_name
+from celery_zk.broker.handoff import Offer
+from celery_zk.zk.layout import Layout, parse_message_name, split_owned_name
 
 from .queues import unowned_creations as creations
 from .queues import waiting

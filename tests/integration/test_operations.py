@@ -15,9 +15,9 @@ from typing import Any
 from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from celery_zk.dead import MAGIC, unwrap
-from celery_zk.layout import Layout
+from celery_zk.broker.dead import MAGIC, unwrap
 from celery_zk.server import four_letter_word
+from celery_zk.zk.layout import Layout
 
 from .queues import waiting
 from .workers import HERE, Worker, celery_cli, wait_until

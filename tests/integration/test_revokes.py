@@ -1,4 +1,4 @@
-"""Durable revokes (celery_zk.revokes): a revoke outlives the workers alive when
+"""Durable revokes (celery_zk.features.revokes): a revoke outlives the workers alive when
 it was sent, on real servers and real workers (prefork)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 from celery import Celery
 from kazoo.client import KazooClient
 
-from celery_zk.layout import Layout
+from celery_zk.zk.layout import Layout
 
 from .workers import Worker, celery_cli, executed_values, run_example, wait_until
 

@@ -21,12 +21,12 @@ from kazoo.security import make_digest_acl
 from kombu import Connection
 
 from celery_zk.backend import ZooKeeperBackend
-from celery_zk.client import make_client
-from celery_zk.config import parse_url
 from celery_zk.exceptions import ZKAuthError, ZKConfigurationError, ZKConnectionError
-from celery_zk.layout import Layout
 from celery_zk.pytest_plugin import kazoo_client
 from celery_zk.server import TLSConfig, ZooKeeperServer, free_ports
+from celery_zk.zk.client import make_client
+from celery_zk.zk.config import parse_url
+from celery_zk.zk.layout import Layout
 
 from .queues import first_bucket_path, waiting_paths
 from .workers import Worker, celery_cli, read_log, run_example

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from kazoo.client import KazooClient
 
-from celery_zk.ensemble import ZooKeeperEnsemble
 from celery_zk.exceptions import PortInUse, ServerStartError
 from celery_zk.server import ZooKeeperServer, four_letter_word, free_ports
+from celery_zk.server.ensemble import ZooKeeperEnsemble
 
 CELERY = [sys.executable, "-m", "celery"]
 

@@ -17,8 +17,8 @@ import pytest
 from kazoo.client import KazooClient
 from kombu import Connection
 
-from celery_zk import session as zk_session
-from celery_zk.layout import Layout
+from celery_zk.zk import session as zk_session
+from celery_zk.zk.layout import Layout
 
 from .sessions import count, process_tree, session_ports, sessions_by_pid
 from .workers import HERE, Worker, wait_until

@@ -1,4 +1,4 @@
-"""Singleton tasks on a session-bound lock (celery_zk.singleton), on real servers
+"""Singleton tasks on a session-bound lock (celery_zk.features.singleton), on real servers
 and real workers: no TTL, released by ZooKeeper when the holder dies."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from celery import Celery
 from kazoo.client import KazooClient
 
-from celery_zk.layout import Layout
+from celery_zk.zk.layout import Layout
 
 from .workers import Worker, read_log, run_example, wait_until
 

@@ -15,7 +15,7 @@ from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk.exceptions import MessageTooLarge, ZKConfigurationError, ZKConnectionError
-from celery_zk.layout import Layout, parse_bucket_name
+from celery_zk.zk.layout import Layout, parse_bucket_name
 
 from .queues import first_bucket_path, waiting
 from .spies import CONSUMER_REQUESTS, count_calls
@@ -418,7 +418,7 @@ def test_a_worker_shutdown_stops_drain_events_waiting(
     then calls it once more: both must return at once, not after their timeout."""
     from celery.signals import worker_shutting_down
 
-    import celery_zk.transport as transport_module
+    import celery_zk.broker.transport as transport_module
 
     monkeypatch.setattr(transport_module, "_shutdowns", transport_module._shutdowns)
     queue = Queue("stopping", Exchange("stopping", "direct"), "stopping")

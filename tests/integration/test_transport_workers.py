@@ -13,7 +13,7 @@ import pytest
 from celery import Celery
 from kazoo.client import KazooClient
 
-from celery_zk.layout import Layout, parse_consumer_name, split_owned_name, unescape
+from celery_zk.zk.layout import Layout, parse_consumer_name, split_owned_name, unescape
 
 from .queues import waiting
 from .workers import HERE, celery_cli, executed_values, read_log, wait_until
@@ -201,7 +201,7 @@ def test_app_config_resolves_zk_alias_without_import(zk_url: str) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, cwd=str(HERE.parent))
-    assert out.stdout.strip() == "celery_zk.transport", out.stderr
+    assert out.stdout.strip() == "celery_zk.broker.transport", out.stderr
 
 
 def test_a_prefork_worker_with_every_process_busy_answers_remote_control(

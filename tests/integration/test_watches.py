@@ -12,9 +12,9 @@ import pytest
 from kazoo.client import KazooClient, KazooState
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from celery_zk.config import parse_url
-from celery_zk.session import ClientHandle
-from celery_zk.watches import NODE_CREATED, NODE_DELETED, AddWatch, TreeWatches
+from celery_zk.zk.config import parse_url
+from celery_zk.zk.session import ClientHandle
+from celery_zk.zk.watches import NODE_CREATED, NODE_DELETED, AddWatch, TreeWatches
 
 from .sessions import apart
 from .spies import CONSUMER_REQUESTS, count_calls
@@ -120,7 +120,7 @@ def test_server_without_add_watch_turns_them_off(handle: ClientHandle,
 
     watches = TreeWatches(handle)
     watches.add_request = Unknown
-    with caplog.at_level(logging.WARNING, logger="celery_zk.watches"):
+    with caplog.at_level(logging.WARNING, logger="celery_zk.zk.watches"):
         assert not watches.watch(f"{handle.settings.root}/old", Recorder())
     assert not watches.supported
     assert "older than 3.6" in caplog.text

@@ -9,9 +9,9 @@ from celery import Celery
 from kombu.exceptions import EncodeError
 
 from celery_zk.backend import ZooKeeperBackend
+from celery_zk.backend.expiry import HOUR, RESULT, Key, bucket_expired, expiry_hour
 from celery_zk.exceptions import MessageTooLarge, ResultTooLarge
-from celery_zk.expiry import HOUR, RESULT, Key, bucket_expired, expiry_hour
-from celery_zk.layout import Layout, result_shard
+from celery_zk.zk.layout import Layout, result_shard
 
 
 def make_backend(url: str = "zk://h1:2181,h2:2182/myapp", **conf: object) -> ZooKeeperBackend:

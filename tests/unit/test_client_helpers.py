@@ -1,4 +1,4 @@
-"""celery_zk.client's pure helpers: reading multi results, logging background failures,
+"""celery_zk.zk.client's pure helpers: reading multi results, logging background failures,
 holding writes back."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kazoo.exceptions import (
     RuntimeInconsistency,
 )
 
-from celery_zk.client import Deferred, log_failure, multi_failure
+from celery_zk.zk.client import Deferred, log_failure, multi_failure
 
 log = logging.getLogger("celery_zk.test")
 

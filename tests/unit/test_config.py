@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from celery_zk.config import mask_password, parse_url
 from celery_zk.exceptions import ZKConfigurationError
+from celery_zk.zk.config import mask_password, parse_url
 
 
 def test_full_url() -> None:
@@ -67,7 +67,7 @@ def test_mask_password() -> None:
 
 
 def test_hidden_secrets_come_back_only_in_this_process() -> None:
-    from celery_zk.config import hide_secrets, reveal_secrets
+    from celery_zk.zk.config import hide_secrets, reveal_secrets
 
     url = "zk://alice:pw@h1:2181/app?read_only_users=bob:pw2&keyfile_password=k"
     masked = hide_secrets(url, "pw")
@@ -80,7 +80,7 @@ def test_hidden_secrets_come_back_only_in_this_process() -> None:
 def test_celery_reports_mask_zk_query_secrets_and_leave_other_urls_alone() -> None:
     from celery.app import utils
 
-    from celery_zk.config import mask_in_celery_reports
+    from celery_zk.zk.config import mask_in_celery_reports
 
     mask_in_celery_reports()
     mask_in_celery_reports()   # idempotent

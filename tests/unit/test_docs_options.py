@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-import celery_zk.transport
-from celery_zk.config import ZKOptions
+import celery_zk.broker.transport
+from celery_zk.zk.config import ZKOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGURATION_MD = ROOT / "docs" / "configuration.md"
@@ -21,6 +21,6 @@ def test_option_in_configuration_md(name: str) -> None:
 
 @pytest.mark.parametrize("name", ZKOptions.names())
 def test_option_in_transport_docstring(name: str) -> None:
-    assert f"``{name}``" in (celery_zk.transport.__doc__ or ""), (
+    assert f"``{name}``" in (celery_zk.broker.transport.__doc__ or ""), (
         f"ZKOptions.{name} is missing from the 'Transport Options' section of the "
-        "celery_zk.transport module docstring.")
+        "celery_zk.broker.transport module docstring.")

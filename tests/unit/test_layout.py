@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 
-from celery_zk.layout import (
+from celery_zk.zk.layout import (
     Layout,
     binding_name,
     bucket_name,
@@ -179,7 +179,7 @@ def test_a_requeued_handed_message_sorts_ahead_of_the_first_arrival() -> None:
 
 
 def test_a_chord_size_node_never_collides_with_a_counted_part() -> None:
-    from celery_zk.layout import CHORD_SIZE, escape
+    from celery_zk.zk.layout import CHORD_SIZE, escape
 
     layout = Layout("/r")
     assert layout.chord_size("g") == "/r/chords/g/~size"
@@ -188,11 +188,11 @@ def test_a_chord_size_node_never_collides_with_a_counted_part() -> None:
         assert not escape(task_id).startswith(CHORD_SIZE[0])
 
 
-# -- affinity keys in names (celery_zk.affinity) ----------------------------------------
+# -- affinity keys in names (celery_zk.features.affinity) ----------------------------------------
 @pytest.mark.parametrize("key", ["dataset-42", "a-r", "x-", "s3://b/p", "@#~,%", 7,
                                  "y" * 41, "ünïcode"])
 def test_an_affinity_key_survives_the_name_and_a_requeue(key: object) -> None:
-    from celery_zk.layout import affinity_token, message_prefix, quick_affinity, requeued_name
+    from celery_zk.zk.layout import affinity_token, message_prefix, quick_affinity, requeued_name
 
     token = affinity_token(key)
     assert "/" not in token and "~" not in token and "@" not in token
@@ -209,7 +209,7 @@ def test_an_affinity_key_survives_the_name_and_a_requeue(key: object) -> None:
 
 
 def test_long_affinity_keys_are_named_by_a_hash_that_no_short_key_gives() -> None:
-    from celery_zk.layout import affinity_token
+    from celery_zk.zk.layout import affinity_token
 
     assert affinity_token("k" * 40) == "k" * 40
     hashed = affinity_token("k" * 41)
@@ -219,7 +219,7 @@ def test_long_affinity_keys_are_named_by_a_hash_that_no_short_key_gives() -> Non
 
 @pytest.mark.parametrize("key", ["", None, True, ["x"], 1.5])
 def test_what_cannot_be_an_affinity_key_is_refused_clearly(key: object) -> None:
-    from celery_zk.layout import affinity_token
+    from celery_zk.zk.layout import affinity_token
 
     with pytest.raises(ValueError, match="affinity key"):
         affinity_token(key)
@@ -227,7 +227,7 @@ def test_what_cannot_be_an_affinity_key_is_refused_clearly(key: object) -> None:
 
 def test_choose_prefers_held_keys_then_one_free_key_and_never_a_lower_priority() -> None:
     from celery_zk import affinity
-    from celery_zk.layout import message_prefix
+    from celery_zk.zk.layout import message_prefix
 
     class Holdings:   # what a Board says, without a server
         def where(self, token: str) -> affinity.Where:

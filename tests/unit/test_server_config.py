@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from celery_zk import install
 from celery_zk.exceptions import ZooKeeperNotInstalled
-from celery_zk.install import find_zookeeper
-from celery_zk.server import Peer, TLSConfig, ZooKeeperServer, render_config
+from celery_zk.server import Peer, TLSConfig, ZooKeeperServer, install, render_config
+from celery_zk.server.install import find_zookeeper
 
 
 def parse(text: str) -> dict[str, str]:

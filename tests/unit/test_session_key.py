@@ -1,8 +1,8 @@
-"""Which users of a process share a ZooKeeper session (celery_zk.session)."""
+"""Which users of a process share a ZooKeeper session (celery_zk.zk.session)."""
 from __future__ import annotations
 
-from celery_zk.config import parse_url
-from celery_zk.session import session_key, weak_callback
+from celery_zk.zk.config import parse_url
+from celery_zk.zk.session import session_key, weak_callback
 
 
 def key(url: str, **options: object) -> tuple[object, ...]:

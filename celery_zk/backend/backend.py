@@ -1,0 +1,373 @@
+"""Apache ZooKeeper result backend for Celery.
+
+Features
+========
+* Each task's result meta lives in one *done node*, ``results/{shard}/{task
+  id}``, found from the task id alone (256 shards: a million results is about
+  4,000 nodes per directory).
+* ``AsyncResult.get()``, ``GroupResult.get()/join()`` and ``ResultSet`` wait on
+  ZooKeeper watches, not by polling (see :mod:`celery_zk.backend.result_consumer`).
+* Groups are saved under ``groups/``; chords count their finished header tasks
+  with a native counter (:mod:`celery_zk.backend.chord`), so Celery never runs the
+  polling ``chord_unlock`` task.
+* ``result_expires`` is honoured by :meth:`ZooKeeperBackend.cleanup` (what
+  ``celery beat``'s ``backend_cleanup`` calls) through an index of nodes by the
+  hour they were written: cleanup reads only expired hours, never the done
+  area.
+* A result larger than ``max_message_size`` fails its task with
+  :class:`ResultTooLarge` (a :class:`~celery_zk.exceptions.MessageTooLarge`);
+  results are not chunked.
+
+Connection String
+=================
+The broker's grammar (:mod:`celery_zk.zk.config`)::
+
+    result_backend = 'zk://[user:password@]host[:port][,host[:port]...][/path][?option=value]'
+
+Transport Options
+=================
+``result_backend_transport_options`` takes the broker's options
+(:class:`celery_zk.zk.config.ZKOptions`); those the backend uses:
+
+* ``session_timeout`` (float, 10.0) and ``connect_timeout`` (float, 10.0).
+* ``max_message_size`` (int, 1000000): largest encoded result meta, bytes.
+* ``acl`` / ``read_only_users``, and the TLS options ``use_ssl``, ``ca``,
+  ``certfile``, ``keyfile``, ``keyfile_password``, ``verify_certs``.
+"""
+from __future__ import annotations
+
+import contextvars
+import logging
+import queue
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
+from typing import Any, Optional
+
+from celery import states
+from celery.backends.asynchronous import AsyncBackendMixin
+from celery.backends.base import BaseKeyValueStoreBackend
+from celery.exceptions import TimeoutError
+from kazoo.client import KazooClient
+from kazoo.exceptions import (
+    NoNodeError,
+    NotEmptyError,
+)
+from kazoo.protocol.states import WatchedEvent
+
+from ..exceptions import ResultTooLarge
+from ..zk.client import CONNECTION_ERRORS
+from ..zk.config import mask_in_celery_reports, mask_password, parse_url
+from ..zk.layout import Layout
+from ..zk.session import ClientHandle
+from .chord import ChordCounter
+from .expiry import CHORD, GROUP, HOUR, RESULT, ExpiryIndex, Key, bucket_expired, expiry_hour
+from .result_consumer import ResultConsumer, read_nodes
+from .writes import ResultWrites
+
+__all__ = ["ZooKeeperBackend", "ResultTooLarge", "Key", "expiry_hour", "bucket_expired",
+           "HOUR", "RESULT", "GROUP", "CHORD"]
+
+logger = logging.getLogger(__name__)
+
+
+mask_in_celery_reports()   # app.conf.humanize() shows result_backend too
+
+
+# The count on_chord_part_return already made for the part whose return Celery's
+# protocol is handling, for incr() to report (see on_chord_part_return).
+_chord_count: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(  # noqa: UP045
+    "celery_zk_chord_count", default=None)
+
+
+class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin):
+    """Task results in ZooKeeper; waits on watches (see module docstring)."""
+
+    ResultConsumer = ResultConsumer
+
+    supports_native_join = True
+    supports_autoexpire = False  # beat's backend_cleanup calls cleanup()
+    supports_result_compression = True  # node data is stored as raw bytes
+    implements_incr = True
+
+    #: Exceptions after which a result operation may be retried
+    #: (with ``result_backend_always_retry``): the transport's list, since a
+    #: closed or timed-out client is replaced by a new one on the next call.
+    connection_errors = CONNECTION_ERRORS
+
+    def __init__(self, url: str | None = None, **kwargs: Any) -> None:
+        super().__init__(url=url, **kwargs)
+        conf = self.app.conf
+        if not url:
+            configured = conf.result_backend
+            url = configured if isinstance(configured, str) and "://" in configured else "zk://"
+        self.url = url
+        self.settings = parse_url(url, conf.get("result_backend_transport_options"))
+        self.layout = Layout(self.settings.root)
+        self.max_size = self.settings.options.max_message_size
+        #: Seconds since the epoch; the expiry index and cleanup() read it.
+        self.clock: Callable[[], float] = time.time
+        self._handle = ClientHandle(self.settings)
+        self._expiry = ExpiryIndex(lambda: self.client, self.layout, self.path,
+                                   self._delete_key)
+        self.result_consumer = self.ResultConsumer(
+            self, self.app, self.accept, self._pending_results, self._pending_messages)
+
+    def __reduce__(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+                   ) -> Any:
+        return super().__reduce__(args, dict(kwargs or {}, url=self.url,
+                                             expires=self.expires))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}: {self.settings.sanitized_url()}>"
+
+    def as_uri(self, include_password: bool = False) -> str:
+        return self.url if include_password else mask_password(self.url)
+
+    @property
+    def client(self) -> KazooClient:
+        return self._handle.client
+
+    def close(self) -> None:
+        """Stop waiting and release this backend's share of the process's ZooKeeper
+        session (the last share ends it)."""
+        self.result_consumer.stop()
+        self._handle.close()
+
+    def exception_safe_to_retry(self, exc: BaseException) -> bool:
+        return isinstance(exc, self.connection_errors)
+
+    # -- keys -----------------------------------------------------------------
+    def get_key_for_task(self, task_id: str, key: str = "") -> Key:
+        if not task_id:
+            raise ValueError(f"task_id must not be empty. Got {task_id} instead.")
+        return Key(RESULT, str(task_id) + key)
+
+    def get_key_for_group(self, group_id: str, key: str = "") -> Key:
+        if not group_id:
+            raise ValueError(f"group_id must not be empty. Got {group_id} instead.")
+        return Key(GROUP, str(group_id) + key)
+
+    def get_key_for_chord(self, group_id: str, key: str = "") -> Key:
+        if not group_id:
+            raise ValueError(f"group_id must not be empty. Got {group_id} instead.")
+        return Key(CHORD, str(group_id) + key)
+
+    def path(self, key: Key) -> str:
+        if key.kind == RESULT:
+            return self.layout.result(key.id)
+        if key.kind == GROUP:
+            return self.layout.group(key.id)
+        if key.kind == CHORD:
+            return self.layout.chord(key.id)
+        raise ValueError(f"unknown key kind {key.kind!r}")
+
+    def result_path(self, task_id: str) -> str:
+        return self.layout.result(str(task_id))
+
+    # -- key/value primitives -------------------------------------------------
+    def get(self, key: Key) -> bytes | None:
+        return self.mget([key])[0]
+
+    def mget(self, keys: Iterable[Key]) -> list[bytes | None]:
+        return read_nodes(self.client, [self.path(k) for k in keys])
+
+    def set(self, key: Key, value: bytes) -> None:
+        # Too large a request makes the server drop the connection: check first.
+        self.check_size(key.id, value, what="group" if key.kind == GROUP else "task")
+        self._write(key, value, keep_success=False)
+
+    def delete(self, key: Key) -> None:
+        if key.kind == CHORD:
+            # Celery deletes a chord's counter once the body is sent; it is kept
+            # as a tombstone until expiry instead (see celery_zk.backend.chord).
+            self._counter(key.id).finish()
+            return
+        self._delete_key(key)
+
+    def _delete_key(self, key: Key) -> None:
+        self._retry(self._delete, self.path(key))
+
+    def _delete(self, path: str) -> None:
+        try:
+            self.client.delete(path)
+        except NoNodeError:
+            pass
+        except NotEmptyError:  # a chord counter and its parts
+            self.client.delete(path, recursive=True)
+
+    def expire(self, key: Key, value: Any) -> None:
+        """Per-key lifetimes are not kept: cleanup() applies ``result_expires``."""
+
+    def incr(self, key: Key) -> int:
+        """Count one finished chord part (see on_chord_part_return, which counts
+        first and only then, if at all, runs Celery's protocol)."""
+        counted = _chord_count.get()
+        if counted is not None:
+            return counted
+        counter = self._counter(key.id)   # called on its own: count the call
+        return counter.increment(f"call-{time.monotonic_ns()}")[0] or 0
+
+    def _counter(self, group_id: str) -> ChordCounter:
+        key = self.get_key_for_chord(group_id)
+        return ChordCounter(self.client, self.layout, key.id,
+                            create=lambda: self._write(key, b"0", create_only=True))
+
+    def set_chord_size(self, group_id: str, chord_size: int) -> None:
+        """Celery says how many parts chord ``group_id`` waits for (nested groups
+        included), before it sends the header's last task."""
+        ChordCounter(self.client, self.layout, str(group_id)).set_size(int(chord_size))
+
+    # -- writes ---------------------------------------------------------------
+    def _store_result(self, task_id: str, result: Any, state: str,
+                      traceback: str | None = None, request: Any = None,
+                      **kwargs: Any) -> Any:
+        meta = self._get_result_meta(result=result, state=state,
+                                     traceback=traceback, request=request)
+        meta["task_id"] = str(task_id)
+        data = self.encode(meta)
+        self.check_size(task_id, data)
+        # Most tasks are written once: try a blind create first, saving the
+        # read. With task_track_started the final state is a rewrite.
+        fresh = state == states.STARTED or not self.app.conf.task_track_started
+        self._write(self.get_key_for_task(task_id), data, keep_success=True, fresh=fresh)
+        return result
+
+    # -- groups and chords ----------------------------------------------------
+    def _apply_chord_incr(self, header_result_args: Any, body: Any, **kwargs: Any) -> Any:
+        header_id = header_result_args[0]
+        ids = Counter(getattr(r, "id", r) for r in header_result_args[1] or ())
+        repeated = sorted(str(task_id) for task_id, n in ids.items() if n > 1)
+        if repeated:
+            # Celery sends the header after this returns: refusing here sends nothing.
+            raise ValueError(
+                f"chord {header_id}: header task id(s) {', '.join(repeated)} appear more "
+                "than once. celery_zk counts each header task once (so a task that runs "
+                "twice is not counted twice), and this chord could never complete. Give "
+                "every header task its own id (leave task_id unset, or make the ids "
+                "unique). Nothing was sent.")
+        super()._apply_chord_incr(header_result_args, body, **kwargs)
+        # Made up front so it is indexed for expiry even if the chord never ends.
+        self._write(self.get_key_for_chord(header_id), b"0", create_only=True)
+
+    def on_chord_part_return(self, request: Any, state: str, result: Any,
+                             **kwargs: Any) -> Any:
+        """Count this header task once; run Celery's protocol only when it may be
+        the last (Celery's restores the saved header, every result of it, on
+        each part: O(parts²) for a chord, 0.1 s a part at 1,000 parts)."""
+        gid = request.group
+        if not gid:
+            return None
+        counted, size = self._counter(str(gid)).increment(str(request.id))
+        if counted is None:
+            logger.warning("celery_zk: chord %s part %s was already counted; ignoring "
+                           "the duplicate", gid, request.id)
+            return None
+        if size is not None:
+            if counted < size:
+                return None   # not the last part: nothing to read
+            if isinstance(request.chord, dict):
+                # Celery compares the count with this, else with the number of saved
+                # header results (too few when groups nest: see celery_zk.backend.chord).
+                request.chord["chord_size"] = size
+        token = _chord_count.set(counted)
+        try:
+            return super().on_chord_part_return(request, state, result, **kwargs)
+        finally:
+            _chord_count.reset(token)
+
+    # -- reading --------------------------------------------------------------
+    def is_cached(self, task_id: str) -> bool:
+        # Celery's chord error names the failed header task only if it can
+        # tell which results it already has; ready results our watches
+        # delivered are held by their AsyncResult objects.
+        return bool(super().is_cached(task_id) or task_id in self.result_consumer.delivered)
+
+    def forget(self, task_id: str) -> None:
+        super().forget(task_id)
+        self.result_consumer.cancel_for(task_id)
+
+    def get_many(self, task_ids: Iterable[str], timeout: float | None = None,
+                 interval: float = 0.5, no_ack: bool = True,
+                 on_message: Callable[[dict[str, Any]], None] | None = None,
+                 on_interval: Callable[[], None] | None = None,
+                 max_iterations: int | None = None,
+                 READY_STATES: frozenset[str] = states.READY_STATES,
+                 ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Yield ``(task id, meta)`` as each result is ready, woken by watches.
+
+        One pipelined read for all ids, then one per woken id; ``interval``
+        only paces ``on_interval``, it never triggers a re-read.
+        """
+        ids = {str(t) for t in task_ids}
+        for task_id in list(ids):
+            cached = self._cache.get(task_id)
+            if cached is not None and cached["status"] in READY_STATES:
+                ids.discard(task_id)
+                yield task_id, cached
+        woken: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        by_path = {self.result_path(t): t for t in ids}
+
+        def on_watch(event: WatchedEvent) -> None:  # kazoo's thread: just queue
+            woken.put(by_path.get(event.path) if event.path else None)
+
+        watch = on_watch if max_iterations != 1 else None
+        to_read: AbstractSet[str] = frozenset(ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        iterations = 0
+        while ids:
+            keys = sorted(to_read & ids)
+            datas = read_nodes(self.client, [self.result_path(t) for t in keys], watch)
+            for task_id, data in zip(keys, datas):
+                if not data:
+                    continue
+                meta = self.decode_result(data)
+                if meta["status"] not in READY_STATES:
+                    continue
+                self._cache[task_id] = meta
+                ids.discard(task_id)
+                if on_message is not None:
+                    on_message(meta)
+                yield task_id, meta
+            iterations += 1
+            if not ids or (max_iterations and iterations >= max_iterations):
+                break
+            to_read = self._wait_woken(woken, ids, deadline, interval, on_interval, timeout)
+
+    def _wait_woken(self, woken: queue.SimpleQueue[str | None], ids: AbstractSet[str],
+                    deadline: float | None, interval: float,
+                    on_interval: Callable[[], None] | None,
+                    timeout: float | None) -> AbstractSet[str]:
+        while True:
+            wait = interval if deadline is None else min(interval, deadline - time.monotonic())
+            if wait <= 0:
+                raise TimeoutError(f"Operation timed out ({timeout})")
+            try:
+                first = woken.get(timeout=wait)
+            except queue.Empty:
+                if on_interval:
+                    on_interval()
+                continue
+            got = {first}
+            while True:
+                try:
+                    got.add(woken.get_nowait())
+                except queue.Empty:
+                    break
+            # None: the connection dropped and kazoo cleared our watches.
+            return set(ids) if None in got else {t for t in got if t is not None}
+
+    # -- expiry ---------------------------------------------------------------
+    def cleanup(self) -> None:
+        """Delete results, groups and chords older than ``result_expires``.
+
+        Reads only the expired hours of the expiry index (:mod:`celery_zk.backend.expiry`).
+        """
+        if not self.expires:
+            return
+        removed = self._expiry.cleanup(self.clock() - float(self.expires))
+        if removed:
+            logger.info("celery_zk: cleanup removed %d expired results/groups from %s",
+                        removed, self.settings.sanitized_url())
+

@@ -1,0 +1,180 @@
+"""The expiry index: results, groups and chords by the hour they were written.
+
+Every write of a done node, a saved group or a chord counter also creates an
+entry ``expiry/h{hour}/{shard}/{kind}~{id}`` in the same transaction (see
+:mod:`celery_zk.backend`), so there is never a node cleanup cannot find.
+:meth:`ExpiryIndex.cleanup` lists ``expiry/`` (one name per hour of
+retention) and reads only the buckets whose whole hour is past the cutoff:
+it never lists the done area, so its cost is proportional to what expired.
+Its requests are pipelined and its deletes batched into multis, so that cost
+is a few round trips per group of shards, not one per node.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import BadVersionError, NoNodeError, NotEmptyError
+from kazoo.protocol.paths import join
+
+from ..zk.client import CONNECTION_ERRORS, multi_failure, reply_or_retry
+from ..zk.layout import Layout
+
+__all__ = ["CHORD", "GROUP", "HOUR", "RESULT", "ExpiryIndex", "Key", "bucket_expired",
+           "expiry_hour"]
+
+RESULT, GROUP, CHORD = "r", "g", "c"  # the kinds of node an index entry points at
+HOUR = 3600
+BATCH = 200        # deletes per multi transaction
+SHARD_GROUP = 32   # shards cleaned per pipelined round
+
+
+class Key(NamedTuple):
+    """What Celery's key/value protocol calls a key: a kind and an id."""
+
+    kind: str
+    id: str
+
+
+def expiry_hour(timestamp: float) -> int:
+    """The index bucket a node written at ``timestamp`` goes in."""
+    return int(timestamp // HOUR)
+
+
+def bucket_expired(hour: int, cutoff: float) -> bool:
+    """True when everything written in ``hour`` is older than ``cutoff``."""
+    return (hour + 1) * HOUR <= cutoff
+
+
+class ExpiryIndex:
+    """Deletes what the index says expired; the backend writes the entries."""
+
+    def __init__(self, client: Callable[[], KazooClient], layout: Layout,
+                 path_of: Callable[[Key], str], delete: Callable[[Key], None]) -> None:
+        self._client = client  # a callable: the backend's client is made per process
+        self.layout = layout
+        self._path_of = path_of
+        self._delete_key = delete  # removes a chord counter with its parts
+
+    @property
+    def client(self) -> KazooClient:
+        return self._client()
+
+    def cleanup(self, cutoff: float) -> int:
+        """Delete nodes last written before ``cutoff``; returns how many.
+
+        A node is deleted only if it was last modified before the cutoff, and
+        with its version as read: one rewritten since has a newer entry that
+        will expire it later.
+        """
+        client = self.client
+        try:
+            buckets = client.retry(client.get_children, self.layout.expiry)
+        except NoNodeError:
+            return 0
+        removed = 0
+        for name in sorted(buckets):
+            hour = self.layout.parse_expiry_bucket(name)
+            if hour is None or not bucket_expired(hour, cutoff):
+                continue
+            removed += self._cleanup_bucket(hour, cutoff)
+        return removed
+
+    def _cleanup_bucket(self, hour: int, cutoff: float) -> int:
+        client = self.client
+        bucket = self.layout.expiry_bucket(hour)
+        shards = [self.layout.expiry_shard(hour, shard)
+                  for shard in client.retry(client.get_children, bucket)]
+        removed = 0
+        # A few shards at a time, each step pipelined over all of them: the cost is
+        # a handful of round trips per group, not several per shard or per entry.
+        for start in range(0, len(shards), SHARD_GROUP):
+            group = shards[start:start + SHARD_GROUP]
+            entries: list[str] = []
+            keys: list[Key] = []
+            for shard_path, names in self._list_all(group):
+                entries += [join(shard_path, name) for name in names]
+                keys += [Key(*parsed) for parsed in map(self.layout.parse_expiry_entry, names)
+                         if parsed is not None]
+            removed += self._expire_nodes(keys, cutoff)
+            self._delete_batched([(entry, -1) for entry in entries])
+            self._delete_singly([(shard, -1) for shard in group])
+        self._delete_quietly(bucket)
+        return removed
+
+    def _list_all(self, paths: list[str]) -> list[tuple[str, list[str]]]:
+        """``get_children`` of every path in one pipelined round; missing ones skipped."""
+        client = self.client
+        listings = [(path, client.get_children_async(path)) for path in paths]
+        found = []
+        for path, listing in listings:
+            try:
+                found.append((path, reply_or_retry(client, listing, client.get_children, path)))
+            except NoNodeError:
+                pass  # another cleanup got there first
+        return found
+
+    def _expire_nodes(self, keys: list[Key], cutoff: float) -> int:
+        client = self.client
+        paths = [self._path_of(key) for key in keys]
+        stats = [client.exists_async(path) for path in paths]
+        targets = []
+        for key, path, async_stat in zip(keys, paths, stats):
+            stat = reply_or_retry(client, async_stat, client.exists, path)
+            if stat is None or stat.mtime / 1000.0 >= cutoff:
+                continue
+            if key.kind == CHORD:
+                self._delete_key(key)  # with its parts
+            else:  # version: a rewrite since the stat wins
+                targets.append((path, stat.version))
+        return self._delete_batched(targets)
+
+    def _delete_batched(self, targets: list[tuple[str, int]]) -> int:
+        """Delete ``(path, version)`` pairs in multis of :data:`BATCH`, pipelined.
+
+        One multi is one request and one log write for the server, instead of
+        a request per node. A multi fails whole when one node was deleted or
+        rewritten meanwhile; that batch is then redone one delete at a time.
+        Returns how many nodes were deleted.
+        """
+        client = self.client
+        pending = []
+        for start in range(0, len(targets), BATCH):
+            batch = targets[start:start + BATCH]
+            txn = client.transaction()
+            for path, version in batch:
+                txn.delete(path, version=version)
+            pending.append((batch, txn.commit_async()))
+        removed = 0
+        for batch, result in pending:
+            try:
+                failed = multi_failure(result.get()) is not None
+            except CONNECTION_ERRORS:  # committed or not: the redo below tells
+                failed = True
+            removed += self._delete_singly(batch) if failed else len(batch)
+        return removed
+
+    def _delete_singly(self, targets: list[tuple[str, int]]) -> int:
+        """Pipelined deletes; nodes gone, rewritten or not empty meanwhile are skipped."""
+        client = self.client
+
+        def attempt() -> int:  # repeatable: what is gone already is skipped
+            results = [client.delete_async(path, version=version) for path, version in targets]
+            deleted = 0
+            for result in results:
+                try:
+                    result.get()
+                    deleted += 1
+                except (NoNodeError, BadVersionError, NotEmptyError):
+                    pass
+            return deleted
+
+        return int(client.retry(attempt))
+
+    def _delete_quietly(self, path: str) -> None:
+        client = self.client
+        try:
+            client.retry(client.delete, path)
+        except (NoNodeError, NotEmptyError):
+            pass  # gone already, or written to meanwhile: the next cleanup gets it

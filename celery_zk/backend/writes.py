@@ -1,0 +1,192 @@
+"""Writing a done node: created or replaced together with its expiry index
+entry in one multi, a stored SUCCESS never replaced, shard directories made
+when first needed (a mixin of :class:`~celery_zk.backend.ZooKeeperBackend`)."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from celery import states
+from kazoo.client import KazooClient
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
+from kazoo.retry import ForceRetryError
+
+from ..exceptions import ResultTooLarge
+from ..zk.client import connected_retry, log_failure, multi_failure
+from ..zk.layout import Layout
+from .expiry import Key, expiry_hour
+
+__all__ = ["WRITE_ATTEMPTS", "ResultWrites"]
+
+logger = logging.getLogger(__name__)
+
+WRITE_ATTEMPTS = 10
+
+
+class ResultWrites:
+    """The write path of the result backend."""
+
+    layout: Layout
+    max_size: int
+    clock: Callable[[], float]   # seconds since the epoch (tests move it)
+
+    if TYPE_CHECKING:   # provided by the backend class
+        @property
+        def client(self) -> KazooClient: ...
+
+        def path(self, key: Key) -> str: ...
+
+        def decode(self, payload: Any) -> Any: ...
+
+    def check_size(self, task_id: str, data: bytes | str, what: str = "task") -> None:
+        size = len(data)
+        if size > self.max_size:
+            raise ResultTooLarge(
+                f"Result of {what} {task_id} is {size} bytes; ZooKeeper nodes hold at "
+                f"most {self.max_size} (option max_message_size, server "
+                "jute.maxbuffer). Store large results elsewhere and return a reference.")
+
+    def _write(self, key: Key, value: bytes | str, keep_success: bool = False,
+               create_only: bool = False, fresh: bool = False) -> bool:
+        """Create or replace a node and index it for expiry, atomically.
+
+        With ``keep_success`` a stored SUCCESS is never replaced (the same rule
+        as Celery's ``_store_result``, here a compare-and-set on the node
+        version instead of a racy read-then-write); with ``create_only`` an
+        existing node is left alone. False when the node was left alone.
+        ``fresh`` guesses the node is new and tries one multi before reading.
+        """
+        data = value.encode() if isinstance(value, str) else value
+        return self._retry(self._inner_write, key, data, keep_success, create_only, fresh)
+
+    def _retry(self, func: Callable[..., Any], *args: Any) -> Any:
+        # Fails within the retry deadline during an outage (Celery's
+        # result_backend_always_retry takes over) instead of waiting it out.
+        return connected_retry(self.client, func, *args)
+
+    def _inner_write(self, key: Key, data: bytes, keep_success: bool,
+                     create_only: bool, fresh: bool) -> bool:
+        if fresh and self._create_once(key, data):
+            return True
+        for _ in range(WRITE_ATTEMPTS):
+            written = self._write_once(key, data, keep_success, create_only)
+            if written is not None:
+                return written
+        raise ForceRetryError()  # sustained contention: let KazooRetry back off
+
+    def _create_once(self, key: Key, data: bytes) -> bool:
+        """Node and index entry in one multi, if both are new (one round trip).
+
+        Their shard directories nearly always exist already, so they are made
+        only when the multi says one is missing. False when the node exists:
+        a rewrite reads first.
+        """
+        path = self.path(key)
+        hour = expiry_hour(self.clock())
+        entry = self.layout.expiry_entry(hour, key.kind, key.id)
+        for _ in range(2):
+            tx = self.client.transaction()
+            tx.create(path, data)
+            tx.create(entry)
+            failure = multi_failure(tx.commit())
+            if failure is None:
+                return True
+            if not isinstance(failure[1], NoNodeError):
+                return False
+            self._make_directories(key, hour)
+        return False
+
+    def _make_directories(self, key: Key, hour: int) -> None:
+        """Create the directories ``key``'s node and index entry go in (idempotent).
+
+        A missing shard directory usually means its whole level is new: the
+        first write under this root, or the first of an hour in the expiry
+        index. The writer whose create of the level succeeds makes all its 256
+        shards, in the background, so later writes find them in place. Everyone
+        else makes only the shard it needs: every pool thread (and process) of
+        a freshly started worker meets the missing level at once, and each
+        making all of them stalled the first burst of tasks for seconds.
+        """
+        layout, client = self.layout, self.client
+        needed = {layout.parent(self.path(key)),
+                  layout.parent(layout.expiry_entry(hour, key.kind, key.id))}
+        sharded = {layout.results, layout.groups, layout.expiry_bucket(hour)}
+        for _ in range(2):
+            # One session's requests are applied in order: each level before its
+            # shard, in one round trip.
+            levels = {level: client.create_async(level)
+                      for level in {layout.parent(d) for d in needed}}
+            shards = [client.create_async(d) for d in needed]
+            missing = []
+            for level, made in levels.items():
+                try:
+                    made.get()
+                except NodeExistsError:
+                    continue
+                except NoNodeError:
+                    missing.append(level)
+                    continue
+                if level in sharded:
+                    self._fill_level(level)
+            for result in shards:
+                try:
+                    result.get()
+                except (NodeExistsError, NoNodeError):
+                    pass   # a missing level is in ``missing``
+            if not missing:
+                return
+            for level in missing:   # a new root: its top directories first
+                client.ensure_path(layout.parent(level))
+
+    def _fill_level(self, level: str) -> None:
+        """Make every shard of a level this process created, without waiting."""
+        def done(result: Any) -> None:   # kazoo's thread: never block
+            try:
+                result.get()
+            except NodeExistsError:
+                pass
+            except Exception as exc:   # the shard is made by the first write needing it
+                log_failure(logger, exc, "celery_zk: could not make %s", level)
+        for shard in self.layout.shards(level):
+            self.client.create_async(shard).rawlink(done)
+
+    def _write_once(self, key: Key, data: bytes, keep_success: bool,
+                    create_only: bool) -> bool | None:
+        """One read + one multi (two round trips); None on a conflict."""
+        client = self.client
+        path = self.path(key)
+        hour = expiry_hour(self.clock())
+        entry = self.layout.expiry_entry(hour, key.kind, key.id)
+        current = client.get_async(path)
+        indexed = client.exists_async(entry)
+        try:
+            old, stat = current.get()
+        except NoNodeError:
+            old, stat = None, None
+        if stat is not None and (create_only or keep_success and self._is_success(old)):
+            return False
+        # Without the transaction, a crash between the two would leave a
+        # result cleanup() never finds, or an index entry for nothing.
+        tx = client.transaction()
+        if stat is None:
+            tx.create(path, data)
+        else:
+            tx.set_data(path, data, version=stat.version)
+        if indexed.get() is None:
+            tx.create(entry)
+        failure = multi_failure(tx.commit())
+        if failure is None:
+            return True
+        if isinstance(failure[1], NoNodeError):
+            self._make_directories(key, hour)  # a new shard or hour
+            return None
+        if isinstance(failure[1], (BadVersionError, NodeExistsError)):
+            return None  # a concurrent writer: read again
+        raise failure[1]
+
+    def _is_success(self, data: bytes) -> bool:
+        try:
+            return bool(self.decode(data)["status"] == states.SUCCESS)
+        except Exception:  # an undecodable node is not a result to protect
+            return False

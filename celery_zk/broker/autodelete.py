@@ -1,0 +1,232 @@
+"""Auto-delete queues: held by the sessions that declared them, deleted when none is left.
+
+Celery declares its pidbox, reply and event queues ``auto_delete``: they only
+make sense while the process that consumes them lives. Each declaring
+connection keeps an ephemeral *holder* node in the queue's ``holders/``
+directory, named by its session and its lease on it (connections of a process
+share one session). A clean close drops the connection's holder and deletes
+the queue if it was the last; a crash (SIGKILL, OOM, a partition past the
+session timeout) lets ZooKeeper drop the holder with the session, and a
+connection garbage-collected without a close drops it with its lease; the
+recovery leader then deletes the queue on its next pass. Without this every
+crashed worker with a random hostname (a container) would leave its queues
+behind for good.
+
+Every delete is guarded by deleting the empty ``holders/`` directory in the
+same transaction: a session that declares the queue again at that moment
+adds a holder, the guard fails, and the queue stays.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError, NotEmptyError
+
+from ..zk.client import CONNECTION_ERRORS, log_failure, multi_failure
+from ..zk.layout import Layout, parse_bucket_name
+from ..zk.session import AfterExpiry, ClientHandle
+from .queue import ClientSource, QueueStore
+
+logger = logging.getLogger(__name__)
+
+#: Most message nodes deleted per transaction (a multi is one request, capped
+#: by the server's jute.maxbuffer; this stays far below it).
+DELETE_BATCH = 500
+#: A queue that keeps getting messages while being deleted is left to the next pass.
+DELETE_ATTEMPTS = 3
+#: The queue node's data for auto-delete queues.
+META = json.dumps({"auto_delete": True}).encode()
+
+
+def _session_id(client: KazooClient) -> int:
+    client_id = client.client_id  # None while disconnected: retried until connected
+    if client_id is None:
+        raise ConnectionLoss("not connected to ZooKeeper")
+    return int(client_id[0])
+
+
+class Sweeper:
+    """Deletes auto-delete queues nobody holds: the recovery leader's sweep, and a
+    connection's own deletes at close."""
+
+    def __init__(self, source: ClientSource, layout: Layout, store: QueueStore) -> None:
+        self.source = source
+        self.layout = layout
+        self.store = store
+
+    @property
+    def client(self) -> KazooClient:
+        return self.source.client
+
+    def sweep(self) -> int:
+        """Delete every auto-delete queue without a holder. Returns how many.
+
+        Run by the recovery leader when consumers come and go. One pipelined
+        round of ``holders/`` listings, so many queues cost one round trip.
+        """
+        client = self.client
+        pending = [(queue, client.get_children_async(self.layout.holders(queue)))
+                   for queue in self.store.queue_names()]
+        deleted = 0
+        for queue, result in pending:
+            try:
+                holders = result.get()
+            except NoNodeError:
+                continue  # not an auto-delete queue (or already gone)
+            if not holders and self.delete_if_unheld(queue):
+                deleted += 1
+        if deleted:
+            logger.info("celery_zk: deleted %d auto-delete queue(s) whose holders ended",
+                        deleted)
+        return deleted
+
+    def delete_if_unheld(self, queue: str) -> bool:
+        """Delete ``queue`` and its messages if its ``holders/`` is empty. True if deleted."""
+        layout = self.layout
+        for _ in range(DELETE_ATTEMPTS):
+            found = self._message_nodes(queue)
+            if found is None:
+                return False
+            nodes, directories = found
+            try:
+                # Big backlogs go in batches, each guarded by the empty holders/ (deleted
+                # and re-made in the same transaction).
+                while len(nodes) > DELETE_BATCH:
+                    batch, nodes = nodes[:DELETE_BATCH], nodes[DELETE_BATCH:]
+                    self._guarded_delete(queue, batch, keep_holders=True)
+                self._guarded_delete(queue, nodes + directories + [layout.queue(queue)],
+                                     keep_holders=False)
+                logger.debug("celery_zk: deleted auto-delete queue %r", queue)
+                return True
+            except _Held:
+                return False
+            except (NotEmptyError, NoNodeError):
+                continue  # a message came or went meanwhile: list again
+        logger.info("celery_zk: auto-delete queue %r kept changing; will try on the next pass",
+                    queue)
+        return False
+
+    def _message_nodes(self, queue: str) -> tuple[list[str], list[str]] | None:
+        """Paths of every node in the queue's directories, and of the directories
+        that exist; None when the queue is not auto-delete (or is held)."""
+        layout, client = self.layout, self.client
+        try:
+            if client.retry(client.get_children, layout.holders(queue)):
+                return None
+        except NoNodeError:
+            return None
+        pending = [(d, client.get_children_async(d)) for d in layout.queue_directories(queue)]
+        nodes: list[str] = []
+        directories: list[str] = []
+        buckets: list[str] = []
+        for directory, result in pending:
+            try:
+                children = [f"{directory}/{name}" for name in result.get()]
+            except NoNodeError:
+                continue
+            if directory == layout.unowned(queue):
+                buckets = [path for path in children
+                           if parse_bucket_name(path.rpartition("/")[2]) is not None]
+                children = [path for path in children if path not in buckets]
+            nodes += children
+            directories.append(directory)
+        # Buckets' messages, then the buckets: children go before their parents.
+        for bucket, result in [(b, client.get_children_async(b)) for b in buckets]:
+            try:
+                nodes += [f"{bucket}/{name}" for name in result.get()]
+            except NoNodeError:
+                buckets.remove(bucket)
+        return nodes, buckets + directories
+
+    def _guarded_delete(self, queue: str, paths: Iterable[str], keep_holders: bool) -> None:
+        client, holders = self.client, self.layout.holders(queue)
+
+        def attempt() -> list[Any]:
+            txn = client.transaction()
+            txn.delete(holders)  # fails NotEmpty when a session holds the queue again
+            if keep_holders:
+                txn.create(holders)
+            for path in paths:
+                txn.delete(path)
+            return txn.commit()
+
+        failure = multi_failure(client.retry(attempt))
+        if failure is None:
+            return
+        index, error = failure
+        if index == 0 and isinstance(error, (NotEmptyError, NoNodeError)):
+            raise _Held()  # held again, or deleted by someone else
+        raise error
+
+
+class _Held(Exception):
+    """The queue has a holder again (or is gone): leave it."""
+
+
+class AutoDeleteQueues(Sweeper):
+    """The auto-delete queues one connection holds."""
+
+    def __init__(self, handle: ClientHandle, layout: Layout, store: QueueStore) -> None:
+        super().__init__(handle, layout, store)
+        self.handle = handle
+        self.held: set[str] = set()
+        #: Call from any thread but kazoo's: holds every queue again after an expiry.
+        self.restore = AfterExpiry(handle, self._restore)
+
+    def _holder(self, client: KazooClient, queue: str) -> str:
+        return self.layout.holder(queue, client.retry(_session_id, client), self.handle.token)
+
+    def declare(self, queue: str) -> None:
+        """Declare ``queue`` (if needed) and hold it for this connection."""
+        client = self.handle.client
+        for _ in range(DELETE_ATTEMPTS):
+            holder = self._holder(client, queue)
+            self.handle.own(holder)   # a connection dropped without close() deletes it too
+            if self.store.declare(queue, META, holder=holder):
+                break
+            try:  # it existed: add our holder to it
+                client.retry(client.create, holder, ephemeral=True)
+                break
+            except NodeExistsError:
+                break  # a retried create: ours already
+            except NoNodeError:
+                if client.retry(client.exists, self.layout.queue(queue)) is not None:
+                    logger.warning(
+                        "celery_zk: queue %r exists as a durable queue; declared auto_delete "
+                        "here, it stays durable (it is not deleted when this process ends). "
+                        "Delete it or use another name to make it auto-delete.", queue)
+                    return
+                # swept between our two requests: declare it again
+        self.held.add(queue)
+
+    def _restore(self, client: KazooClient) -> None:
+        # The old session's holders went with it; a leader may even have deleted
+        # the queues meanwhile (they had no holder): declare each one again.
+        for queue in list(self.held):
+            self.declare(queue)
+        if self.held:
+            logger.info("celery_zk: holding %d auto-delete queue(s) again after session "
+                        "expiry", len(self.held))
+
+    def release_all(self) -> None:
+        """Clean close: drop this connection's holders; delete the queues nobody else holds."""
+        client = self.handle.client
+        try:
+            for queue in list(self.held):
+                holder = self._holder(client, queue)
+                try:
+                    client.retry(client.delete, holder)
+                except NoNodeError:
+                    pass
+                self.handle.disown(holder)
+                self.delete_if_unheld(queue)
+        except CONNECTION_ERRORS as exc:
+            # Closing anyway: releasing the lease deletes the holders it still owns
+            # (or the session's end does), and the recovery leader sweeps.
+            log_failure(logger, exc, "celery_zk: auto-delete queues left to the recovery "
+                        "leader")
+        self.held.clear()

@@ -1,0 +1,170 @@
+"""Exchanges and bindings shared by every process through ZooKeeper.
+
+kombu's virtual transports keep bindings in process memory, which is why a
+``celery inspect`` client and a worker cannot find each other's queues. Here a
+binding is a node whose *name* holds the queue and routing key, so the routing
+table of an exchange is one ``get_children``. Tables are cached and the cache
+is dropped by a watch; a fanout publish (broadcast control commands) and a
+direct lookup that finds nothing always re-read, so a binding made an instant
+ago by another process is never missed.
+
+Bindings of auto-delete queues (pidbox, reply and event queues) are ephemeral:
+they vanish with the session that made them, so nothing is routed to a queue
+whose consumer is gone. Connections of a process share one session, so such a
+binding is counted per connection (:meth:`ClientHandle.hold`) and deleted when
+the last connection that made it closes. After a session expiry the consuming connection
+re-creates them as soon as it is connected again (from its drain loop, see
+:meth:`Bindings.restore_ephemeral`), so ``celery inspect`` and broadcast
+control commands reach a worker again without waiting for it to publish.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import weakref
+from typing import Any, Callable
+
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import NodeExistsError, NoNodeError
+
+from ..zk.layout import Layout, parse_binding_name, unescape
+from ..zk.session import AfterExpiry, ClientHandle
+
+logger = logging.getLogger(__name__)
+
+
+class Bindings:
+    """Exchange declarations and routing tables stored under ``exchanges/``."""
+
+    def __init__(self, handle: ClientHandle, layout: Layout) -> None:
+        self.handle = handle
+        self.layout = layout
+        self._tables: dict[str, list[tuple[str, str]]] = {}
+        self._types: dict[str, str] = {}
+        self._watchers: dict[str, Callable[[Any], None]] = {}
+        self._ephemeral: set[str] = set()   # paths of the ephemeral bindings we hold
+        handle.add_listener(self._on_state)
+        #: Call from any thread but kazoo's: re-creates ephemeral bindings after an expiry.
+        self.restore_ephemeral = AfterExpiry(handle, self._recreate)
+
+    @property
+    def client(self) -> KazooClient:
+        return self.handle.client
+
+    def declare_exchange(self, exchange: str, type: str) -> None:
+        client = self.client
+        meta = json.dumps({"type": type}).encode()
+        try:
+            client.retry(client.create, self.layout.bindings(exchange), makepath=True)
+        except NodeExistsError:
+            pass
+        try:
+            client.retry(client.set, self.layout.exchange(exchange), meta)
+        except NoNodeError:  # deleted meanwhile: recreate
+            client.retry(client.create, self.layout.bindings(exchange), makepath=True)
+            client.retry(client.set, self.layout.exchange(exchange), meta)
+        self._types[exchange] = type
+
+    def exchange_type(self, exchange: str) -> str | None:
+        """The declared type, read from ZooKeeper for exchanges this process never declared."""
+        if exchange in self._types:
+            return self._types[exchange]
+        client = self.client
+        try:
+            data, _ = client.retry(client.get, self.layout.exchange(exchange))
+            type_ = json.loads(data or b"{}").get("type")
+        except (NoNodeError, ValueError):
+            return None
+        if type_:
+            self._types[exchange] = type_
+        return type_
+
+    def delete_exchange(self, exchange: str) -> None:
+        client = self.client
+        try:
+            client.retry(client.delete, self.layout.exchange(exchange), recursive=True)
+        except NoNodeError:
+            pass
+        self._types.pop(exchange, None)
+        self._tables.pop(exchange, None)
+
+    def bind(self, exchange: str, queue: str, routing_key: str, ephemeral: bool) -> None:
+        self.restore_ephemeral()
+        client = self.client
+        path = self.layout.binding(exchange, queue, routing_key)
+        if ephemeral:
+            self.handle.hold(path)   # counted: another connection may hold it too
+            self._ephemeral.add(path)
+        else:
+            try:
+                client.retry(client.create, path, makepath=True)
+            except NodeExistsError:
+                pass  # idempotent: a retried create, or another process bound it too
+        self._tables.pop(exchange, None)
+
+    def unbind(self, exchange: str, queue: str, routing_key: str) -> None:
+        path = self.layout.binding(exchange, queue, routing_key)
+        if path in self._ephemeral:
+            self._ephemeral.discard(path)
+            self.handle.release_held(path)   # deleted when no other connection holds it
+        else:
+            client = self.client
+            try:
+                client.retry(client.delete, path)
+            except NoNodeError:
+                pass
+        self._tables.pop(exchange, None)
+
+    def table(self, exchange: str, fresh: bool = False) -> list[tuple[str, str]]:
+        """``[(routing key, queue), ...]`` bound to ``exchange``."""
+        self.restore_ephemeral()
+        if not fresh:
+            cached = self._tables.get(exchange)
+            if cached is not None:
+                return cached
+        client = self.client
+        watcher = self._watchers.setdefault(exchange, self._make_invalidator(exchange))
+        try:
+            names = client.retry(client.get_children, self.layout.bindings(exchange),
+                                 watch=watcher)
+        except NoNodeError:
+            names = []
+        table = [(rk, queue) for queue, rk in filter(None, map(parse_binding_name, names))]
+        self._tables[exchange] = table
+        return table
+
+    def bindings_of_queue(self, queue: str) -> list[tuple[str, str]]:
+        """``[(exchange, routing key), ...]`` of one queue, across all exchanges."""
+        client = self.client
+        found = []
+        try:
+            exchanges = client.retry(client.get_children, self.layout.exchanges)
+        except NoNodeError:
+            return []
+        for escaped in exchanges:
+            exchange = unescape(escaped)
+            found += [(exchange, rk) for rk, q in self.table(exchange, fresh=True) if q == queue]
+        return found
+
+    def _make_invalidator(self, exchange: str) -> Callable[[Any], None]:
+        ref = weakref.ref(self)   # kazoo keeps the watch: it must not keep us
+
+        def invalidate(event: Any) -> None:  # kazoo event thread: no blocking
+            bindings = ref()
+            if bindings is not None:
+                bindings._tables.pop(exchange, None)
+        return invalidate
+
+    def _on_state(self, state: KazooState) -> None:
+        if state == KazooState.LOST:
+            self._tables.clear()  # watches died with the session
+
+    def _recreate(self, client: KazooClient) -> None:
+        for path in list(self._ephemeral):
+            try:
+                client.retry(client.create, path, ephemeral=True, makepath=True)
+            except NodeExistsError:
+                pass
+        if self._ephemeral:
+            logger.info("celery_zk: re-created %d ephemeral binding(s) after session expiry",
+                        len(self._ephemeral))

@@ -1,0 +1,408 @@
+"""The kombu channel of ``zk://``: consuming, publishing, declaring and
+routing, each a ZooKeeper operation (:mod:`celery_zk.broker.queue`), and the
+QoS whose acks and rejects are transactions on the owned node.
+
+The transport (:mod:`celery_zk.broker.transport`) owns the connection: the
+session, the event loop and ``drain_events``. A channel sees it through
+:class:`~celery_zk.broker.connection.ZKConnection`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from queue import Empty
+from typing import Any
+
+from kombu.transport import virtual
+from kombu.transport.virtual.base import queue_declare_ok_t
+
+from ..features.affinity import affinity_of
+from ..features.revokes import RevokeStore, control_command
+from ..zk.client import CONNECTION_ERRORS
+from ..zk.layout import parse_message_name
+from .connection import ZKConnection
+from .liveness import consumer_count
+from .queue import Claimed
+from .queue_view import QueueView
+
+__all__ = ["Channel", "QoS", "encode_message"]
+
+logger = logging.getLogger(__name__)
+
+
+def encode_message(message: dict[str, Any]) -> bytes:
+    """A kombu message as stored: JSON.
+
+    A message property JSON cannot carry (``Producer.publish(..., **kwargs)``
+    passes any keyword as a property; a ``before_task_publish`` handler that
+    republishes with its ``**kwargs`` passes the signal itself) is dropped
+    with a warning, as AMQP (py-amqp) drops properties it has no field for:
+    the broker stores messages, not Python objects. Headers and the body are
+    application data: those still fail, naming what could not be encoded.
+    """
+    try:
+        return json.dumps(message).encode()
+    except TypeError:
+        properties = message.get("properties")
+        if not isinstance(properties, dict):
+            raise
+    kept = {}
+    for name, value in properties.items():
+        try:
+            json.dumps(value)
+        except TypeError as exc:
+            logger.warning("celery_zk: message property %r dropped: %s (only JSON values "
+                           "can be stored, as AMQP stores only its own properties)", name, exc)
+            continue
+        kept[name] = value
+    try:
+        return json.dumps({**message, "properties": kept}).encode()
+    except TypeError as exc:
+        raise TypeError(f"celery_zk cannot store this message: {exc}. Message headers and "
+                        "bodies must be JSON-encodable (the body is already serialized by "
+                        "kombu; check the headers).") from exc
+
+
+class QoS(virtual.QoS):
+    """Acks and rejects are ZooKeeper transactions on the owned node."""
+
+    def __init__(self, channel: Any, prefetch_count: int = 0) -> None:
+        super().__init__(channel, prefetch_count)
+        # kombu registers an exit hook that holds this QoS, and through it the
+        # channel and the transport, until the interpreter exits: a Connection
+        # dropped without close() could never be collected. A channel that is
+        # closed requeues its unacked messages itself; one that is dropped has
+        # them requeued by recovery once its consumer node goes with its lease.
+        self._on_collect.cancel()
+
+    def _closed(self, delivery_tag: str, what: str) -> bool:
+        """True when the channel is closed (e.g. celery restarted its consumer after
+        a connection loss): closing requeued every unacked message, this one too."""
+        if self.channel.connection is not None:
+            return False
+        logger.warning("celery_zk: not %s %s: its channel was closed, which requeued "
+                       "the message; it will run again (at-least-once).", what, delivery_tag)
+        return True
+
+    def unacked(self) -> int:
+        """Messages delivered and not yet acked or rejected."""
+        return len(self._delivered) - len(self._dirty)  # type: ignore[arg-type]
+
+    def ack(self, delivery_tag: str) -> None:
+        if self._closed(delivery_tag, "acking"):
+            return
+        transport = self.channel.connection
+        owner = transport.session.node_of(transport.layout.split_owned_path(delivery_tag)[1])
+        transport.store.ack_async(delivery_tag, owner)
+        super().ack(delivery_tag)
+        self.channel.connection.wake()  # a prefetch slot is free
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if self._closed(delivery_tag, "rejecting"):
+            return
+        message = self._delivered.get(delivery_tag)  # type: ignore[attr-defined]
+        if requeue:
+            self.channel.requeue_owned(delivery_tag, message)
+        else:
+            self.channel.connection.store.remove(
+                delivery_tag, dead_letter=self.channel.options.dead_letter_rejected,
+                reason="rejected with requeue=False")
+        self._quick_ack(delivery_tag)
+        self.channel.connection.wake()
+
+    def restore_unacked(self) -> list[tuple[BaseException, Any]]:
+        """Put every unacked message back (warm shutdown, channel close)."""
+        self._flush()
+        errors: list[tuple[BaseException, Any]] = []
+        delivered = self._delivered
+        while delivered:
+            tag, message = delivered.popitem()
+            try:
+                self.channel.requeue_owned(tag, message)
+            except BaseException as exc:
+                if tag not in self._dirty:
+                    errors.append((exc, message))
+        return errors
+
+
+class Channel(virtual.Channel):
+    """A kombu channel whose queues live in ZooKeeper."""
+
+    QoS = QoS
+    supports_fanout = True
+    do_restore = True
+    connection: ZKConnection
+
+    def __init__(self, connection: ZKConnection, **kwargs: Any) -> None:
+        super().__init__(connection, **kwargs)
+        self.options = connection.settings.options
+        self._views: dict[str, QueueView] = {}
+        self._no_ack_queues: set[str] = set()
+
+    # -- consuming ----------------------------------------------------------------
+    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        # Register before the first claim: an owned message must always name a session.
+        self.connection.session.ensure_registered()
+        self.connection.honour_kept_revokes()
+        if no_ack:
+            self._no_ack_queues.add(queue)
+        result = super().basic_consume(queue, no_ack, *args, **kwargs)
+        self.connection.consuming_changed()
+        self.connection.wake()
+        return result
+
+    def basic_qos(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().basic_qos(*args, **kwargs)
+        self.connection.wake()   # a raised prefetch limit frees slots
+        return result
+
+    def _view(self, queue: str) -> QueueView:
+        view = self._views.get(queue)
+        if view is None:
+            view = self._views[queue] = QueueView(self.connection, queue)
+        return view
+
+    def reset_watches(self) -> None:
+        """After a connection or session change: watches are gone, so look again."""
+        for view in list(self._views.values()):
+            view.reset()
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        queue = self._tag_to_queue.get(consumer_tag)
+        result = super().basic_cancel(consumer_tag)
+        if queue is not None and queue not in self._active_queues:
+            self._drop_view(queue)
+        if self.connection is not None:   # None once the channel is closed
+            self.connection.consuming_changed()
+        return result
+
+    def _drop_view(self, queue: str) -> None:
+        """Stop watching ``queue`` and give back what was claimed but not delivered."""
+        view = self._views.pop(queue, None)
+        if view is None:
+            return
+        view.close()
+        store = self.connection.store if self.connection else None
+        if store is not None:
+            try:
+                view.collect(block=True)   # ours now: given back with the buffer
+            except CONNECTION_ERRORS:
+                pass   # the session's end gives them back
+        while view.buffer and store is not None:
+            claimed = view.buffer.popleft()
+            store.requeue(claimed.owned_path, claimed.data)
+        while view.handed and store is not None:   # handed over, not yet delivered
+            _, name, _ = view.handed.popleft()
+            store.requeue(self.connection.layout.owned_message(queue, name))
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        view = self._view(queue)
+        view.consuming = queue in self._active_queues
+        while True:
+            view.collect()
+            if not view.buffer:
+                view.fill(self._claim_limit() - view.claiming, self._in_hand())
+            if not view.buffer:
+                raise Empty()
+            claimed = view.buffer.popleft()
+            payload = self._decode(claimed)
+            if payload is not None:
+                if queue in self._no_ack_queues:
+                    # No ack will come (event monitors): delivered means done.
+                    self.connection.store.discard(claimed.owned_path)
+                return payload
+
+    def _in_hand(self) -> int:
+        """Messages delivered and not done with: unacked, or in a Celery worker
+        of this process, its tasks received and not finished (Celery acks a
+        task as it starts, unless acks_late)."""
+        state = sys.modules.get("celery.worker.state")
+        requests = len(state.reserved_requests) if state is not None else 0
+        return max(self.qos.unacked(), requests)
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        message = super().basic_get(queue, no_ack, **kwargs)
+        if message is not None and no_ack:
+            self.connection.store.discard(message.delivery_tag)
+        return message
+
+    def _decode(self, claimed: Claimed) -> dict[str, Any] | None:
+        try:
+            payload = json.loads(claimed.data)
+            properties = payload["properties"]
+            properties["delivery_tag"] = claimed.owned_path
+            parsed = parse_message_name(claimed.name)
+            if parsed is not None and parsed.requeued:
+                # The name says it was requeued (by a reject, a shutdown or a dead owner).
+                payload["redelivered"] = True
+                properties.setdefault("delivery_info", {})["redelivered"] = True
+            return payload
+        except (ValueError, KeyError, TypeError) as exc:
+            self.connection.store.remove(
+                claimed.owned_path, dead_letter=True,
+                reason=f"cannot decode message: {exc!r}; it is kept for inspection")
+            return None
+
+    def _claim_limit(self) -> int:
+        limit = self.options.claim_batch
+        estimate = self.qos.can_consume_max_estimate()
+        return limit if estimate is None else min(limit, estimate)
+
+    def withdraw_offers_if_full(self) -> None:
+        """A channel that cannot take more must not be handed any (idle workers can)."""
+        if self._views and not self.qos.can_consume():
+            for view in list(self._views.values()):
+                view.withdraw()
+
+    def requeue_owned(self, owned_path: str, message: Any = None) -> None:
+        # Our cached listing predates the requeued message, which sorts ahead of it.
+        queue = self.connection.layout.split_owned_path(owned_path)[0]
+        view = self._views.get(queue)
+        if view is not None:
+            view.invalidate()
+        data = json.dumps(message._raw).encode() if message is not None else None
+        self.connection.store.requeue(owned_path, data)
+
+    # -- publishing ---------------------------------------------------------------
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        affinity = affinity_of(message)   # first: a bad key must fail before any write
+        data = encode_message(message)
+        priority = self._get_message_priority(message)
+        transport = self.connection
+        store = transport.store
+        together = transport.publishing_together()
+        if together is not None:   # stored when the group is (see publish_together)
+            together.append(store.new_message(queue, data, priority, affinity))
+            return
+        if transport.unconfirmed is not None:
+            transport.unconfirmed.put(queue, data, priority, affinity)
+            return
+        new = store.new_message(queue, data, priority, affinity)   # checks the size
+        # A message with an affinity key waits where every consumer can choose
+        # it by its key: it is never handed to whichever consumer is idle.
+        if (affinity is not None or transport.handoff is None
+                or not transport.handoff.give(queue, data, priority)):
+            store.put_new(new)
+        transport.store.deferred.flush()   # the write they waited for has been made
+
+    def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
+                    **kwargs: Any) -> None:
+        if exchange.endswith(".pidbox"):   # Celery's remote control: keep revokes
+            command = control_command(message)
+            if command is not None:
+                transport = self.connection
+                RevokeStore(transport.handle.client, transport.layout).keep(command)
+        # Broadcasts are rare and must reach a worker that bound a moment ago.
+        queues = {queue for _, queue in self.connection.bindings.table(exchange, fresh=True)}
+        for queue in queues:
+            self._put(queue, message)
+
+    # -- queues -------------------------------------------------------------------
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        transport = self.connection
+        if queue in transport.declared_queues:
+            return
+        if kwargs.get("auto_delete") or kwargs.get("exclusive"):
+            transport.auto_delete.declare(queue)  # held while this session lives
+        else:
+            transport.store.declare(queue, json.dumps({"auto_delete": False}).encode())
+        transport.declared_queues.add(queue)
+
+    def queue_declare(self, queue: str | None = None, passive: bool = False,
+                      **kwargs: Any) -> Any:
+        """kombu's, with the consumer count filled in for a passive declare
+        (generic exporters read it); a plain declare skips that read."""
+        ok = super().queue_declare(queue, passive=passive, **kwargs)
+        if not passive:
+            return ok
+        transport = self.connection
+        consumers = consumer_count(transport.handle.client, transport.layout, ok.queue)
+        return queue_declare_ok_t(ok.queue, ok.message_count, consumers)
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return self.connection.store.exists(queue)
+
+    def _size(self, queue: str) -> int:
+        return self.connection.store.size(queue)
+
+    def _purge(self, queue: str) -> int:
+        view = self._views.get(queue)
+        if view is not None:
+            view.invalidate()
+        return self.connection.store.purge(queue)
+
+    def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
+                     **kwargs: Any) -> None:
+        transport = self.connection
+        if if_empty and self._size(queue):
+            return
+        for exchange, routing_key in transport.bindings.bindings_of_queue(queue):
+            transport.bindings.unbind(exchange, queue, routing_key)
+        self.state.queue_bindings_delete(queue)
+        transport.store.delete(queue)
+        transport.declared_queues.discard(queue)
+        transport.auto_delete.held.discard(queue)
+        self._drop_view(queue)
+
+    # -- exchanges and bindings ---------------------------------------------------
+    def exchange_declare(self, exchange: str | None = None, type: str = "direct",
+                         durable: bool = False, auto_delete: bool = False,
+                         arguments: Any = None, nowait: bool = False,
+                         passive: bool = False) -> None:
+        if exchange and passive and exchange not in self.state.exchanges:
+            self.typeof(exchange)  # learn it from ZooKeeper if another process declared it
+        known = exchange in self.state.exchanges
+        super().exchange_declare(exchange, type, durable, auto_delete, arguments,
+                                 nowait, passive)
+        if exchange and not passive and not known:
+            self.connection.bindings.declare_exchange(exchange, type)
+
+    def exchange_delete(self, exchange: str, if_unused: bool = False,
+                        nowait: bool = False) -> None:
+        super().exchange_delete(exchange, if_unused, nowait)
+        self.connection.bindings.delete_exchange(exchange)
+
+    def typeof(self, exchange: str, default: str = "direct") -> Any:
+        if exchange and exchange not in self.state.exchanges:
+            type_ = self.connection.bindings.exchange_type(exchange)
+            if type_:
+                self.state.exchanges[exchange] = {
+                    "type": type_, "durable": True, "auto_delete": False,
+                    "arguments": {}, "table": []}
+        return super().typeof(exchange, default)
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: Any, queue: str) -> None:
+        transport = self.connection
+        transport.bindings.bind(exchange, queue, routing_key,
+                                ephemeral=queue in transport.auto_delete.held)
+
+    def queue_unbind(self, queue: str, exchange: str | None = None, routing_key: str = "",
+                     arguments: Any = None, **kwargs: Any) -> None:
+        super().queue_unbind(queue, exchange, routing_key, arguments, **kwargs)
+        if exchange:
+            self.connection.bindings.unbind(exchange, queue, routing_key)
+
+    def get_table(self, exchange: str) -> list[tuple[str, Any, str]]:
+        return self._table(exchange, fresh=False)
+
+    def _table(self, exchange: str, fresh: bool) -> list[tuple[str, Any, str]]:
+        exchange_type = self.typeof(exchange)
+        return [exchange_type.prepare_bind(queue, exchange, routing_key, None)
+                for routing_key, queue in self.connection.bindings.table(exchange, fresh)]
+
+    def _lookup(self, exchange: str, routing_key: str, default: Any = None) -> list[str]:
+        queues = super()._lookup(exchange, routing_key, default)
+        fallback = [default if default is not None else self.deadletter_queue]
+        if exchange and queues in ([], fallback) and self.typeof(exchange).type == "direct":
+            # A direct miss may be a binding made an instant ago elsewhere: re-read once.
+            self.connection.bindings.table(exchange, fresh=True)
+            queues = super()._lookup(exchange, routing_key, default)
+        return queues
+
+    # -- lifecycle ----------------------------------------------------------------
+    def close(self) -> None:
+        if not self.closed:
+            for queue in list(self._views):
+                self._drop_view(queue)
+        super().close()

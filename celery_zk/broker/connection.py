@@ -1,0 +1,56 @@
+"""The transport as its channels and queue views use it.
+
+:class:`~celery_zk.broker.transport.Transport` makes the channels
+(:mod:`.channel`), which make the queue views (:mod:`.queue_view`); they see
+it through this protocol, so neither imports the module that imports them.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from ..features.affinity import Board
+from ..zk.config import ZKSettings
+from ..zk.layout import Layout
+from ..zk.session import ClientHandle
+from ..zk.watches import TreeWatches
+from .autodelete import AutoDeleteQueues
+from .bindings import Bindings
+from .handoff import HandOff
+from .liveness import ConsumerSession
+from .queue import NewMessage, QueueStore
+from .unconfirmed import UnconfirmedPublisher
+
+__all__ = ["ZKConnection"]
+
+
+class ZKConnection(Protocol):
+    """One ``zk://`` connection: its session, stores and wake-up."""
+
+    settings: ZKSettings
+    layout: Layout
+    handle: ClientHandle
+    store: QueueStore
+    session: ConsumerSession
+    bindings: Bindings
+    auto_delete: AutoDeleteQueues
+    handoff: HandOff | None
+    unconfirmed: UnconfirmedPublisher | None
+    declared_queues: set[str]
+
+    @property
+    def watches(self) -> TreeWatches | None: ...
+
+    @property
+    def affinity(self) -> Board: ...
+
+    def wake(self) -> None:
+        """Something may be deliverable now."""
+
+    def watch_removed(self, queue: str, by: Any) -> None:
+        """A view (``by``) removed its watch on ``queue``."""
+
+    def publishing_together(self) -> list[NewMessage] | None: ...
+
+    def honour_kept_revokes(self) -> None: ...
+
+    def consuming_changed(self) -> None: ...

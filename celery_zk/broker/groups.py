@@ -1,0 +1,174 @@
+"""A group's messages stored together: a few multis instead of a create per task.
+
+Celery publishes a group, and a chord's header, from ``group._apply_tasks``:
+one ``apply_async`` per task, all through one producer. With a confirmed
+publish each waits for its own round trip and log sync, so a 1,000-task group
+took about 1.2 s. Wrapped here, the group's publishes to a ``zk://`` broker
+are held by :func:`publish_together` and stored
+when the group ends, 256 per multi: ``group.apply_async()`` still returns only
+once every message is stored (the confirm moves from each task to the group).
+
+Celery has no hook for "a group is being published", so this wraps that one
+method, and only when its signature is the one this was written against;
+other brokers' publishes pass through unchanged. It is wrapped as soon as
+``celery.canvas`` is imported (:func:`install_when_imported`, run by
+``import celery_zk``), so even a process whose first publish is a group
+batches it. Option ``batch_groups=false`` turns it off for a ``zk://`` broker.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import inspect
+import logging
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: This thread's open publish_together: the messages it holds, per QueueStore.
+_together = threading.local()
+
+#: The leading parameters of ``group._apply_tasks`` this wrapper relies on.
+_EXPECTED = ["self", "tasks", "producer", "app"]
+_CANVAS = "celery.canvas"
+
+
+def install_when_imported() -> None:
+    """:func:`install` now if Celery's ``group`` class exists, else right after.
+
+    ``celery_zk`` is imported with kombu (its serializer entry point), often
+    before Celery loads its canvas or while it is loading it (the canvas
+    imports kombu); importing it from here would slow every kombu user and
+    can be an import cycle. So a finder waits: it installs right after
+    ``celery.canvas`` is loaded, or, if that import is already under way, at
+    the first import after it has finished. The zk transport's module calls
+    this too, so a group published through it is batched in any case from
+    the second one on.
+    """
+    if _group_class() is not None:
+        install()
+    elif not any(isinstance(finder, _AfterCanvas) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterCanvas())
+
+
+def _group_class() -> Any:
+    return getattr(sys.modules.get(_CANVAS), "group", None)
+
+
+class _AfterCanvas(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: runs :func:`install` once Celery's canvas is loaded."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> Any:
+        if _group_class() is not None:   # its import finished since we were added
+            self._leave()
+            install()
+            return None
+        if fullname != _CANVAS or _CANVAS in sys.modules:
+            return None
+        self._leave()   # and so the lookup below finds the real spec
+        spec = importlib.util.find_spec(fullname)
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        real_exec = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            real_exec(module)
+            install()
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+    def _leave(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+def install() -> bool:
+    """Wrap ``group._apply_tasks`` (once); False if this Celery's differs."""
+    from celery.canvas import group
+
+    original = getattr(group, "_apply_tasks", None)
+    if original is None:
+        return False
+    if getattr(original, "_celery_zk", False):
+        return True
+    if (not inspect.isgeneratorfunction(original)
+            or list(inspect.signature(original).parameters)[:4] != _EXPECTED):
+        logger.debug("celery_zk: group._apply_tasks is not the one expected; "
+                     "groups are published task by task")
+        return False
+
+    @functools.wraps(original)
+    def _apply_tasks(self: Any, tasks: Any, producer: Any = None, app: Any = None,
+                     *args: Any, **kwargs: Any) -> Iterator[Any]:
+        app = app or self.app
+        with app.producer_or_acquire(producer) as producer:
+            together = _publish_together(producer)
+            if together is None:
+                yield from original(self, tasks, producer, app, *args, **kwargs)
+                return
+            with together():
+                yield from original(self, tasks, producer, app, *args, **kwargs)
+
+    _apply_tasks._celery_zk = True  # type: ignore[attr-defined]
+    group._apply_tasks = _apply_tasks
+    return True
+
+
+@contextmanager
+def publish_together() -> Iterator[None]:
+    """Confirmed publishes of this thread to ``zk://`` inside are stored when it
+    ends, a few hundred per multi (:meth:`QueueStore.put_batch`), instead of one
+    round trip each. Celery's groups and chord headers use it (:mod:`celery_zk.broker.groups`).
+
+    Nested uses join the outermost. Publishes made before an exception are
+    stored too, as they would have been one by one. With
+    ``confirm_publish=False`` they are stored (and confirmed) the same way:
+    fewer requests than pipelined creates, and after those in order.
+    """
+    if getattr(_together, "held", None) is not None:
+        yield
+        return
+    _together.held = {}
+    try:
+        yield
+    finally:
+        held, _together.held = _together.held, None
+        failure: BaseException | None = None
+        for store, messages in held.items():   # each connection's, in its own order
+            try:
+                if messages:
+                    store.put_batch(messages)
+                    store.deferred.flush()   # the write they waited for has been made
+            except BaseException as exc:   # the other connections' still go
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
+
+def held_by_this_thread() -> dict[Any, list[Any]] | None:
+    """The messages this thread's open :func:`publish_together` holds, per
+    QueueStore (None: none is open)."""
+    return getattr(_together, "held", None)
+
+
+def _publish_together(producer: Any) -> Any:
+    """:func:`publish_together` if ``producer`` publishes to a
+    ``zk://`` broker that batches groups, else None.
+
+    Looks at the connection's transport without opening a channel: for other
+    brokers nothing may happen here that their publish would not do itself.
+    """
+    connection = getattr(producer, "connection", None)
+    transport = getattr(connection, "transport", None)
+    if transport is None or not getattr(transport, "batches_groups", False):
+        return None
+    return publish_together

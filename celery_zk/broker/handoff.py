@@ -1,0 +1,358 @@
+"""Hand-off: a publisher gives a message straight to an idle consumer.
+
+Without it every delivery costs two durable writes in sequence: the publish
+(a create in ``unowned/``) and the consumer's claim (the multi that moves it
+to ``owned/``). With it, an idle consumer leaves an *offer*, an ephemeral
+node ``offers/{consumer}~{token}``, and a publisher that knows of the offer
+publishes with one multi that deletes the offer and creates the message
+directly in ``owned/``, under ``{consumer}~m{P}-{token}-0000000000``. The
+consumer learns that name from its persistent watch on ``owned/`` and has
+nothing left to claim.
+
+Why it is safe:
+
+* The offer is an ephemeral node of the consumer's session, so the multi
+  commits only while that session lives: a handed message always has a live
+  owner. If the session ends afterwards, the recovery leader requeues it like
+  any other owned message.
+* When the offer is gone (taken by another publisher, withdrawn), the multi
+  changes nothing and the publisher puts the message in ``unowned/`` as usual.
+  A stale cache of offers costs a failed request, never a message.
+* A consumer withdraws its offer (deletes it) when it stops consuming the
+  queue, when the queue gets a backlog, when its prefetch fills and after a
+  reconnect. If the delete finds the offer gone, a publisher won the race:
+  the consumer finds the handed message in ``owned/`` by the token and keeps
+  it. A withdrawal that cannot reach ZooKeeper is redone in the background,
+  so no handed message is left behind under a live consumer.
+
+The handed name's sequence is zero: the message was handed over while its
+queue was empty, so if it is requeued it goes back ahead of everything that
+arrived since (see :func:`celery_zk.zk.layout.handed_name`).
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from kazoo.client import KazooClient, TransactionRequest
+from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
+
+from ..zk.client import RedoThread, connected_retry, log_failure, multi_failure
+from ..zk.layout import (
+    Layout,
+    handed_name,
+    offer_name,
+    owned_name,
+    parse_message_name,
+    parse_offer_name,
+    split_owned_name,
+)
+from ..zk.session import ClientHandle
+from .queue import QueueStore, new_uid
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HandOff", "Offer"]
+
+
+class HandOff:
+    """The hand-off requests of one connection, and its publishers' view of the offers."""
+
+    def __init__(self, handle: ClientHandle, layout: Layout, store: QueueStore) -> None:
+        self.handle = handle
+        self.layout = layout
+        self.store = store
+        self._client: KazooClient | None = None
+        # queue -> offer names, kept current by a child watch per queue. Replaced,
+        # never mutated: read by publishing threads, written by kazoo's thread.
+        self._offers: dict[str, tuple[str, ...]] = {}
+        self._watchers: dict[str, Callable[[Any], None]] = {}
+        self._directories: set[str] = set()   # queues whose offers/ exists
+        self._lock = threading.Lock()
+        self._withdrawals: RedoThread[tuple[str, str, str]] = RedoThread(
+            "celery_zk-withdraw", self._withdraw_again)
+
+    @property
+    def client(self) -> KazooClient:
+        client = self.handle.client
+        if client is not self._client:   # first use, or a new client after fork
+            with self._lock:
+                if client is not self._client:
+                    self._offers, self._watchers = {}, {}
+                    self._directories = set()
+                    self._client = client
+        return client
+
+    # -- publishing -------------------------------------------------------------
+    def give(self, queue: str, data: bytes, priority: int | None) -> bool:
+        """Hand the message to an idle consumer of ``queue``; False when none took it."""
+        offers = self._known_offers(queue)
+        if not offers:
+            return False
+        offer = random.choice(offers)   # publishers racing for one offer waste a request
+        taken = self._hand_off(queue, offer, data, priority)
+        self._forget(queue, offer)   # gone either way: we took it, or it was gone already
+        return taken
+
+    def _hand_off(self, queue: str, offer: str, data: bytes, priority: int | None) -> bool:
+        parsed = parse_offer_name(offer)
+        if parsed is None:
+            return False
+        consumer_id, token = parsed
+        layout, client = self.layout, self.client
+        owned = layout.owned_message(queue, owned_name(consumer_id, handed_name(priority, token)))
+
+        def attempt() -> bool:
+            txn = client.transaction()
+            # The offer's delete both claims it (one publisher wins) and proves
+            # its owner's session alive at this instant.
+            txn.delete(layout.offer(queue, offer))
+            txn.create(owned, data)
+            try:
+                results = txn.commit()
+            except ConnectionLoss:
+                if client.retry(client.exists, owned) is not None:
+                    return True   # it committed; only the reply was lost
+                raise   # it did not: the retry sends it again
+            failure = multi_failure(results)
+            if failure is None:
+                return True
+            if isinstance(failure[1], (NoNodeError, NodeExistsError)):
+                return False   # the offer was taken or withdrawn
+            raise failure[1]
+
+        return bool(connected_retry(client, attempt))   # a publish: see connected_retry
+
+    def _known_offers(self, queue: str) -> tuple[str, ...]:
+        client = self.client
+        offers = self._offers.get(queue)
+        if offers is None:
+            offers = self._list(client, queue)
+        return offers
+
+    def _list(self, client: KazooClient, queue: str) -> tuple[str, ...]:
+        """Read ``queue``'s offers and watch them (an exists watch while there is no
+        directory yet: the queue was declared by an older version, or not at all)."""
+        path, watcher = self.layout.offers(queue), self._watcher(queue)
+        try:
+            names = tuple(client.retry(client.get_children, path, watch=watcher))
+        except NoNodeError:
+            if client.retry(client.exists, path, watch=watcher) is not None:
+                return self._list(client, queue)   # created meanwhile
+            names = ()
+        self._store(queue, names)
+        return names
+
+    def _watcher(self, queue: str) -> Callable[[Any], None]:
+        watcher = self._watchers.get(queue)
+        if watcher is None:
+            ref = weakref.ref(self)   # kazoo keeps the watch: it must not keep us
+
+            def watcher(event: Any) -> None:   # kazoo's thread: never block
+                handoff = ref()
+                if handoff is None:
+                    return
+                if event.path is None:   # the connection dropped: the next publish lists again
+                    handoff._drop(queue)
+                    return
+                handoff._list_async(queue)
+            self._watchers[queue] = watcher
+        return watcher
+
+    def _list_async(self, queue: str) -> None:
+        client = self._client
+        if client is None:
+            return
+
+        def done(result: Any) -> None:   # kazoo's thread
+            try:
+                self._store(queue, tuple(result.get()))
+            except NoNodeError:
+                self._drop(queue)   # gone: the next publish looks (and watches) again
+            except Exception as exc:
+                self._drop(queue)
+                log_failure(logger, exc, "celery_zk: could not read the offers of %s",
+                            queue, level=logging.DEBUG)
+
+        try:
+            client.get_children_async(self.layout.offers(queue),
+                                      watch=self._watcher(queue)).rawlink(done)
+        except Exception:   # closing: the next publish lists again
+            self._drop(queue)
+
+    # Writers copy the dict under the lock (held for no request) so that no
+    # update is lost; readers take whatever dict is current.
+    def _store(self, queue: str, names: tuple[str, ...]) -> None:
+        with self._lock:
+            self._offers = {**self._offers, queue: names}
+
+    def _drop(self, queue: str) -> None:
+        with self._lock:
+            self._offers = {k: v for k, v in self._offers.items() if k != queue}
+
+    def _forget(self, queue: str, offer: str) -> None:
+        with self._lock:
+            offers = self._offers.get(queue)
+            if offers is not None and offer in offers:
+                self._offers = {**self._offers, queue: tuple(o for o in offers if o != offer)}
+
+    # -- consuming ----------------------------------------------------------------
+    def make_offer(self, queue: str, consumer_id: str, token: str,
+                   still_wanted: Callable[[Callable[[], None]], object],
+                   failed: Callable[[], None]) -> None:
+        """Create an offer, held back briefly (QueueStore.deferred) and never waited for.
+
+        When it is due, ``still_wanted(send)`` decides under the offer's lock
+        whether to send it (a withdrawal meanwhile must not be overtaken by the
+        create). ``failed`` runs on kazoo's thread if it could not be made.
+        """
+        client = self.client
+        if queue not in self._directories and not self._ensure_directory(client, queue):
+            failed()
+            return
+        path = self.layout.offer(queue, offer_name(consumer_id, token))
+        self.handle.own(path)   # a connection dropped without close() deletes it too
+
+        def done(result: Any) -> None:   # kazoo's thread: never block
+            try:
+                result.get()
+            except NoNodeError:   # the queue was deleted: look it up again next time
+                self._directories.discard(queue)
+                self.handle.disown(path)
+                failed()
+            except Exception:   # lost with the connection: withdrawing will tell
+                pass
+
+        def send() -> None:
+            client.create_async(path, ephemeral=True).rawlink(done)
+
+        def due() -> None:
+            still_wanted(send)
+
+        self.store.deferred.later(due)
+
+    def _ensure_directory(self, client: KazooClient, queue: str) -> bool:
+        """Make ``offers/`` for a queue declared by an older version; False when
+        the queue does not exist (its directory is never made without it)."""
+        layout = self.layout
+        if client.retry(client.exists, layout.offers(queue)) is None:
+            def build(txn: TransactionRequest) -> None:
+                txn.check(layout.unowned(queue), -1)
+                txn.create(layout.offers(queue))
+
+            failure = multi_failure(self.store.commit(build))
+            if failure is not None and not isinstance(failure[1], NodeExistsError):
+                return False
+        self._directories.add(queue)
+        return True
+
+    def withdraw(self, queue: str, consumer_id: str, token: str) -> str | None:
+        """Delete an offer. Returns the owned path of the message handed over in
+        its place when a publisher took it first, else None."""
+        client = self.client
+        path = self.layout.offer(queue, offer_name(consumer_id, token))
+        try:
+            client.retry(client.delete, path)
+            taken = False
+        except NoNodeError:
+            taken = True   # a publisher took it first
+        self.handle.disown(path)   # gone either way (a failure above keeps it ours)
+        if not taken:
+            return None
+        for name in self.store.owned_listing(queue):
+            parts = split_owned_name(name)
+            if parts is None or parts[0] != consumer_id:
+                continue
+            message = parse_message_name(parts[1])
+            if message is not None and message.uid == token:
+                return self.layout.owned_message(queue, name)
+        return None
+
+    def taken(self, queue: str, consumer_id: str, token: str) -> None:
+        """A publisher deleted our offer (kazoo's thread): it is no longer ours to delete."""
+        self.handle.disown(self.layout.offer(queue, offer_name(consumer_id, token)))
+
+    def withdraw_later(self, queue: str, consumer_id: str, token: str) -> None:
+        """Withdraw in the background (the connection is down now), requeueing a
+        message handed over meanwhile: nobody is left to deliver it."""
+        self._withdrawals.submit((queue, consumer_id, token))
+
+    def _withdraw_again(self, item: tuple[str, str, str]) -> None:
+        try:
+            handed = self.withdraw(*item)
+            if handed is not None:
+                self.store.requeue(handed)
+        except Exception as exc:   # the session's end removes the offer and requeues
+            log_failure(logger, exc, "celery_zk: could not withdraw the offer %s on %s; "
+                        "it goes when this worker's session ends", item[2], item[0])
+
+
+class Offer:
+    """One consumer view's offer: at most one outstanding at a time.
+
+    ``token`` is read and swapped under a lock by the consuming thread
+    (making, withdrawing) and by kazoo's thread (the watch that reports the
+    handed message), so exactly one of them ends up responsible for a handed
+    message.
+    """
+
+    def __init__(self, handoff: HandOff, queue: str) -> None:
+        self.handoff = handoff
+        self.queue = queue
+        self.token: str | None = None
+        self.consumer_id: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def outstanding(self) -> bool:
+        return self.token is not None
+
+    def make(self, consumer_id: str) -> None:
+        token = new_uid()
+        with self._lock:
+            self.token, self.consumer_id = token, consumer_id
+
+        def still_wanted(send: Callable[[], None]) -> bool:
+            # Under the lock: a withdrawal clears the token first, so its delete
+            # can never be sent before this create.
+            with self._lock:
+                if self.token != token:
+                    return False
+                send()
+                return True
+
+        def failed() -> None:   # kazoo's thread. No wake-up: retrying at once could
+            with self._lock:     # loop; the next idle moment offers again.
+                if self.token == token:
+                    self.token = None
+
+        self.handoff.make_offer(self.queue, consumer_id, token, still_wanted, failed)
+
+    def taken(self, consumer_id: str, token: str) -> bool:
+        """Kazoo's thread: a message was handed over under this name. True when
+        it answers our outstanding offer (and so is ours to deliver)."""
+        with self._lock:
+            if token != self.token or consumer_id != self.consumer_id:
+                return False
+            self.token = None
+        self.handoff.taken(self.queue, consumer_id, token)
+        return True
+
+    def withdraw(self) -> tuple[str, str] | None:
+        """Withdraw the outstanding offer. Returns ``(consumer id, owned path)`` of a
+        message handed over first, which the caller now holds."""
+        with self._lock:
+            token, consumer_id = self.token, self.consumer_id
+            self.token = None
+        if token is None or consumer_id is None:
+            return None
+        try:
+            handed = self.handoff.withdraw(self.queue, consumer_id, token)
+        except Exception:
+            self.handoff.withdraw_later(self.queue, consumer_id, token)
+            raise
+        return None if handed is None else (consumer_id, handed)

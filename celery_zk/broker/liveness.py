@@ -1,0 +1,289 @@
+"""Owner liveness: one ephemeral node per consuming connection, and recovery.
+
+A consumer registers ``consumers/{id}-{seq}`` (ephemeral, sequential) before
+it claims anything, so every owned message names a consumer that was alive
+when it was claimed. The node goes when its connection closes, when its
+connection is garbage-collected (its lease on the session is released, see
+:mod:`celery_zk.zk.session`), or when the process's session ends (crash,
+SIGKILL, partition past the session timeout).
+
+Recovery is one duty per process and root (:class:`Recovery`), whatever the
+number of connections: it watches ``consumers/``, and when the oldest live
+consumer is one of this process's (the leader, an election that needs no
+extra nodes) it moves the messages of owners that are gone back to unowned.
+Each move deletes the owned node in the same transaction that recreates the
+unowned one, so two survivors racing can never requeue a message twice. The
+leader then sweeps the auto-delete queues nobody holds any more.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import weakref
+from typing import Any
+
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import NoNodeError
+from kazoo.recipe.watchers import ChildrenWatch
+
+from ..zk.client import create_once, log_failure
+from ..zk.config import ZKOptions
+from ..zk.layout import Layout, new_consumer_id, parse_consumer_name, split_owned_name
+from ..zk.session import ClientHandle, SharedSession, weak_callback
+from .autodelete import Sweeper
+from .queue import QueueStore
+
+logger = logging.getLogger(__name__)
+
+
+class ConsumerSession:
+    """One connection's identity as a consumer."""
+
+    def __init__(self, handle: ClientHandle, layout: Layout, store: QueueStore) -> None:
+        self.handle = handle
+        self.layout = layout
+        self.store = store
+        self.consumer_id: str | None = None
+        self.node_path: str | None = None
+        self._valid = False
+        self._pid = 0
+        self._lock = threading.Lock()
+        self._nodes: dict[str, str] = {}  # every consumer id this connection registered
+        self._recovery: Recovery | None = None
+        self._queues: frozenset[str] = frozenset()
+        handle.add_listener(self._on_state)
+
+    # -- identity -------------------------------------------------------------------
+    def ensure_registered(self) -> tuple[str, str]:
+        """``(consumer id, node path)`` of a live registration, registering if needed."""
+        if self._valid and self._pid == os.getpid():
+            assert self.consumer_id and self.node_path
+            return self.consumer_id, self.node_path
+        with self._lock:
+            if not (self._valid and self._pid == os.getpid()):
+                if self._pid != os.getpid():  # forked: nothing of the parent's is ours
+                    self._nodes = {}
+                self._register()
+                self._pid = os.getpid()
+                self._valid = True
+                self._recovery = Recovery.of(self.handle.session, self.layout,
+                                             self.handle.settings.options)
+                self._recovery.join(self)
+            assert self.consumer_id and self.node_path
+            return self.consumer_id, self.node_path
+
+    def _register(self) -> None:
+        client = self.handle.client
+        consumer_id = new_consumer_id()
+        data = self._data()
+        client.retry(client.ensure_path, self.layout.consumers)
+        path = self.layout.consumer(consumer_id)
+        # Not sequential: the id is unique and sorts by age (see new_consumer_id).
+        create_once(client, lambda: client.create(path, data, ephemeral=True),
+                    lambda: path if client.exists(path) else None)
+        self.node_path = path
+        self.handle.own(self.node_path)   # deleted when this connection goes, however
+        self.consumer_id = consumer_id
+        self._nodes[consumer_id] = self.node_path
+        logger.debug("celery_zk: registered consumer %s", self.node_path)
+
+    def _data(self) -> bytes:
+        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                           "queues": sorted(self._queues)}).encode()
+
+    def set_queues(self, queues: set[str]) -> None:
+        """The queues this connection consumes, kept in its node's data for
+        operators (``celery zk status``) and ``queue_declare``'s consumer count.
+        Sent without waiting: it changes only when consumers start or stop."""
+        if frozenset(queues) == self._queues:
+            return
+        self._queues = frozenset(queues)
+        if not (self._valid and self.node_path and self._pid == os.getpid()
+                and self.handle.started):
+            return   # registering writes it
+        path = self.node_path
+
+        def done(result: Any) -> None:   # kazoo's thread: never block
+            try:
+                result.get()
+            except NoNodeError:
+                pass   # re-registered (an expiry) with the new data already
+            except Exception as exc:
+                log_failure(logger, exc, "celery_zk: could not update %s", path)
+        self.handle.client.set_async(path, self._data()).rawlink(done)
+
+    @property
+    def registered(self) -> bool:
+        """Registered at some point (and not closed): re-register after an expiry."""
+        return self.consumer_id is not None and self._pid == os.getpid()
+
+    def node_of(self, consumer_id: str) -> str:
+        """The session node of a consumer id this connection used, current or past.
+
+        An ack is guarded by the node of the registration that *claimed* the
+        message; after an expiry that node is gone and the ack is refused.
+        """
+        node = self._nodes.get(consumer_id)
+        if node is None:   # a path no consumer has: the ack is refused
+            node = self.layout.consumer(consumer_id + "~unknown")
+        return node
+
+    def _on_state(self, state: KazooState) -> None:
+        # kazoo's event thread: flag only, never block.
+        if state == KazooState.LOST:
+            self._valid = False
+
+    def live_ids(self) -> list[str]:
+        """Live consumer ids, oldest registration first (as last seen by the watch)."""
+        recovery = self._recovery
+        return recovery.live_ids() if recovery is not None else []
+
+    def close(self) -> None:
+        recovery, self._recovery = self._recovery, None
+        if recovery is not None:
+            recovery.leave(self)
+        if self._valid and self.node_path and self._pid == os.getpid() and self.handle.started:
+            try:
+                self.handle.client.delete(self.node_path)
+            except Exception:  # releasing the lease (or the session's end) removes it
+                logger.debug("celery_zk: could not delete %s", self.node_path, exc_info=True)
+            else:
+                self.handle.disown(self.node_path)
+        self._valid = False
+        self.consumer_id = None
+
+
+class Recovery:
+    """This process's share of recovery duty under one root, on one session."""
+
+    def __init__(self, session: SharedSession, layout: Layout, options: ZKOptions) -> None:
+        self.session = session
+        self.layout = layout
+        self.store = QueueStore(session, layout, options)
+        self.sweeper = Sweeper(session, layout, self.store)
+        self._members: weakref.WeakSet[ConsumerSession] = weakref.WeakSet()
+        self._live: list[str] = []
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        session.on_close(self.stop)
+
+    @classmethod
+    def of(cls, session: SharedSession, layout: Layout, options: ZKOptions) -> Recovery:
+        """The one recovery of ``session`` under ``layout``'s root."""
+        return session.singleton(("recovery", layout.root),
+                                 lambda: cls(session, layout, options))
+
+    def join(self, member: ConsumerSession) -> None:
+        with self._lock:
+            self._members.add(member)
+            if self._thread is None:
+                ChildrenWatch(self.session.client, self.layout.consumers,
+                              weak_callback(self._on_consumers, dead=False))
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="celery_zk-recovery")
+                self._thread.start()
+        self._wake.set()   # the new member may be the leader now
+
+    def leave(self, member: ConsumerSession) -> None:
+        self._members.discard(member)
+
+    def _on_consumers(self, children: list[str]) -> bool | None:
+        if self._stopped:
+            return False  # stops the ChildrenWatch
+        self._live = children
+        self._wake.set()
+        return None
+
+    def live_ids(self) -> list[str]:
+        """Live consumer ids, oldest registration first (as last seen by the watch)."""
+        return sorted(p for p in map(parse_consumer_name, self._live) if p)
+
+    def is_leader(self) -> bool:
+        ids = self.live_ids()
+        return bool(ids) and any(m.consumer_id == ids[0] for m in list(self._members))
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stopped:
+                break
+            try:
+                self._pass()
+            except Exception as exc:  # keep the thread alive; retried below
+                log_failure(logger, exc, "celery_zk: recovery pass failed; will retry in 1 s",
+                            level=logging.ERROR)
+                self._wake.wait(1.0)
+                self._wake.set()
+
+    def _pass(self) -> None:
+        # A method of its own: its locals (members) must not outlive the pass in
+        # the thread's frame, or a dropped connection could not be collected.
+        for member in list(self._members):
+            if member.registered:
+                member.ensure_registered()   # again, after a session expiry
+        if self.is_leader():
+            self.recover_dead_owners()
+            self.sweeper.sweep()
+
+    def recover_dead_owners(self) -> int:
+        """Requeue every owned message whose owner has no live session. Returns count."""
+        client = self.session.client
+        try:
+            children = client.retry(client.get_children, self.layout.consumers)
+        except NoNodeError:
+            children = []
+        live = {p for p in map(parse_consumer_name, children) if p}
+        moved = 0
+        for queue in self.store.queue_names():
+            for name in self.store.owned_listing(queue):
+                owner = split_owned_name(name)
+                if owner is None or owner[0] in live:
+                    continue
+                if self.store.requeue(self.layout.owned_message(queue, name)):
+                    moved += 1
+        if moved:
+            logger.warning("celery_zk: requeued %d message(s) of consumers whose "
+                           "ZooKeeper session ended", moved)
+        return moved
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+
+def consumer_nodes(client: KazooClient, layout: Layout) -> list[tuple[str, dict[str, Any], float]]:
+    """``(consumer id, node data, registered at)`` of every live consumer, oldest
+    first; the data is what :meth:`ConsumerSession.set_queues` wrote
+    (``{"host", "pid", "queues"}``, ``{}`` if unreadable)."""
+    try:
+        names = [n for n in client.retry(client.get_children, layout.consumers)
+                 if parse_consumer_name(n)]
+    except NoNodeError:
+        return []
+    replies = [client.get_async(layout.consumer(n)) for n in names]
+    found = []
+    for name, reply in zip(names, replies):
+        try:
+            data, stat = reply.get()
+        except NoNodeError:
+            continue   # gone meanwhile
+        try:
+            meta = json.loads(data or b"{}")
+        except ValueError:
+            meta = {}
+        found.append((parse_consumer_name(name) or name, meta if isinstance(meta, dict) else {},
+                      stat.ctime / 1000))
+    return sorted(found, key=lambda consumer: consumer[2])
+
+
+def consumer_count(client: KazooClient, layout: Layout, queue: str) -> int:
+    """Live consumers whose node says they consume ``queue``."""
+    return sum(1 for _, meta, _ in consumer_nodes(client, layout)
+               if queue in meta.get("queues", ()))
+

@@ -1,0 +1,272 @@
+"""Publishing: a message's sequential node in its queue's newest bucket of its
+priority, created once even when a reply is lost; a group's in a few multis."""
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+from kazoo.exceptions import (
+    NodeExistsError,
+    NoNodeError,
+)
+
+from ..exceptions import MessageTooLarge
+from ..zk.client import (
+    connected_retry,
+    create_once,
+    multi_failure,
+)
+from ..zk.config import ZKOptions
+from ..zk.layout import (
+    Layout,
+    bucket_name,
+    inverted,
+    parse_bucket_name,
+    parse_message_name,
+)
+from .store import OP_OVERHEAD, ClientSource, StoreBase, creates
+
+logger = logging.getLogger(__name__)
+
+#: Most messages created in one multi by :meth:`QueueStore.put_batch`.
+PUBLISH_BATCH = 256
+
+@dataclass(frozen=True)
+class NewMessage:
+    """A message about to be published."""
+
+    queue: str
+    uid: str      # the unique part of its name: finds it after a lost reply
+    path: str     # the sequential node's prefix
+    data: bytes
+    inverted_priority: int
+    generation: int   # the bucket it goes to
+    affinity: str | None = None   # its affinity key, as named (layout.affinity_token)
+
+def new_uid() -> str:
+    return uuid.uuid4().hex[:16]
+
+class Publishing(StoreBase):
+    """put, put_new, put_batch: the publishing side of :class:`QueueStore`."""
+
+    def __init__(self, source: ClientSource, layout: Layout, options: ZKOptions) -> None:
+        super().__init__(source, layout, options)
+        # (queue, inverted priority) -> the bucket generation this process publishes to
+        self._tails: dict[tuple[str, int], int] = {}
+        # (queue, inverted priority) -> (bucket, creates seen in it): how much
+        # room a batch may assume is left in the newest bucket.
+        self._filled: dict[tuple[str, int], tuple[int, int]] = {}
+
+    # -- publishing ---------------------------------------------------------------
+    def check_size(self, data: bytes, what: str) -> None:
+        limit = self.options.max_message_size
+        if len(data) > limit:
+            raise MessageTooLarge(
+                f"{what} is {len(data):,} bytes; a ZooKeeper node holds at most "
+                f"{limit:,} (option max_message_size; the server's jute.maxbuffer caps "
+                "it near 1 MiB). Nothing was written. Send a reference to the data "
+                "(a path or URL) instead of the data itself.")
+
+    def put(self, queue: str, data: bytes, priority: int | None) -> str:
+        """Append a message; returns its node name."""
+        return self.put_new(self.new_message(queue, data, priority))
+
+    def new_message(self, queue: str, data: bytes, priority: int | None,
+                    affinity: str | None = None) -> NewMessage:
+        """A message ready to publish (its size checked, its node named);
+        ``affinity``: its key's :func:`~celery_zk.zk.layout.affinity_token`."""
+        self.check_size(data, f"A message for queue {queue!r}")
+        inv = inverted(priority)
+        generation = self._tails.get((queue, inv))
+        if generation is None:
+            generation = self._find_tail(queue, inv)
+        return self._named(queue, new_uid(), data, inv, generation, affinity)
+
+    def _named(self, queue: str, uid: str, data: bytes, inv: int, generation: int,
+               affinity: str | None) -> NewMessage:
+        # ZooKeeper appends the sequence to this prefix.
+        path = self.layout.new_message_prefix(queue, inv, generation, uid, affinity)
+        return NewMessage(queue, uid, path, data, inv, generation, affinity)
+
+    def put_new(self, message: NewMessage, maybe_made: bool = False) -> str:
+        """Create ``message``'s node once (``maybe_made``: an earlier create lost its reply)."""
+        try:
+            name = self._create_once(message, maybe_made)
+        except NoNodeError:
+            # Its bucket was emptied and deleted (or the queue never declared): go
+            # to the queue's newest bucket of that priority.
+            message = self._named(message.queue, message.uid, message.data,
+                                  message.inverted_priority, self._newest_after(message),
+                                  message.affinity)
+            name = self._create_once(message, maybe_made)
+        self.created(message, name)
+        return name
+
+    def created(self, message: NewMessage, name: str) -> None:
+        """A publish made ``name``: once its bucket has had ``bucket_size`` creates,
+        the next go to a new one (non-blocking: kazoo's thread may call it).
+
+        The new bucket is created without waiting: ZooKeeper handles a session's
+        requests in order, so it exists before this process's next message."""
+        parsed = parse_message_name(name)
+        if parsed is None:
+            return
+        key = (message.queue, message.inverted_priority)
+        filled = self._filled.get(key)
+        if filled is None or filled < (message.generation, parsed.seq + 1):
+            self._filled[key] = (message.generation, parsed.seq + 1)
+        if parsed.seq < self.options.bucket_size - 1:
+            return
+        following = message.generation + 1
+        if self._tails.get(key, -1) >= following:
+            return   # moved on already
+        self._tails[key] = following
+        self.client.create_async(self.layout.bucket(
+            message.queue, bucket_name(message.inverted_priority, following)))
+
+    def put_batch(self, messages: list[NewMessage]) -> list[str | None]:
+        """Create the nodes of ``messages``, in order, up to :data:`PUBLISH_BATCH`
+        per multi; their names (None: one consumed before a lost reply was checked).
+
+        Each multi carries at most ``max_message_size`` and puts no more into a
+        bucket than the room this process knows is left in it, so a batch keeps
+        the bounds of single publishes. A multi is atomic: after a failure some
+        earlier multis may have been stored, never part of one.
+        """
+        names: list[str | None] = []
+        rest = messages
+        while rest:
+            chunk = self._next_chunk(rest)
+            names.extend(self._put_chunk(chunk))
+            rest = rest[len(chunk):]
+        return names
+
+    def _next_chunk(self, messages: list[NewMessage]) -> list[NewMessage]:
+        """The next multi's messages, named for their queues' newest buckets."""
+        budget = self.options.max_message_size
+        chunk: list[NewMessage] = []
+        room: dict[tuple[str, int], int] = {}
+        for message in messages[:PUBLISH_BATCH]:
+            key = (message.queue, message.inverted_priority)
+            if key not in room:
+                generation = self._tails.get(key)
+                if generation is None:
+                    generation = self._find_tail(*key)
+                seen, filled = self._filled.get(key, (generation, 0))
+                room[key] = self.options.bucket_size - (filled if seen == generation else 0)
+            else:
+                generation = self._tails[key]
+            budget -= len(message.data) + len(message.path) + OP_OVERHEAD
+            if chunk and (budget < 0 or room[key] <= 0):
+                break   # the rest go in the next multi, after a roll to a new bucket
+            room[key] -= 1
+            chunk.append(message if message.generation == generation else
+                         self._named(message.queue, message.uid, message.data,
+                                     message.inverted_priority, generation,
+                                     message.affinity))
+        return chunk
+
+    def _put_chunk(self, chunk: list[NewMessage]) -> list[str | None]:
+        """One multi creating ``chunk``'s nodes, retried as :meth:`put_new` retries."""
+        client = self.client
+        maybe_made = False
+
+        def attempt() -> list[str | None] | None:
+            nonlocal maybe_made
+            if maybe_made:   # a lost reply: a multi is all or nothing, so look for any
+                found = self._find_uids(chunk)
+                if any(found):
+                    return found
+            txn = client.transaction()
+            for message in chunk:
+                txn.create(message.path, message.data, sequence=True)
+            maybe_made = True
+            results = txn.commit()
+            maybe_made = False
+            failure = multi_failure(results)
+            if failure is None:
+                return [path.rpartition("/")[2] for path in results]
+            if isinstance(failure[1], NoNodeError):
+                self._rename_to_tail(chunk, chunk[failure[0]])   # its bucket is gone
+                return None
+            raise failure[1]
+
+        for _ in range(3):
+            names = connected_retry(client, attempt)
+            if names is not None:
+                for message, name in zip(chunk, names):
+                    if name is not None:
+                        self.created(message, name)
+                return names
+        raise NoNodeError(f"celery_zk: the buckets of queue {chunk[0].queue!r} kept "
+                          "disappearing while publishing to it")
+
+    def _rename_to_tail(self, chunk: list[NewMessage], gone: NewMessage) -> None:
+        """``gone``'s bucket was emptied and deleted (or its queue never declared):
+        its queue's messages of that priority in ``chunk`` go to the newest one."""
+        key = (gone.queue, gone.inverted_priority)
+        generation = self._newest_after(gone)
+        for index, message in enumerate(chunk):
+            if (message.queue, message.inverted_priority) == key:
+                chunk[index] = self._named(message.queue, message.uid, message.data,
+                                           message.inverted_priority, generation,
+                                           message.affinity)
+
+    def _newest_after(self, gone: NewMessage) -> int:
+        """The newest bucket of ``gone``'s queue and priority, looked up again now
+        that ``gone``'s bucket turned out to be missing."""
+        self._tails.pop((gone.queue, gone.inverted_priority), None)
+        return max(gone.generation, self._find_tail(gone.queue, gone.inverted_priority))
+
+    def _find_uids(self, chunk: list[NewMessage]) -> list[str | None]:
+        """The stored names of ``chunk``'s messages (None where not found)."""
+        found: dict[str, str] = {}
+        for parent in {self.layout.parent(message.path) for message in chunk}:
+            try:
+                names = self.client.get_children(parent)
+            except NoNodeError:
+                continue
+            for name in names:
+                parsed = parse_message_name(name)
+                if parsed is not None:
+                    found[parsed.uid] = name
+        return [found.get(message.uid) for message in chunk]
+
+    def _find_tail(self, queue: str, inv: int) -> int:
+        """The newest bucket of a priority, made if there is none (or it is full)."""
+        layout, client = self.layout, self.client
+        try:
+            names = client.retry(client.get_children, layout.unowned(queue))
+        except NoNodeError:
+            self.declare(queue)   # first message to an undeclared queue
+            names = []
+        generations = [parsed[1] for parsed in map(parse_bucket_name, names)
+                       if parsed is not None and parsed[0] == inv]
+        generation = max(generations, default=0)
+        stat = (client.retry(client.exists, layout.bucket(queue, bucket_name(inv, generation)))
+                if generations else None)
+        if stat is not None and creates(stat) >= self.options.bucket_size:
+            generation += 1
+            stat = None
+        if stat is None:
+            try:
+                client.retry(client.create, layout.bucket(queue, bucket_name(inv, generation)))
+            except NodeExistsError:
+                pass
+            except NoNodeError:   # the queue was deleted meanwhile: declare it again
+                self.declare(queue)
+                return self._find_tail(queue, inv)
+        self._tails[(queue, inv)] = generation
+        self._filled[(queue, inv)] = (generation, creates(stat) if stat is not None else 0)
+        return generation
+
+    def _create_once(self, message: NewMessage, maybe_made: bool) -> str:
+        client = self.client
+        return create_once(
+            client, lambda: client.create(message.path, message.data,
+                                          sequence=True).rpartition("/")[2],
+            lambda: self._find_uid(message), maybe_made)
+
+    def _find_uid(self, message: NewMessage) -> str | None:
+        return self._find_uids([message])[0]

@@ -1,0 +1,169 @@
+"""The queue protocol: put, claim, ack, requeue, dead-letter, purge, as one
+store (:class:`QueueStore`) made of :mod:`.publish`, :mod:`.claims` and
+:mod:`.acks` over :mod:`.store`; here: listing a queue, its size, purge
+and delete.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kazoo.exceptions import (
+    NoNodeError,
+    NotEmptyError,
+)
+from kazoo.protocol.paths import join
+
+from ..zk.client import (
+    log_failure,
+    reply_or_retry,
+)
+from ..zk.layout import (
+    same_priority,
+    sort_messages,
+    unescape,
+)
+from .acks import ACK_BATCH, Acking
+from .claims import CLAIMS, ClaimCounts, Claimed, Claiming, PendingClaim
+from .publish import PUBLISH_BATCH, NewMessage, Publishing, new_uid
+from .store import ANY_VERSION, OP_OVERHEAD, ClientSource, StoreBase, _in_place, creates
+
+__all__ = ["ACK_BATCH", "ANY_VERSION", "CLAIMS", "OP_OVERHEAD", "PUBLISH_BATCH", "ClaimCounts",
+           "Claimed", "ClientSource", "Listing", "NewMessage", "PendingClaim", "QueueStore",
+           "StoreBase", "creates", "new_uid"]
+
+logger = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class Listing:
+    """The head of a queue in delivery order, as :meth:`QueueStore.listing` found it."""
+
+    names: list[str]     # ours, in delivery order
+    foreign: list[str]   # names celery_zk did not write (to dead-letter)
+
+class QueueStore(Publishing, Claiming, Acking):
+    """Queue operations for one kazoo client under one root."""
+
+    def size(self, queue: str) -> int:
+        """Messages waiting, from the directories' stats alone (no message listing)."""
+        client = self.client
+        try:
+            buckets, flat = self.buckets(queue)
+        except NoNodeError:
+            return 0
+        stats = [client.exists_async(self.layout.bucket(queue, bucket)) for bucket in buckets]
+        return len(flat) + sum(stat.numChildren for stat in (
+            reply_or_retry(client, result, client.exists, self.layout.bucket(queue, bucket))
+            for bucket, result in zip(buckets, stats)) if stat is not None)
+
+    # -- consuming ----------------------------------------------------------------
+    def listing(self, queue: str, want: int,
+                watch: Callable[[Any], None] | None = None) -> Listing:
+        """The first ``want`` (or a few more) waiting messages of a queue, in
+        delivery order, from names alone.
+
+        Lists ``unowned/`` and then its buckets in order until ``want`` names
+        are found; ``watch`` is set on every directory listed, so an empty
+        result is fully watched. An empty bucket with a later one of its
+        priority is deleted: no publisher will come back to it.
+        """
+        client = self.client
+        path = self.layout.unowned(queue)
+        while True:
+            try:
+                buckets, flat = self.buckets(queue, watch)
+            except NoNodeError:
+                # No listing watch on a missing node: watch for its creation instead
+                # (a deleted auto-delete queue its owner re-declares after an expiry).
+                if watch is None or client.retry(client.exists, path, watch=watch) is None:
+                    return Listing([], [])
+                continue  # created meanwhile: list it
+            break
+        names, foreign = _in_place(None, flat)
+        for index, bucket in enumerate(buckets):
+            if len(names) >= want:
+                break
+            try:
+                children = client.retry(client.get_children, self.layout.bucket(queue, bucket),
+                                        watch=watch)
+            except NoNodeError:
+                continue   # emptied and deleted meanwhile
+            if not children:
+                if index + 1 < len(buckets) and same_priority(bucket, buckets[index + 1]):
+                    self._delete_bucket(queue, bucket)   # nobody publishes to it again
+                continue
+            ours, theirs = _in_place(bucket, children)
+            names += ours
+            foreign += theirs
+        return Listing(sort_messages(names)[0], foreign)
+
+    def _delete_bucket(self, queue: str, bucket: str) -> None:
+        """Delete an empty bucket in the background (refused if a message came)."""
+        def done(result: Any) -> None:   # kazoo's thread: never block
+            try:
+                result.get()
+            except (NoNodeError, NotEmptyError):
+                pass
+            except Exception as exc:
+                log_failure(logger, exc, "celery_zk: could not delete the empty bucket "
+                            "%s of queue %r; the next listing tries again", bucket, queue)
+        self.client.delete_async(self.layout.bucket(queue, bucket)).rawlink(done)
+
+    # -- maintenance --------------------------------------------------------------
+    def purge(self, queue: str) -> int:
+        """Delete every waiting (unowned) message; owned ones are being worked on.
+        One bucket at a time, so a huge backlog is never listed at once."""
+        client, layout = self.client, self.layout
+        try:
+            buckets, flat = self.buckets(queue)
+        except NoNodeError:
+            return 0
+        removed = self.delete_all([layout.unowned_message(queue, name) for name in flat])
+        for bucket in buckets:
+            path = layout.bucket(queue, bucket)
+            try:
+                names = client.retry(client.get_children, path)
+            except NoNodeError:
+                continue
+            removed += self.delete_all([join(path, name) for name in names])
+        return removed
+
+    def delete_all(self, paths: list[str]) -> int:
+        """Pipelined deletes; how many this call deleted."""
+        client = self.client
+        removed = 0
+        for result in [client.delete_async(path) for path in paths]:
+            try:
+                result.get()
+                removed += 1
+            except NoNodeError:
+                pass  # claimed or purged by someone else meanwhile
+        return removed
+
+    def delete(self, queue: str) -> None:
+        """Remove a queue and everything in it (messages included)."""
+        client = self.client
+        for _ in range(5):
+            try:
+                client.retry(client.delete, self.layout.queue(queue), recursive=True)
+                return
+            except NoNodeError:
+                return
+            except NotEmptyError:  # a message arrived while deleting; go again
+                continue
+
+    def owned_listing(self, queue: str) -> list[str]:
+        client = self.client
+        try:
+            return client.retry(client.get_children, self.layout.owned(queue))
+        except NoNodeError:
+            return []
+
+    def queue_names(self) -> Iterable[str]:
+        client = self.client
+        try:
+            return [unescape(n) for n in client.retry(client.get_children, self.layout.queues)]
+        except NoNodeError:
+            return []

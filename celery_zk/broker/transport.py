@@ -1,0 +1,395 @@
+"""Apache ZooKeeper transport for kombu (``zk://``).
+
+Features
+========
+* Type: Virtual
+* Supports Direct: Yes
+* Supports Topic: Yes
+* Supports Fanout: Yes (bindings are stored in ZooKeeper, shared by all processes)
+* Supports Priority: Yes, 0-9, higher first (AMQP semantics); FIFO within a priority
+* Supports TTL: No
+* Delivery: at-least-once. A claimed message is *owned* by a live ZooKeeper
+  session; it goes back to its queue when acked-never and the session ends.
+  There is no visibility timeout.
+* Waiting: watch-driven; an idle consumer sends ZooKeeper no requests.
+* Event loop: yes (``implements.asynchronous``): a Celery worker runs it in its
+  event loop, where a busy prefork pool does not block remote control.
+
+Connection String
+=================
+.. code-block::
+
+    zk://[user:password@]host1[:port][,host2[:port]...][/path][?option=value...]
+
+The path (default ``/celery``) is the root under which every node lives.
+kombu's ``;``-separated failover form is accepted and folded into one host
+list. Credentials switch on digest authentication and per-node ACLs.
+
+Transport Options
+=================
+Given as ``broker_transport_options`` or as URL query options (the URL wins):
+
+* ``session_timeout`` (float, 10.0): ZooKeeper session timeout in seconds; a
+  dead worker's messages are requeued this long after it dies.
+* ``connect_timeout`` (float, 10.0): seconds to wait for the first connection.
+  Unless given here, the broker takes kombu's ``Connection(connect_timeout=)``
+  (Celery's ``broker_connection_timeout``, 4 s). When nothing listens on any
+  host the connection fails at once.
+* ``bucket_size`` (int, 4096): waiting messages go in buckets of one priority;
+  a publisher starts the next after this many creates (bounds every listing).
+* ``claim_batch`` (int, 64): most messages claimed in one transaction (also
+  bounded by the consumer's prefetch).
+* ``listing_max_age`` (float, 1.0): seconds a consumer may reuse its cached,
+  sorted listing of a busy queue before re-reading it.
+* ``persistent_watches`` (bool, True): wake an idle consumer with a
+  persistent recursive watch that names the new message, so it claims
+  without listing the queue (ZooKeeper 3.6+; older servers fall back by
+  themselves). False: one-shot child watches only (see
+  :mod:`celery_zk.broker.queue_view`).
+* ``handoff`` (bool, True): an idle consumer leaves an offer, and a
+  publisher that sees it creates the message directly in that consumer's
+  name: one durable write per delivery instead of two (see
+  :mod:`celery_zk.broker.handoff`). Needs persistent watches.
+* ``locality_wait`` (float, 3.0): seconds a consumer leaves a message whose
+  affinity key another live worker holds for that worker before taking it
+  itself (see :mod:`celery_zk.features.affinity`). 0: prefer held keys, never wait.
+* ``dead_letter_rejected`` (bool, False): keep messages rejected with
+  ``requeue=False`` under the queue's ``dead/`` directory.
+* ``confirm_publish`` (bool, True): wait for ZooKeeper to store each message
+  before a publish returns; False pipelines publishes (see
+  :mod:`celery_zk.broker.unconfirmed`: faster, but a killed process loses what was
+  still in flight).
+* ``batch_groups`` (bool, True): store a group's (or chord header's)
+  messages a few hundred per multi when the group is published (see
+  :mod:`celery_zk.broker.groups`).
+* ``max_message_size`` (int, 1000000): largest encoded message in bytes.
+* ``acl`` (str, "auto"): "auto" gives nodes a digest ACL for the URL's user
+  (open ACL without credentials); "open" always uses the open ACL.
+* ``read_only_users`` (str, ""): comma-separated ``user:password`` pairs that
+  get read-only access.
+* ``use_ssl`` (bool, False), ``ca``, ``certfile``, ``keyfile``,
+  ``keyfile_password`` (str, ""), ``verify_certs`` (bool, True): TLS.
+* ``session_name`` (str, ""): connections of a process that agree on hosts,
+  credentials, TLS settings, ``session_timeout`` and this name share one
+  ZooKeeper session (see :mod:`celery_zk.zk.session`); a name of its own gives a
+  connection its own session.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from queue import Empty
+from time import monotonic
+from typing import Any
+
+import kazoo
+from celery.signals import worker_shutting_down
+from kazoo.client import KazooState
+from kombu.transport import virtual
+
+from ..features.affinity import Board, board_for
+from ..features.revokes import load_into_worker
+from ..zk.client import CONNECTION_ERRORS
+from ..zk.config import (
+    DEFAULT_PORT,
+    ZKSettings,
+    hide_secrets,
+    mask_password,
+    parse_url,
+    reveal_secrets,
+)
+from ..zk.layout import Layout
+from ..zk.session import ClientHandle
+from ..zk.watches import TreeWatches
+from .autodelete import AutoDeleteQueues
+from .bindings import Bindings
+from .channel import Channel
+from .eventloop import Waker
+from .groups import held_by_this_thread, install_when_imported
+from .handoff import HandOff
+from .liveness import ConsumerSession
+from .queue import NewMessage, QueueStore
+from .queue_view import QueueView
+from .unconfirmed import UnconfirmedPublisher
+
+logger = logging.getLogger(__name__)
+
+#: How often a waiting drain_events looks whether a worker shutdown began.
+SHUTDOWN_CHECK = 0.25
+#: Most messages delivered per wake-up of Celery's event loop before it runs
+#: its other work (the pool, timers), and how often it looks unasked (seconds).
+EVENT_LOOP_BATCH = 64
+EVENT_LOOP_POKE = 1.0
+
+#: Bumped (from a signal handler: a plain int, no lock) when a Celery worker
+#: in this process starts a warm or cold shutdown. Transports that existed
+#: then stop waiting in drain_events; ones made later are not affected.
+_shutdowns = 0
+
+#: The pid that loaded the revokes kept in ZooKeeper (see honour_kept_revokes).
+_revokes_loaded_by = 0
+
+install_when_imported()   # a no-op if ``import celery_zk`` already did it
+
+
+@worker_shutting_down.connect(weak=False)
+def _on_worker_shutting_down(**_: Any) -> None:
+    # Celery runs this inside its SIGTERM/SIGINT handler, which may have
+    # interrupted drain_events with a lock held: flag it, take no lock.
+    global _shutdowns
+    _shutdowns += 1
+
+
+class Transport(virtual.Transport):
+    """kombu transport storing messages as ZooKeeper sequential nodes."""
+
+    Channel = Channel
+    can_parse_url = True
+    default_port = DEFAULT_PORT  # type: ignore[assignment]
+    driver_type = "zookeeper"
+    driver_name = "kazoo"
+    polling_interval = None  # type: ignore[assignment]  # never sleeps: waits for watches
+
+    implements = virtual.Transport.implements.extend(
+        asynchronous=True,   # register_with_event_loop: see celery_zk.broker.eventloop
+        exchange_type=frozenset(["direct", "topic", "fanout"]),
+        heartbeats=False,
+    )
+
+    # kombu/celery retry the publish or reconnect on these, not fail the caller.
+    connection_errors = virtual.Transport.connection_errors + CONNECTION_ERRORS
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        self.settings = self._settings(client)
+        _hide_secrets(client)
+        given = "connect_timeout" in self.settings.given
+        self.handle = ClientHandle(
+            self.settings, owner=self,
+            connect_timeout=None if given or not client.connect_timeout
+            else float(client.connect_timeout))
+        self.layout = Layout(self.settings.root)
+        self.store = QueueStore(self.handle, self.layout, self.settings.options)
+        self.bindings = Bindings(self.handle, self.layout)
+        self.auto_delete = AutoDeleteQueues(self.handle, self.layout, self.store)
+        self.session = ConsumerSession(self.handle, self.layout, self.store)
+        self.handoff = (HandOff(self.handle, self.layout, self.store)
+                        if self.settings.options.handoff
+                        and self.settings.options.persistent_watches else None)
+        self._watches: TreeWatches | None = None
+        self.declared_queues: set[str] = set()
+        self.unconfirmed = (None if self.settings.options.confirm_publish
+                            else UnconfirmedPublisher(self.store))
+        self._wake = Waker()
+        self._loop: Any = None   # the event loop (kombu hub) we are registered with
+        self._poke: Any = None
+        self._shutdowns_seen = _shutdowns
+        self.handle.add_listener(self._on_state)
+
+    @staticmethod
+    def _settings(client: Any) -> ZKSettings:
+        urls = [reveal_secrets(u, client.password) for u in (client.alt or [client.hostname])
+                if u]
+        if not urls or "://" not in urls[0]:  # Connection(transport='zk', hostname='h')
+            host = client.hostname or "localhost"
+            port = client.port or DEFAULT_PORT
+            vhost = (client.virtual_host or "").strip("/")
+            urls = [f"zk://{host}:{port}/{vhost}"]
+        return parse_url(urls, client.transport_options)
+
+    @property
+    def watches(self) -> TreeWatches | None:
+        """The session's persistent watches (one per session, shared by its connections)."""
+        if not self.settings.options.persistent_watches:
+            return None
+        session = self.handle.session
+        watches = self._watches
+        if watches is None or watches.handle is not session:
+            watches = self._watches = session.singleton(TreeWatches,
+                                                        lambda: TreeWatches(session))
+        return watches
+
+    @property
+    def affinity(self) -> Board:
+        """Who holds which affinity key, and what this process holds
+        (:mod:`celery_zk.features.affinity`)."""
+        return board_for(self.handle.session, self.layout, self.watches)
+
+    @property
+    def batches_groups(self) -> bool:
+        """Whether Celery's groups publish through :func:`publish_together`."""
+        return self.settings.options.batch_groups
+
+    def publishing_together(self) -> list[NewMessage] | None:
+        """Where this thread's open :func:`publish_together` holds this transport's
+        messages; None if there is none (or ``batch_groups`` is off)."""
+        held: dict[QueueStore, list[NewMessage]] | None = held_by_this_thread()
+        if held is None or not self.settings.options.batch_groups:
+            return None
+        return held.setdefault(self.store, [])
+
+    def honour_kept_revokes(self) -> None:
+        """In a Celery worker, once per process: the revokes kept in ZooKeeper
+        join its revoked set before any task is delivered (celery_zk.features.revokes)."""
+        global _revokes_loaded_by
+        if _revokes_loaded_by == os.getpid() or "celery.worker.state" not in sys.modules:
+            return
+        _revokes_loaded_by = os.getpid()
+        load_into_worker(self.handle.client, self.layout)
+
+    def consuming_changed(self) -> None:
+        """The queues this connection consumes changed: its consumer node says
+        which (``celery zk status``, ``queue_declare``'s consumer count)."""
+        channels: list[Channel] = list(self.channels or ())
+        self.session.set_queues({queue for channel in channels
+                                 for queue in channel._active_queues})
+
+    def wake(self) -> None:
+        """Something may be deliverable now (new message, free prefetch slot)."""
+        self._wake.set()
+
+    def watch_removed(self, queue: str, by: QueueView) -> None:
+        """A view removed its watch on ``queue``, taking the session's one-shot
+        watches there with it: every other view of the queue on this session (in
+        any connection of the process) must look again."""
+        for transport in self.handle.peers():
+            if not isinstance(transport, Transport) or transport.layout != self.layout:
+                continue
+            channels: list[Channel] = list(transport.channels or ())
+            for channel in channels:
+                view = channel._views.get(queue)
+                if view is not None and view is not by:
+                    view.reset()
+
+    def _on_state(self, state: KazooState) -> None:
+        # kazoo's event thread. After a session change the watches are gone.
+        channels: list[Channel] = list(self.channels or ())
+        for channel in channels:
+            channel.reset_watches()
+        self._wake.set()
+
+    def establish_connection(self) -> Any:
+        self.handle.connect()  # now: a bad URL or dead server fails here, clearly
+        return super().establish_connection()
+
+    def close_connection(self, connection: Any) -> None:
+        try:
+            if self.handle.started:
+                self.store.deferred.flush()   # acks held back must land before we go
+            if self.unconfirmed is not None and not self.unconfirmed.flush(
+                    timeout=2 * self.settings.options.session_timeout):
+                logger.error("celery_zk: closing with %d unconfirmed publish(es) in flight",
+                             self.unconfirmed.in_flight)
+            super().close_connection(connection)
+            if self.handle.started:
+                self.auto_delete.release_all()
+        finally:
+            self.unregister_from_event_loop(connection, self._loop)
+            self.session.close()
+            self.handle.close()
+
+    def drain_events(self, connection: Any, timeout: float | None = None,
+                     **kwargs: Any) -> None:
+        deadline = None if timeout is None else monotonic() + timeout
+        while True:
+            if self._shutdowns_seen != _shutdowns:
+                # A worker shutdown began. Celery's synchronous loop notices it
+                # only when this returns (and then calls it once more): return
+                # at once, and deliver nothing new, from now on.
+                raise socket.timeout()
+            if self._deliver_one():
+                return
+            if deadline is not None and deadline <= monotonic():
+                raise socket.timeout()
+            self._wait(deadline)
+
+    def _deliver_one(self) -> bool:
+        """Deliver one message if one can be delivered now; True if it was."""
+        self._wake.clear()
+        # After a session expiry (else no-ops): queues first, then what routes to them.
+        self.auto_delete.restore()
+        self.bindings.restore_ephemeral()
+        try:
+            assert self.cycle is not None
+            self.cycle.get(self._deliver)
+            return True
+        except Empty:
+            pass
+        channels: list[Channel] = list(self.channels or ())
+        for channel in channels:
+            channel.withdraw_offers_if_full()
+        return False
+
+    # -- Celery's event loop ------------------------------------------------------
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        """Deliver from the worker's event loop, woken through :class:`Waker`'s pipe."""
+        self.unregister_from_event_loop(connection, self._loop)
+        self._loop = loop
+        loop.add_reader(self._wake.fileno(), self._on_readable)
+        # A safety net for a wake-up nothing sends (a prefetch limit raised by
+        # Celery's QoS): an idle look costs no request.
+        self._poke = loop.call_repeatedly(EVENT_LOOP_POKE, self.wake)
+        self.wake()   # what is waiting already
+
+    def unregister_from_event_loop(self, connection: Any, loop: Any) -> None:
+        if self._loop is not None:
+            try:
+                self._loop.remove_reader(self._wake.fileno())
+            except Exception:   # the hub was reset (a connection error): nothing to remove
+                pass
+        if self._poke is not None:
+            self._poke.cancel()
+        self._loop = self._poke = None
+
+    def _on_readable(self) -> None:
+        # Bounded, so the loop also runs the pool and timers; the rest next turn.
+        for _ in range(EVENT_LOOP_BATCH):
+            if not self._deliver_one():
+                return
+        self.wake()
+
+    def _wait(self, deadline: float | None) -> None:
+        """Until woken, the deadline or a worker shutdown, whichever comes first."""
+        while self._shutdowns_seen == _shutdowns:
+            remaining = None if deadline is None else deadline - monotonic()
+            if remaining is not None and remaining <= 0:
+                return
+            # Short waits: the shutdown signal may land on another thread and
+            # not interrupt this one.
+            if self._wake.wait(SHUTDOWN_CHECK if remaining is None
+                               else min(remaining, SHUTDOWN_CHECK)):
+                return
+
+    def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
+        # kombu passes the Connection's hostname, which _hide_secrets masked.
+        if include_password:
+            return reveal_secrets(uri, self.client.password if self.client else None)
+        return mask_password(uri)
+
+    def driver_version(self) -> str:
+        return getattr(kazoo, "__version__", "unknown")
+
+
+def _hide_secrets(client: Any) -> None:
+    """Keep passwords out of ``Connection.info()`` (``celery inspect stats``, Flower).
+
+    kombu shows ``hostname`` and ``alternates`` there, and for a transport that
+    parses its own URL those are whole URLs. They are replaced by masked ones;
+    :func:`~celery_zk.zk.config.reveal_secrets` gives the real URL back to this
+    process (``Connection.clone()``, reconnects). The password itself moves to
+    the Connection's ``password`` field, which Celery leaves out of the stats
+    and kombu's pools use to tell connections apart.
+    """
+    urls = [client.hostname, *(client.alt or [])]
+    if not any(isinstance(u, str) and "://" in u for u in urls):
+        return
+    settings = parse_url([u for u in urls if isinstance(u, str)])
+    if settings.password is not None and client.password is None:
+        client.userid, client.password = settings.username, settings.password
+    if isinstance(client.hostname, str):
+        client.hostname = hide_secrets(client.hostname, client.password)
+    if client.alt:
+        client.alt = [hide_secrets(u, client.password) if isinstance(u, str) else u
+                      for u in client.alt]

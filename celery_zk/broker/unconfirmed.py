@@ -1,0 +1,148 @@
+"""Publishing without waiting for ZooKeeper's reply (``confirm_publish=False``).
+
+By default a publish returns once ZooKeeper has stored the message: one round
+trip (and one log fsync on the server) per ``apply_async``. With
+``confirm_publish=False`` a publish only sends its create and returns, so one
+process can keep many creates in flight and the server commits them together,
+as AMQP's basic.publish without publisher confirms. ZooKeeper handles one
+session's requests in order, so messages still land in publish order.
+
+What is given up: a message whose create is still in flight when the process
+is *killed* is lost. A clean exit waits for every reply: the transport's
+close, and for pooled connections that are never closed an exit hook (a
+multiprocessing finalizer) and, in a prefork pool child, Celery's
+``worker_process_shutdown`` signal. A reply lost to a dropped connection is
+redone by a background thread that first looks for the node (by the uid in
+its name), so nothing is published twice, but such a message can land after
+later ones.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from multiprocessing.util import Finalize
+from typing import Any
+
+from celery.signals import worker_process_shutdown
+
+from ..zk.client import CONNECTION_ERRORS, RedoThread
+from .queue import NewMessage, QueueStore
+
+logger = logging.getLogger(__name__)
+
+#: Most unconfirmed publishes in flight per connection; the next publish waits
+#: for a reply (back-pressure, and a bound on what a crash can lose).
+WINDOW = 256
+
+_publishers: weakref.WeakSet[UnconfirmedPublisher] = weakref.WeakSet()
+
+
+class UnconfirmedPublisher:
+    """Pipelined publishes through one :class:`~celery_zk.broker.queue.QueueStore`."""
+
+    def __init__(self, store: QueueStore, window: int = WINDOW) -> None:
+        self.store = store
+        self.window = window
+        self._pid = os.getpid()
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._redo = self._redo_thread()
+        _publishers.add(self)
+        _hook_exit()
+
+    def put(self, queue: str, data: bytes, priority: int | None,
+            affinity: str | None = None) -> None:
+        # Size errors raise here.
+        message = self.store.new_message(queue, data, priority, affinity)
+        with self._cond:
+            if self._pid != os.getpid():  # forked: the parent's replies never come here
+                self._pid, self._in_flight, self._redo = os.getpid(), 0, self._redo_thread()
+                _hook_exit()
+            while self._in_flight >= self.window:
+                self._cond.wait()
+            self._in_flight += 1
+        try:
+            result = self.store.client.create_async(message.path, message.data, sequence=True)
+        except BaseException:
+            self._finished()
+            raise
+        result.rawlink(lambda done: self._on_reply(done, message))
+
+    def _redo_thread(self) -> RedoThread[NewMessage]:
+        return RedoThread("celery_zk-publish-redo", self._redo_one)
+
+    def _on_reply(self, result: Any, message: NewMessage) -> None:
+        # kazoo's event thread: never block here; anything but success goes to the thread.
+        try:
+            path = result.get()
+        except Exception:
+            self._redo.submit(message)
+            return
+        self.store.created(message, path.rpartition("/")[2])
+        self._finished()
+
+    def _redo_one(self, message: NewMessage) -> None:
+        try:
+            # A lost reply may hide a create that happened: look before making another.
+            self.store.put_new(message, maybe_made=True)
+        except Exception as exc:
+            logger.error("celery_zk: an unconfirmed publish to queue %r failed and the "
+                         "message is LOST (confirm_publish=False): %s: %s",
+                         message.queue, type(exc).__name__, exc,
+                         exc_info=not isinstance(exc, CONNECTION_ERRORS))
+        finally:
+            self._finished()
+
+    def _finished(self) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every publish so far is stored. False if ``timeout`` ran out."""
+        with self._cond:
+            if self._pid != os.getpid():
+                return True
+            return self._cond.wait_for(lambda: self._in_flight == 0, timeout)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+
+def flush_all(timeout: float = 30) -> None:
+    """Wait until every unconfirmed publish of this process is stored (or ``timeout``).
+
+    Pooled connections are often never closed (Celery's ``app.close()`` leaves
+    kombu's producer pool open): this runs at exit, and a script may call it.
+    """
+    for publisher in list(_publishers):
+        if not publisher.flush(timeout=timeout):
+            logger.error("celery_zk: %d unconfirmed publish(es) still in flight at exit",
+                         publisher.in_flight)
+
+
+_hooked_pid = 0
+
+
+def _hook_exit() -> None:
+    """Flush at this process's exit, once per process.
+
+    A multiprocessing finalizer: in the main process it runs from ``atexit``;
+    billiard clears the parent's finalizers in a new child, so each process
+    registers its own. A prefork pool child, though, leaves through
+    ``os._exit`` without running either: :func:`_flush_in_pool_child` covers it.
+    """
+    global _hooked_pid
+    if _hooked_pid != os.getpid():
+        _hooked_pid = os.getpid()
+        Finalize(None, flush_all, exitpriority=100)
+
+
+@worker_process_shutdown.connect(weak=False)
+def _flush_in_pool_child(**_: Any) -> None:
+    """Celery sends this in a pool child just before billiard's ``os._exit``
+    (after ``--max-tasks-per-child`` tasks, at a pool shrink or a shutdown)."""
+    flush_all()

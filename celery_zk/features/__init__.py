@@ -1,0 +1,2 @@
+"""Beyond Redis and RabbitMQ: singleton tasks, durable revokes,
+data-affinity scheduling."""

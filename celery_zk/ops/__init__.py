@@ -1,0 +1,2 @@
+"""What operators run: ``celery zk status``, the Prometheus exporter, the
+tree export."""

@@ -1,0 +1,145 @@
+"""``celery zk exporter``: Prometheus metrics of the queues, consumers and servers.
+
+Each scrape takes one :func:`celery_zk.ops.status.collect` report (names and
+stats only), so a scrape of a 100,000-message backlog costs what ``celery zk
+status`` costs. The two metrics dashboards built for danihodovic's
+celery-exporter read keep their names and labels:
+
+* ``celery_queue_length{queue_name}``: waiting messages;
+* ``celery_active_consumer_count{queue_name}``: live consumers of the queue.
+
+The rest are ``celery_zk_*``: owned and dead messages, the oldest waiting
+message's age, waiting messages per priority, consumers, stored results, and
+each server's ``mntr`` figures. A scrape that cannot reach ZooKeeper reports
+``celery_zk_up 0`` instead of failing.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .status import Status
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StatusCollector"]
+
+#: mntr key -> (metric suffix, help): the server figures worth a metric.
+SERVER_METRICS = {
+    "zk_avg_latency": ("avg_latency_ms", "Average request latency (ms)."),
+    "zk_max_latency": ("max_latency_ms", "Largest request latency (ms)."),
+    "zk_outstanding_requests": ("outstanding_requests", "Requests queued in the server."),
+    "zk_znode_count": ("znode_count", "Nodes in the server's tree."),
+    "zk_watch_count": ("watch_count", "Watches set on the server."),
+    "zk_approximate_data_size": ("data_size_bytes", "Approximate size of the data tree."),
+    "zk_num_alive_connections": ("alive_connections", "Client connections to this server."),
+    "zk_followers": ("followers", "Followers (on the leader)."),
+    "zk_synced_followers": ("synced_followers", "Followers in sync (on the leader)."),
+}
+
+
+class StatusCollector(Collector):
+    """A Prometheus collector that takes a fresh report on every scrape."""
+
+    def __init__(self, report: Callable[[], Status]) -> None:
+        self.report = report
+
+    def collect(self) -> Iterator[Any]:
+        started = time.monotonic()
+        up = GaugeMetricFamily("celery_zk_up", "1 if the last scrape reached ZooKeeper.")
+        try:
+            status = self.report()
+        except Exception as exc:   # a scrape must answer: say the broker is down
+            logger.warning("celery_zk exporter: scrape failed: %s: %s",
+                           type(exc).__name__, exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from _queue_metrics(status)
+        yield from _consumer_metrics(status)
+        yield from _result_metrics(status)
+        yield from _server_metrics(status)
+        took = GaugeMetricFamily("celery_zk_scrape_duration_seconds",
+                                 "Seconds the last scrape took.")
+        took.add_metric([], time.monotonic() - started)
+        yield took
+
+
+def _queue_metrics(status: Status) -> Iterator[Any]:
+    length = GaugeMetricFamily("celery_queue_length", "The number of message in broker queue.",
+                               labels=["queue_name"])
+    consumers = GaugeMetricFamily("celery_active_consumer_count",
+                                  "The number of active consumer in broker queue.",
+                                  labels=["queue_name"])
+    by_priority = GaugeMetricFamily("celery_zk_queue_waiting",
+                                    "Waiting messages by priority.",
+                                    labels=["queue_name", "priority"])
+    owned = GaugeMetricFamily("celery_zk_queue_owned",
+                              "Messages claimed by a live consumer, not yet acked.",
+                              labels=["queue_name"])
+    dead = GaugeMetricFamily("celery_zk_queue_dead", "Dead letters.", labels=["queue_name"])
+    oldest = GaugeMetricFamily("celery_zk_queue_oldest_message_age_seconds",
+                               "How long the first message in line has waited "
+                               "(0 when none waits).", labels=["queue_name"])
+    per_queue: dict[str, int] = {}
+    for consumer in status.consumers:
+        for name in consumer.queues:
+            per_queue[name] = per_queue.get(name, 0) + 1
+    for queue in status.queues:
+        length.add_metric([queue.name], queue.waiting_total)
+        consumers.add_metric([queue.name], per_queue.get(queue.name, 0))
+        for priority, count in sorted(queue.waiting.items()):
+            by_priority.add_metric([queue.name, str(priority)], count)
+        owned.add_metric([queue.name], queue.owned_total)
+        dead.add_metric([queue.name], queue.dead)
+        oldest.add_metric([queue.name], queue.oldest_age or 0.0)
+    yield from (length, consumers, by_priority, owned, dead, oldest)
+
+
+def _consumer_metrics(status: Status) -> Iterator[Any]:
+    count = GaugeMetricFamily("celery_zk_consumers", "Live consuming connections.")
+    count.add_metric([], len(status.consumers))
+    yield count
+
+
+def _result_metrics(status: Status) -> Iterator[Any]:
+    if status.results is None:
+        return
+    stored = GaugeMetricFamily("celery_zk_results_stored",
+                               "Result, group and chord nodes stored.", labels=["kind"])
+    for kind in ("results", "groups", "chords"):
+        stored.add_metric([kind], getattr(status.results, kind))
+    expired = GaugeMetricFamily("celery_zk_results_expired",
+                                "Stored results past result_expires (cleanup removes them).")
+    expired.add_metric([], status.results.expired)
+    yield stored
+    yield expired
+
+
+def _server_metrics(status: Status) -> Iterator[Any]:
+    up = GaugeMetricFamily("celery_zk_server_up", "1 if the server answered mntr or srvr.",
+                           labels=["server"])
+    leader = GaugeMetricFamily("celery_zk_server_leader",
+                               "1 for the leader or a standalone server.", labels=["server"])
+    families = {key: GaugeMetricFamily(f"celery_zk_server_{suffix}", text, labels=["server"])
+                for key, (suffix, text) in SERVER_METRICS.items()}
+    for server, health in sorted(status.servers.items()):
+        up.add_metric([server], 0 if "error" in health else 1)
+        if "error" in health:
+            continue
+        state = str(health.get("zk_server_state", ""))
+        leader.add_metric([server], 1 if state in ("leader", "standalone") else 0)
+        for key, family in families.items():
+            value = health.get(key)
+            if isinstance(value, (int, float)):
+                family.add_metric([server], value)
+    yield up
+    yield leader
+    yield from families.values()

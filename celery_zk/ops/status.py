@@ -1,0 +1,313 @@
+"""What ``celery zk status`` and the exporter report, read from names and stats.
+
+Everything here comes from ``get_children`` of small directories and from
+node stats (``numChildren``, ``ctime``): message bodies are never read, so a
+report costs a few pipelined round trips per queue, whatever its backlog.
+
+* Waiting messages per priority: the ``numChildren`` of each bucket.
+* The oldest waiting message: the first name in line of each priority (one
+  listing of its first non-empty bucket, at most ``bucket_size`` names) and
+  that node's ``ctime``.
+* Owned messages per consumer: the names in ``owned/``, which start with the
+  consumer's id; dead letters: ``dead/``'s ``numChildren``.
+* Consumers: the ephemeral ``consumers/`` nodes (host, pid, queues).
+* Results, groups and chords: the shards' ``numChildren``; how many are past
+  their expiry: the expiry index's hours older than ``result_expires``.
+* The server: ``mntr`` (or ``srvr``, the one four-letter word ZooKeeper
+  allows by default) of every server in the connection string.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+
+from ..backend.expiry import bucket_expired
+from ..broker.liveness import consumer_nodes
+from ..server.launcher import four_letter_word
+from ..zk.client import reply_or_retry
+from ..zk.layout import (
+    MAX_PRIORITY,
+    Layout,
+    parse_bucket_name,
+    parse_message_name,
+    parse_offer_name,
+    sort_messages,
+    split_owned_name,
+    unescape,
+)
+
+__all__ = ["ConsumerStatus", "QueueStatus", "ResultsStatus", "Status", "collect",
+           "server_health"]
+
+#: mntr keys worth showing (ZooKeeper 3.5+ names); the rest stay in --json.
+HEALTH_KEYS = ("zk_server_state", "zk_avg_latency", "zk_max_latency",
+               "zk_outstanding_requests", "zk_znode_count", "zk_watch_count",
+               "zk_approximate_data_size", "zk_num_alive_connections", "zk_followers",
+               "zk_synced_followers")
+
+
+@dataclass
+class QueueStatus:
+    name: str
+    waiting: dict[int, int] = field(default_factory=dict)   # priority -> messages
+    owned: dict[str, int] = field(default_factory=dict)     # consumer id -> messages
+    dead: int = 0
+    offers: int = 0          # idle consumers waiting for a message of this queue
+    oldest_age: float | None = None   # seconds the first message in line has waited
+
+    @property
+    def waiting_total(self) -> int:
+        return sum(self.waiting.values())
+
+    @property
+    def owned_total(self) -> int:
+        return sum(self.owned.values())
+
+
+@dataclass
+class ConsumerStatus:
+    id: str
+    host: str
+    pid: int | None
+    queues: list[str]
+    since: float             # epoch seconds: when it registered
+    owned: int = 0
+
+
+@dataclass
+class ResultsStatus:
+    root: str
+    results: int = 0
+    groups: int = 0
+    chords: int = 0
+    expired: int = 0         # index entries in hours past result_expires
+
+
+@dataclass
+class Status:
+    root: str
+    queues: list[QueueStatus]
+    consumers: list[ConsumerStatus]
+    results: ResultsStatus | None
+    servers: dict[str, dict[str, Any]]
+    took: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "root": self.root,
+            "queues": [{"name": q.name, "waiting": q.waiting_total,
+                        "waiting_by_priority": {str(p): n for p, n in sorted(q.waiting.items())},
+                        "owned": q.owned_total, "owned_by_consumer": q.owned,
+                        "dead": q.dead, "idle_consumers": q.offers,
+                        "oldest_waiting_seconds": q.oldest_age} for q in self.queues],
+            "consumers": [c.__dict__ for c in self.consumers],
+            "results": self.results.__dict__ if self.results is not None else None,
+            "servers": self.servers,
+            "took_seconds": round(self.took, 3),
+        }
+
+
+def collect(client: KazooClient, layout: Layout, hosts: str,
+            results_layout: Layout | None = None, result_expires: float | None = None,
+            queues: Iterable[str] | None = None, health: bool = True,
+            results_client: KazooClient | None = None) -> Status:
+    """One report. ``queues``: only these (all by default); ``results_layout``:
+    the zk result backend's root, if it has one (read through ``results_client``
+    when the backend is on other servers)."""
+    started = time.monotonic()
+    names = sorted(queues) if queues is not None else queue_names(client, layout)
+    now = time.time()
+    queue_status = [_queue(client, layout, name, now) for name in names]
+    consumers = _consumers(client, layout)
+    by_id = {c.id: c for c in consumers}
+    for queue in queue_status:
+        for consumer_id, count in queue.owned.items():
+            if consumer_id in by_id:
+                by_id[consumer_id].owned += count
+    results = (_results(results_client or client, results_layout, result_expires, now)
+               if results_layout is not None else None)
+    servers = server_health(hosts) if health else {}
+    return Status(layout.root, queue_status, consumers, results, servers,
+                  time.monotonic() - started)
+
+
+def queue_names(client: KazooClient, layout: Layout) -> list[str]:
+    try:
+        return sorted(unescape(n) for n in client.retry(client.get_children, layout.queues))
+    except NoNodeError:
+        return []
+
+
+def _children(client: KazooClient, path: str) -> list[str]:
+    try:
+        return client.retry(client.get_children, path)
+    except NoNodeError:
+        return []
+
+
+def _queue(client: KazooClient, layout: Layout, queue: str, now: float) -> QueueStatus:
+    status = QueueStatus(queue)
+    unowned = _children(client, layout.unowned(queue))
+    buckets = sorted(n for n in unowned if parse_bucket_name(n) is not None)
+    flat = [n for n in unowned if parse_bucket_name(n) is None]
+    # One pipelined round: every bucket's stat, owned/, dead/ and offers/.
+    stats = [client.exists_async(layout.bucket(queue, b)) for b in buckets]
+    owned = client.get_children_async(layout.owned(queue))
+    dead = client.exists_async(layout.dead(queue))
+    offers = client.get_children_async(layout.offers(queue))
+    first: dict[int, str] = {}   # priority -> its first non-empty bucket
+    for bucket, reply in zip(buckets, stats):
+        stat = reply_or_retry(client, reply, client.exists, layout.bucket(queue, bucket))
+        if stat is None or not stat.numChildren:
+            continue
+        inverted, _ = parse_bucket_name(bucket) or (0, 0)
+        priority = MAX_PRIORITY - inverted
+        status.waiting[priority] = status.waiting.get(priority, 0) + stat.numChildren
+        first.setdefault(priority, bucket)
+    ordered_flat, _ = sort_messages(flat)
+    for parsed in filter(None, map(parse_message_name, ordered_flat)):
+        # celery_zk before buckets: flat in unowned/
+        status.waiting[parsed.priority] = status.waiting.get(parsed.priority, 0) + 1
+    status.owned = dict(Counter(
+        parts[0] for parts in map(split_owned_name, _reply_or_empty(owned)) if parts))
+    dead_stat = _reply_or_none(dead)
+    status.dead = dead_stat.numChildren if dead_stat is not None else 0
+    status.offers = sum(1 for n in _reply_or_empty(offers) if parse_offer_name(n))
+    status.oldest_age = _oldest_age(client, layout, queue, list(first.values()),
+                                    ordered_flat, now)
+    return status
+
+
+def _oldest_age(client: KazooClient, layout: Layout, queue: str, buckets: list[str],
+                flat: list[str], now: float) -> float | None:
+    """Seconds the first message in line of each priority has waited; the longest."""
+    heads = [layout.unowned_message(queue, flat[0])] if flat else []
+    listings = [client.get_children_async(layout.bucket(queue, b)) for b in buckets]
+    for reply in listings:
+        ordered, _ = sort_messages(_reply_or_empty(reply))
+        if ordered:
+            heads.append(layout.unowned_message(queue, ordered[0]))
+    ctimes = [stat.ctime for stat in map(_reply_or_none,
+                                         [client.exists_async(p) for p in heads]) if stat]
+    return max(0.0, now - min(ctimes) / 1000) if ctimes else None
+
+
+def _reply_or_empty(reply: Any) -> list[str]:
+    try:
+        return list(reply.get())
+    except NoNodeError:
+        return []
+
+
+def _reply_or_none(reply: Any) -> Any:
+    try:
+        return reply.get()
+    except NoNodeError:
+        return None
+
+
+def _consumers(client: KazooClient, layout: Layout) -> list[ConsumerStatus]:
+    consumers = []
+    for consumer_id, meta, since in consumer_nodes(client, layout):
+        pid = meta.get("pid")
+        consumers.append(ConsumerStatus(
+            id=consumer_id, host=str(meta.get("host", "")),
+            pid=pid if isinstance(pid, int) else None,
+            queues=sorted(str(q) for q in meta.get("queues", [])), since=since))
+    return consumers
+
+
+def _results(client: KazooClient, layout: Layout, result_expires: float | None,
+             now: float) -> ResultsStatus:
+    status = ResultsStatus(layout.root)
+    status.results = _sharded_count(client, layout.shards(layout.results))
+    status.groups = _sharded_count(client, layout.shards(layout.groups))
+    chords = _reply_or_none(client.exists_async(layout.chords))
+    status.chords = chords.numChildren if chords is not None else 0
+    if result_expires:
+        cutoff = now - result_expires
+        hours = [int(n[1:]) for n in _children(client, layout.expiry)
+                 if n.startswith("h") and n[1:].isdigit()]
+        status.expired = sum(
+            _sharded_count(client, layout.shards(layout.expiry_bucket(hour)))
+            for hour in hours if bucket_expired(hour, cutoff))
+    return status
+
+
+def _sharded_count(client: KazooClient, shards: list[str]) -> int:
+    stats = [client.exists_async(path) for path in shards]
+    return sum(stat.numChildren for stat in map(_reply_or_none, stats) if stat is not None)
+
+
+def server_health(hosts: str, timeout: float = 2.0) -> dict[str, dict[str, Any]]:
+    """``mntr`` of each server (``srvr`` where mntr is not allowed), by host:port."""
+    out: dict[str, dict[str, Any]] = {}
+    for entry in hosts.split("/")[0].split(","):
+        host, _, port = entry.strip().rpartition(":")
+        if not host:
+            host, port = entry.strip(), "2181"
+        key = f"{host}:{port}"
+        try:
+            reply = four_letter_word(host.strip("[]"), int(port), "mntr", timeout)
+            if "not in the whitelist" in reply or "not executed" in reply:
+                health = _parse_srvr(four_letter_word(host.strip("[]"), int(port), "srvr",
+                                                      timeout))
+                health["note"] = ("mntr is not allowed on this server (add it to "
+                                  "4lw.commands.whitelist for more); showing srvr")
+            else:
+                health = _parse_mntr(reply)
+        except (OSError, ValueError) as exc:
+            health = {"error": f"{type(exc).__name__}: {exc}"}
+        out[key] = health
+    return out
+
+
+def _number(value: str) -> Any:
+    try:
+        return int(value)
+    except ValueError:
+        try:
+            return float(value)
+        except ValueError:
+            return value
+
+
+def _parse_mntr(reply: str) -> dict[str, Any]:
+    health: dict[str, Any] = {}
+    for line in reply.splitlines():
+        key, sep, value = line.partition("\t")
+        if sep:
+            health[key.strip()] = _number(value.strip())
+    return health
+
+
+def _parse_srvr(reply: str) -> dict[str, Any]:
+    """srvr's lines, under mntr's names where they mean the same."""
+    health: dict[str, Any] = {}
+    for line in reply.splitlines():
+        key, sep, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if not sep:
+            continue
+        if key == "Latency min/avg/max":
+            parts = value.split("/")
+            if len(parts) == 3:
+                health["zk_min_latency"], health["zk_avg_latency"], health["zk_max_latency"] = (
+                    _number(p) for p in parts)
+        elif key == "Outstanding":
+            health["zk_outstanding_requests"] = _number(value)
+        elif key == "Node count":
+            health["zk_znode_count"] = _number(value)
+        elif key == "Mode":
+            health["zk_server_state"] = value
+        elif key == "Connections":
+            health["zk_num_alive_connections"] = _number(value)
+        elif key.startswith("Zookeeper version"):
+            health["zk_version"] = value
+    return health

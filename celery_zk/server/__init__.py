@@ -1,0 +1,21 @@
+"""A local ZooKeeper: the launcher (:mod:`.launcher`), finding an installation
+(:mod:`.install`) and ensembles (:mod:`.ensemble`).
+
+``from celery_zk.server import ZooKeeperServer`` is the public path.
+"""
+from .launcher import (
+    JVM_FLAGS,
+    SERVER_JVM_FLAGS,
+    Peer,
+    TLSConfig,
+    ZooKeeperInstall,
+    ZooKeeperServer,
+    find_zookeeper,
+    four_letter_word,
+    free_ports,
+    render_config,
+)
+
+__all__ = ["JVM_FLAGS", "SERVER_JVM_FLAGS", "Peer", "TLSConfig", "ZooKeeperInstall",
+           "ZooKeeperServer", "find_zookeeper", "four_letter_word", "free_ports",
+           "render_config"]

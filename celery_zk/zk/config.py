@@ -1,0 +1,360 @@
+"""The ``zk://`` URL grammar and every option the broker and backend take.
+
+Broker and result backend share this one parser, so a URL that works for one
+works for the other::
+
+    zk://[user:password@]host1[:port][,host2[:port]...][/path][?option=value...]
+
+kombu's ``;``-separated failover form (``zk://h1;zk://h2/app``) is folded
+into one host list: kazoo already fails over between ensemble members, so the
+hosts of every alternate become one connection string.
+
+Options come from the URL query and from ``broker_transport_options`` /
+``result_backend_transport_options``; the URL wins. An unknown option is an
+error, not a silent no-op: a misspelt ``sesion_timeout`` would otherwise leave
+production running on a default nobody chose.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from ..exceptions import ZKConfigurationError
+
+SCHEMES = ("zk", "zookeeper")
+DEFAULT_PORT = 2181
+DEFAULT_ROOT = "/celery"
+MIN_BUCKET_SIZE = 2
+MAX_BUCKET_SIZE = 10_000   # 10,000 names of ~45 bytes: a 450 KB listing
+
+# kombu/celery option names that are meaningful for every virtual transport;
+# accepted (and ignored where they do not apply) so shared settings keep working.
+GENERIC_KOMBU_OPTIONS = frozenset({
+    "body_encoding", "deadletter_queue", "polling_interval", "max_retries",
+    "interval_start", "interval_step", "interval_max",
+    "global_keyprefix", "fanout_prefix", "fanout_patterns",
+})
+
+_REJECTED_OPTIONS = {
+    "visibility_timeout": (
+        "celery_zk has no visibility timeout: a claimed message goes back to its "
+        "queue only when its owner's ZooKeeper session ends. Remove "
+        "'visibility_timeout' and tune 'session_timeout' instead."
+    ),
+}
+
+_HOST_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+)(?::(\d{1,5}))?$")
+
+
+def _opt(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class ZKOptions:
+    """Transport/backend options; the field docs feed the module docstrings."""
+
+    session_timeout: float = _opt(10.0, "ZooKeeper session timeout, seconds. A dead "
+                                  "worker's messages are requeued this long after it dies.")
+    connect_timeout: float = _opt(10.0, "Seconds to wait for the first connection "
+                                  "before failing with a clear error.")
+    claim_batch: int = _opt(64, "Most messages claimed in one multi transaction "
+                            "(also bounded by the consumer's prefetch).")
+    bucket_size: int = _opt(4096, "Waiting messages are created in buckets of one "
+                            "priority; a publisher starts the next bucket after this "
+                            "many creates in one. Bounds every listing (about 45 bytes "
+                            "a name) and keeps ZooKeeper's 32-bit sequence counters far "
+                            "from their end. 2 to 10,000.")
+    listing_max_age: float = _opt(1.0, "Seconds a consumer may reuse its cached, sorted "
+                                  "listing of a busy queue before re-reading it.")
+    persistent_watches: bool = _opt(True, "Wake an idle consumer with a persistent "
+                                    "recursive watch, which names the new message (no "
+                                    "listing per delivery; ZooKeeper 3.6+, falls back "
+                                    "by itself on older servers). False: one-shot child "
+                                    "watches only.")
+    handoff: bool = _opt(True, "Let a publisher hand a message straight to an idle "
+                         "consumer (one durable write per delivery instead of two: "
+                         "see celery_zk.broker.handoff). Needs persistent watches; set it "
+                         "on the consumers' side, publishers follow the offers they see.")
+    locality_wait: float = _opt(3.0, "Seconds a consumer leaves a message whose "
+                                "affinity key another live worker holds for that worker, "
+                                "before it takes the message itself (delay scheduling; "
+                                "see celery_zk.affinity). 0: prefer held keys, never wait.")
+    dead_letter_rejected: bool = _opt(False, "Keep messages rejected with requeue=False "
+                                      "under the queue's dead/ directory instead of "
+                                      "deleting them.")
+    confirm_publish: bool = _opt(True, "Wait for ZooKeeper to store each published "
+                                 "message before apply_async returns. False pipelines "
+                                 "publishes (many times faster for one publisher); a "
+                                 "message still in flight is lost if the process is "
+                                 "killed, as with AMQP without publisher confirms.")
+    batch_groups: bool = _opt(True, "Store a group's (or chord header's) messages a few "
+                              "hundred per multi transaction when the group is published, "
+                              "instead of one confirmed create per task; the group's "
+                              "apply_async still returns once all are stored.")
+    max_message_size: int = _opt(1_000_000, "Largest encoded message or result, bytes; "
+                                 "must stay below the server's jute.maxbuffer (1 MiB).")
+    acl: str = _opt("auto", "'auto': with credentials every node gets a digest ACL for "
+                    "that user only, without credentials the open ACL; 'open': always "
+                    "the open ACL.")
+    read_only_users: str = _opt("", "Comma-separated user:password pairs that get "
+                                "read-only access to every node celery_zk creates.")
+    use_ssl: bool = _opt(False, "Connect with TLS (the server needs a secureClientPort).")
+    ca: str = _opt("", "TLS: CA certificate file (PEM) used to verify the server.")
+    certfile: str = _opt("", "TLS: client certificate file (PEM).")
+    keyfile: str = _opt("", "TLS: client private key file (PEM).")
+    keyfile_password: str = _opt("", "TLS: password of the client key, if any.")
+    verify_certs: bool = _opt(True, "TLS: verify the server certificate.")
+    session_name: str = _opt("", "Connections of one process that name the same hosts, "
+                             "credentials, TLS settings, session_timeout and session_name "
+                             "share one ZooKeeper session (ZooKeeper allows 60 connections "
+                             "per client IP by default). A name of its own gives a "
+                             "connection its own session, which lives and ends apart from "
+                             "the process's other connections.")
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+@dataclass(frozen=True)
+class ZKSettings:
+    """Everything needed to connect: hosts, root path, credentials, options."""
+
+    hosts: str
+    root: str = DEFAULT_ROOT
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    options: ZKOptions = field(default_factory=ZKOptions)
+    #: Options the user set (URL or transport options), as opposed to defaults.
+    given: frozenset[str] = field(default=frozenset(), compare=False)
+
+    def sanitized_url(self) -> str:
+        """The URL with the password masked, for logs and reprs."""
+        auth = f"{self.username}:**@" if self.username else ""
+        return f"zk://{auth}{self.hosts}{self.root}"
+
+
+def _coerce(name: str, raw: Any, typ: Any) -> Any:
+    kind = typ if isinstance(typ, str) else typ.__name__
+    if kind == "bool":
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ZKConfigurationError(
+            f"celery_zk option {name!r} must be true or false, not {raw!r}.")
+    if kind in ("int", "float"):
+        try:
+            value = (int if kind == "int" else float)(raw)
+        except (TypeError, ValueError):
+            raise ZKConfigurationError(
+                f"celery_zk option {name!r} must be a number, not {raw!r}.") from None
+        if value < 0:
+            raise ZKConfigurationError(
+                f"celery_zk option {name!r} must not be negative (got {raw!r}).")
+        return value
+    return str(raw)
+
+
+def build_options(*sources: Mapping[str, Any] | None) -> ZKOptions:
+    """Merge option mappings (later ones win) into a validated :class:`ZKOptions`."""
+    known = {f.name: f for f in dataclasses.fields(ZKOptions)}
+    values: dict[str, Any] = {}
+    for source in sources:
+        for name, raw in (source or {}).items():
+            if name in _REJECTED_OPTIONS:
+                raise ZKConfigurationError(_REJECTED_OPTIONS[name])
+            if name in GENERIC_KOMBU_OPTIONS:
+                continue
+            if name not in known:
+                raise ZKConfigurationError(
+                    f"Unknown celery_zk option {name!r}. Valid options: "
+                    f"{', '.join(sorted(known))}.")
+            values[name] = _coerce(name, raw, known[name].type)
+    bucket_size = values.get("bucket_size", ZKOptions.bucket_size)
+    if not MIN_BUCKET_SIZE <= bucket_size <= MAX_BUCKET_SIZE:
+        raise ZKConfigurationError(
+            f"celery_zk option 'bucket_size' must be between {MIN_BUCKET_SIZE} and "
+            f"{MAX_BUCKET_SIZE:,} (got {bucket_size}): a bucket is listed whole, and "
+            "a listing must stay far below the 1 MiB a ZooKeeper reply may carry.")
+    return ZKOptions(**values)
+
+
+def _parse_hosts(netloc_hosts: str, url: str) -> list[str]:
+    hosts = []
+    for part in netloc_hosts.split(","):
+        part = part.strip()
+        if not part:
+            raise ZKConfigurationError(
+                f"Empty host in {mask_password(url)!r}: separate hosts with single commas, "
+                "e.g. zk://h1:2181,h2:2181/app.")
+        match = _HOST_RE.match(part)
+        if not match:
+            raise ZKConfigurationError(
+                f"Malformed host {part!r} in {mask_password(url)!r}: expected host or "
+                "host:port.")
+        host, port = match.group(1), match.group(2)
+        port_no = int(port) if port else DEFAULT_PORT
+        if not 0 < port_no < 65536:
+            raise ZKConfigurationError(
+                f"Port {port_no} of host {host!r} is out of range (1-65535).")
+        hosts.append(f"{host}:{port_no}")
+    return hosts
+
+
+def _split_url(url: str) -> tuple[str | None, str | None, list[str], str, dict[str, str]]:
+    if "://" not in url:
+        raise ZKConfigurationError(
+            f"Not a zk:// URL: {mask_password(url)!r}. Use "
+            "zk://[user:password@]host[:port][,host[:port]...][/path][?option=value].")
+    scheme, rest = url.split("://", 1)
+    if scheme not in SCHEMES:
+        raise ZKConfigurationError(
+            f"URL scheme {scheme!r} is not celery_zk's; use zk://.")
+    # urlsplit cannot take comma-separated host:port lists, so split by hand.
+    netloc, sep, tail = rest.partition("/")
+    if "?" in netloc:  # zk://host?opt=1 without a path
+        netloc, _, query_only = netloc.partition("?")
+        tail, sep = "?" + query_only, "/"
+    path_part = urlsplit("zk://x/" + tail if sep else "zk://x")
+    userinfo, _, hostpart = netloc.rpartition("@")
+    user = password = None
+    if userinfo:
+        user_raw, colon, pw_raw = userinfo.partition(":")
+        user = unquote(user_raw) or None
+        password = unquote(pw_raw) if colon else None
+        if user is None or password is None:
+            raise ZKConfigurationError(
+                "Credentials in a zk:// URL must be user:password@ (digest auth); "
+                f"got {mask_password(url)!r}.")
+    hosts = _parse_hosts(hostpart, url) if hostpart else [f"localhost:{DEFAULT_PORT}"]
+    query: dict[str, str] = {}
+    for key, value in parse_qsl(path_part.query, keep_blank_values=True, strict_parsing=False):
+        if key in query:
+            raise ZKConfigurationError(f"Option {key!r} is given twice in the URL.")
+        query[key] = value
+    return user, password, hosts, unquote(path_part.path), query
+
+
+def normalize_root(path: str) -> str:
+    root = "/" + path.strip("/") if path and path.strip("/") else DEFAULT_ROOT
+    for part in root.split("/")[1:]:
+        if part in (".", "..") or part.startswith("zookeeper") and root == "/" + part:
+            raise ZKConfigurationError(
+                f"Path {root!r} cannot be used as celery_zk's root; pick another, "
+                "e.g. /myapp.")
+    return root
+
+
+def parse_url(
+    url: str | Iterable[str], transport_options: Mapping[str, Any] | None = None,
+) -> ZKSettings:
+    """Parse one URL, or kombu's list of failover alternates, into settings."""
+    urls = [url] if isinstance(url, str) else list(url)
+    urls = [u for chunk in urls for u in chunk.split(";") if u.strip()]
+    if not urls:
+        raise ZKConfigurationError("No zk:// URL given.")
+    all_hosts: list[str] = []
+    user = password = None
+    path = ""
+    query: dict[str, str] = {}
+    for one in urls:
+        u_user, u_password, hosts, u_path, u_query = _split_url(one.strip())
+        for host in hosts:
+            if host not in all_hosts:
+                all_hosts.append(host)
+        # Alternates may omit path/credentials/options; where given, they must agree.
+        if (u_path and path and u_path != path) or (u_user and user and u_user != user):
+            raise ZKConfigurationError(
+                "Failover URLs must share the same path and credentials; only their "
+                f"hosts may differ ({mask_password(urls[0])!r} vs {mask_password(one)!r}).")
+        path = path or u_path
+        if u_user and not user:
+            user, password = u_user, u_password
+        query = {**u_query, **query}
+    return ZKSettings(
+        hosts=",".join(all_hosts),
+        root=normalize_root(path),
+        username=user,
+        password=password,
+        options=build_options(transport_options, query),
+        given=frozenset(query) | frozenset(transport_options or ()),
+    )
+
+
+_PASSWORD_RE = re.compile(r"(://[^:/@]*:)[^@/]*@")
+# Options whose values hold passwords: read_only_users=user:pw,... and keyfile_password.
+_SECRET_OPTION_RE = re.compile(r"([?&](read_only_users|keyfile_password)=)([^&;]*)")
+
+
+def _mask_option(match: re.Match[str]) -> str:
+    prefix, name, value = match.groups()
+    if name == "keyfile_password":
+        return f"{prefix}**" if value else prefix
+    users = (unquote(pair).partition(":")[0] for pair in unquote(value).split(","))
+    return prefix + ",".join(f"{user}:**" for user in users if user)
+
+
+def mask_password(url: str) -> str:
+    """``zk://u:secret@h`` -> ``zk://u:**@h``; used for every URL that reaches a log.
+
+    Passwords in options (``read_only_users``, ``keyfile_password``) are masked too.
+    """
+    return _SECRET_OPTION_RE.sub(_mask_option, _PASSWORD_RE.sub(r"\1**@", url))
+
+
+def mask_in_celery_reports() -> None:
+    """Make Celery's own URL masking hide everything :func:`mask_password` hides.
+
+    ``celery report`` and ``app.conf.humanize()`` mask result backend URLs with
+    ``celery.app.utils.sanitize_url``, which masks ``user:password@`` but
+    keeps the query, where celery_zk takes ``read_only_users`` and
+    ``keyfile_password``. zk:// URLs go through :func:`mask_password` instead;
+    every other URL is left to Celery. Idempotent; a no-op without Celery.
+    """
+    try:
+        from celery.app import utils
+    except ImportError:
+        return
+    celery_sanitize = utils.sanitize_url
+    if getattr(celery_sanitize, "celery_zk", False):
+        return
+
+    def sanitize_url(url: Any, mask: str = "*" * 8) -> Any:
+        if isinstance(url, str) and url.partition("://")[0] in SCHEMES:
+            return mask_password(url)
+        return celery_sanitize(url, mask=mask)
+
+    sanitize_url.celery_zk = True   # type: ignore[attr-defined]
+    utils.sanitize_url = sanitize_url
+
+
+#: Masked URL (and password) -> the URL it hides, for :func:`hide_secrets`.
+_hidden: dict[tuple[str, str | None], str] = {}
+
+
+def hide_secrets(url: str, password: str | None) -> str:
+    """``url`` masked, remembered in this process so :func:`reveal_secrets` can undo it.
+
+    kombu shows a Connection's ``hostname`` in ``Connection.info()`` (so in
+    ``celery inspect stats`` and Flower); for a transport that parses its own
+    URL that is the whole URL. The transport keeps the masked form there and
+    the real one here, keyed by the mask and the password kombu keeps apart.
+    """
+    masked = mask_password(url)
+    if masked != url:
+        _hidden[(masked, password)] = url
+    return masked
+
+
+def reveal_secrets(url: str, password: str | None) -> str:
+    """The URL :func:`hide_secrets` masked as ``url``; ``url`` itself if it did not."""
+    return _hidden.get((url, password), url)

@@ -1,0 +1,533 @@
+"""Znode layout: every path and node name celery_zk uses is built here.
+
+::
+
+    {root}/
+      queues/{queue}/                 data: queue meta (JSON)
+        unowned/p{P}-{gen}/           a bucket: waiting messages of one priority,
+                                      at most ``bucket_size`` sequential creates each
+          m{P}-{gen}-{uid}-{seq}      waiting message; P = 9 - priority
+          m{P}-{gen}-{uid}-r{first}   requeued message, keeps its first seq
+          m{P}-{gen}-{uid}@{key}-{seq}  one with a data-affinity key (celery_zk.features.affinity)
+        owned/{consumer}~{unowned name}   claimed by a live consumer
+        owned/{consumer}~m{P}-0000000000-{token}-0000000000   handed straight to it
+        offers/{consumer}~{token}     ephemeral: an idle consumer offers to take the
+                                      next message (celery_zk.broker.handoff)
+        dead/{unowned name}           dead-lettered (rejected / undecodable); data: a
+                                      reason line, then the message (celery_zk.broker.dead)
+        holders/s{session}-{lease}    auto-delete queues only: ephemeral, one per
+                                      connection that declared it; none left = deleted
+      exchanges/{exchange}/           data: {"type": ...}
+        bindings/{queue},{routing key}    ephemeral for auto-delete queues
+      consumers/{consumer}            ephemeral: one per live consuming connection;
+                                      the id starts with its creation time in ns;
+                                      data: {"host", "pid", "queues"}
+      results/{shard}/{task id}       done node: the task's result meta
+      groups/{shard}/{group id}       saved GroupResult
+      chords/{group id}               chord counter (children are completed parts)
+        {task id}                     one per counted header task: counts it once
+        ~size                         how many parts it waits for (Celery's set_chord_size)
+        ~done                         the body was sent: parts deleted, counter kept until expiry
+      expiry/h{hour}/{shard}/{kind}~{id}  index of results/groups/chords by write hour
+      locks/{key}                     ephemeral: a running singleton task's lock
+                                      (celery_zk.features.singleton); czxid: fencing token
+      revoked/{shard}/t~{task id}     a revoke kept for workers started later; data:
+      revoked/{shard}/s~{hash}        when (and the stamp) (celery_zk.features.revokes)
+      affinity/{h}/{key}~{worker}-{pid}   ephemeral: a worker process holds the data
+                                      of {key} (celery_zk.features.affinity); h: one
+                                      hex digit of its hash
+
+Names carry what a reader needs, so a consumer orders a queue from
+``get_children`` alone: priority first (inverted so a plain sort puts the
+highest first), then the bucket's generation, then the first sequence number
+ZooKeeper gave the message, so a requeued message keeps its original place
+among its priority. The uid lets a create retried after ConnectionLoss find
+the node it already made.
+
+Buckets keep every directory small and every sequence counter far from its
+end (a signed 32-bit count of creates per parent): a publisher moves on to
+generation ``gen + 1`` once a create's sequence reaches ``bucket_size``, and
+a consumer deletes an empty bucket once a later one of its priority exists.
+A requeue is not sequential (the uid makes its name unique), so it never
+advances a counter either. Messages of celery_zk before buckets (flat
+``unowned/m{P}-{uid}-{seq}``) are still read, ahead of their priority.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kazoo.protocol.paths import join
+
+MAX_PRIORITY = 9
+SEQ_DIGITS = 10
+OWNER_SEP = "~"
+BINDING_SEP = ","
+RESULT_SHARDS_HEX = 2  # 256 shards: a million results is ~4,000 per directory
+CHORD_SIZE = OWNER_SEP + "size"   # beside a chord's counted parts, which are escaped ids
+CHORD_DONE = OWNER_SEP + "done"
+REVOKED_TASK, REVOKED_STAMP = "t" + OWNER_SEP, "s" + OWNER_SEP   # kinds under revoked/
+
+_MESSAGE_RE = re.compile(r"^m(\d)-(\d{10})-([0-9a-f]{1,32})(?:@([^/~]+?))?-(r?)(\d{10})$")
+# Before buckets: flat in unowned/, the requeue sequential too.
+_FLAT_MESSAGE_RE = re.compile(r"^m(\d)-([0-9a-f]{1,32})-(?:r(\d{10})-)?(\d{10})$")
+_BUCKET_RE = re.compile(r"^p(\d)-(\d{10})$")
+# The sequential "-{seq}" suffix is from before consumer ids carried their time.
+_CONSUMER_RE = re.compile(r"^(c[0-9a-f]{1,32})(?:-\d{10})?$")
+_HOLDING_RE = re.compile(r"^([^/~]+)~([0-9a-f]{1,32})-(\d{1,10})$")
+_OFFER_RE = re.compile(r"^(c[0-9a-f]{1,32})~([0-9a-f]{1,32})$")
+# Characters that cannot appear raw in a node name, or that we use as separators.
+_ESCAPE_RE = re.compile(r"[%/,~\x00-\x1f\x7f]")
+#: Longest affinity key kept readable in a message name; a longer one is named
+#: by its hash. A bucket is listed whole (up to 10,000 names), and the listing
+#: must stay within jute.maxbuffer: (45 + 1 + 40) bytes x 10,000 = 860 KB.
+AFFINITY_KEY_CHARS = 40
+AFFINITY_HASH = "#"
+AFFINITY_SHARDS_HEX = 1   # 16 directories under affinity/
+
+
+def escape(name: str) -> str:
+    """Make a queue/exchange/routing-key string safe as one znode name."""
+    escaped = _ESCAPE_RE.sub(lambda m: f"%{ord(m.group()):02X}", name)
+    if escaped in ("", ".", "..", "zookeeper"):
+        escaped = "%" + escaped.encode().hex() + "%"  # reserved names stay distinct
+    return escaped
+
+
+def unescape(name: str) -> str:
+    if name.startswith("%") and name.endswith("%") and len(name) > 1 and "%" not in name[1:-1]:
+        return bytes.fromhex(name[1:-1]).decode()
+    return re.sub(r"%([0-9A-F]{2})", lambda m: chr(int(m.group(1), 16)), name)
+
+
+class MessageName(NamedTuple):
+    """A parsed waiting-message name."""
+
+    inverted_priority: int
+    generation: int | None   # its bucket; None: flat in unowned/ (before buckets)
+    uid: str
+    order: int          # the sequence it was first published with
+    requeued: bool      # back from owned/ (a reject, a shutdown or a dead owner)
+    seq: int            # this node's own sequence (a requeue's is its order)
+    affinity: str | None = None   # its affinity key as named (affinity_token)
+
+    @property
+    def priority(self) -> int:
+        return MAX_PRIORITY - self.inverted_priority
+
+    @property
+    def bucket(self) -> str | None:
+        if self.generation is None:
+            return None
+        return bucket_name(self.inverted_priority, self.generation)
+
+    @property
+    def sort_key(self) -> tuple[int, int, int, bool, int]:
+        # Flat messages first within their priority: they are older than any bucket.
+        # On equal order a requeued message goes first: the tie is a handed
+        # message (order 0, see handed_name) against a bucket's very first one.
+        generation = -1 if self.generation is None else self.generation
+        return (self.inverted_priority, generation, self.order, not self.requeued, self.seq)
+
+
+def clamp_priority(priority: int | None) -> int:
+    """AMQP semantics: higher first, 0..9, missing counts as 0."""
+    if priority is None:
+        return 0
+    return max(0, min(MAX_PRIORITY, int(priority)))
+
+
+def inverted(priority: int | None) -> int:
+    return MAX_PRIORITY - clamp_priority(priority)
+
+
+def bucket_name(inverted_priority: int, generation: int) -> str:
+    return f"p{inverted_priority}-{generation:0{SEQ_DIGITS}d}"
+
+
+def parse_bucket_name(name: str) -> tuple[int, int] | None:
+    """``(inverted priority, generation)`` of a bucket, or ``None``."""
+    match = _BUCKET_RE.match(name)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def same_priority(bucket: str, other: str) -> bool:
+    """Two bucket names of one priority (the later one takes its new messages)."""
+    first, second = parse_bucket_name(bucket), parse_bucket_name(other)
+    return first is not None and second is not None and first[0] == second[0]
+
+
+def message_prefix(inverted_priority: int, generation: int, uid: str,
+                   affinity: str | None = None) -> str:
+    """Name prefix of a new message; ZooKeeper appends the sequence.
+    ``affinity``: an :func:`affinity_token`."""
+    key = f"@{affinity}" if affinity else ""
+    return f"m{inverted_priority}-{generation:0{SEQ_DIGITS}d}-{uid}{key}-"
+
+
+def affinity_token(key: object) -> str:
+    """How an affinity key appears in node names: escaped (``#`` too, which
+    marks a hash), or ``#`` and a hash when longer than :data:`AFFINITY_KEY_CHARS`.
+
+    Raises ValueError for what cannot be a key (not a str or int, or empty).
+    """
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise ValueError(
+            f"a celery_zk affinity key must be a string (or an int), not "
+            f"{type(key).__name__} {key!r}: pass the dataset's name, e.g. "
+            "headers={'zk_affinity': 'dataset-42'}")
+    text = str(key)
+    if not text:
+        raise ValueError("a celery_zk affinity key must not be empty: leave the "
+                         "'zk_affinity' header out for a message without affinity")
+    escaped = _ESCAPE_RE.sub(lambda m: f"%{ord(m.group()):02X}", text).replace(
+        AFFINITY_HASH, "%23").replace("@", "%40")
+    if len(escaped) <= AFFINITY_KEY_CHARS:
+        return escaped
+    return AFFINITY_HASH + hashlib.sha1(text.encode()).hexdigest()[:24]
+
+
+def requeued_name(message: MessageName) -> str:
+    """The name a message gets when it goes back to wait: in the bucket of its
+    first publication (flat ones: generation 0, ahead of every bucket),
+    marked requeued, with the sequence that keeps its place."""
+    generation = message.generation or 0
+    return (message_prefix(message.inverted_priority, generation, message.uid,
+                           message.affinity)
+            + f"r{message.order:0{SEQ_DIGITS}d}")
+
+
+def parse_message_name(name: str) -> MessageName | None:
+    """Parse a waiting-message name; ``None`` for nodes celery_zk did not write."""
+    match = _MESSAGE_RE.match(name)
+    if match:
+        inv, generation, uid, affinity, requeued, seq = match.groups()
+        return MessageName(int(inv), int(generation), uid, int(seq), bool(requeued), int(seq),
+                           affinity)
+    match = _FLAT_MESSAGE_RE.match(name)
+    if not match:
+        return None
+    inv, uid, first, seq = match.groups()
+    return MessageName(int(inv), None, uid, int(first or seq), first is not None, int(seq))
+
+
+def sort_messages(names: list[str]) -> tuple[list[str], list[str]]:
+    """Split a listing into (ours in delivery order, foreign names)."""
+    parsed: list[tuple[tuple[int, int, int, bool, int], str]] = []
+    foreign = []
+    for name in names:
+        msg = parse_message_name(name)
+        if msg is None:
+            foreign.append(name)
+        else:
+            parsed.append((msg.sort_key, name))
+    parsed.sort()
+    return [name for _, name in parsed], foreign
+
+
+def handed_name(priority: int | None, token: str) -> str:
+    """The name a message handed over in place of offer ``token`` gets.
+
+    The consumer knows all of it but the priority, so the creation its watch
+    reports is recognisably its own. Generation and sequence are zero: the
+    message was handed over while its queue was empty, so a requeue puts it
+    back ahead of its priority's later arrivals, where it belongs.
+    """
+    return message_prefix(inverted(priority), 0, token) + "0" * SEQ_DIGITS
+
+
+def offer_name(consumer_id: str, token: str) -> str:
+    return f"{consumer_id}{OWNER_SEP}{token}"
+
+
+def parse_offer_name(name: str) -> tuple[str, str] | None:
+    """``(consumer id, token)`` of an offer node, or ``None`` if foreign."""
+    match = _OFFER_RE.match(name)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def owned_name(consumer_id: str, message_name: str) -> str:
+    return f"{consumer_id}{OWNER_SEP}{message_name}"
+
+
+def split_owned_name(name: str) -> tuple[str, str] | None:
+    """``(consumer id, unowned name)`` of an owned node, or ``None`` if foreign."""
+    consumer, sep, message = name.partition(OWNER_SEP)
+    if not sep or not consumer or parse_message_name(message) is None:
+        return None
+    return consumer, message
+
+
+def holding_name(token: str, worker: str, pid: int) -> str:
+    """A worker process's affinity holding: key token, worker id, pid."""
+    return f"{token}{OWNER_SEP}{worker}-{pid}"
+
+
+def parse_holding_name(name: str) -> tuple[str, str, int] | None:
+    """``(key token, worker id, pid)`` of a holding node, or ``None`` if foreign."""
+    match = _HOLDING_RE.match(name)
+    return (match.group(1), match.group(2), int(match.group(3))) if match else None
+
+
+def quick_affinity(name: str) -> str | None:
+    """The affinity token of a message name known to be ours (a sorted
+    listing's), without a full parse: a consumer looks at a thousand names
+    per choice. The token runs from the ``@`` after the uid to the ``-``
+    before the sequence, which has none."""
+    at = name.find("@")
+    return None if at < 0 else name[at + 1:name.rindex("-")]
+
+
+def new_consumer_id() -> str:
+    """A consumer id that sorts by creation time: its node needs no sequence
+    number (whose counter would run out), and the oldest live one leads."""
+    return f"c{time.time_ns():016x}{uuid.uuid4().hex[:8]}"
+
+
+def parse_consumer_name(name: str) -> str | None:
+    """The consumer id of a live-consumer node, or ``None`` if foreign."""
+    match = _CONSUMER_RE.match(name)
+    return match.group(1) if match else None
+
+
+def holder_name(session_id: int, lease: str) -> str:
+    """An auto-delete queue's holder: named by the session, whose end removes it,
+    and by the lease (one connection) on it, whose end deletes it."""
+    return f"s{session_id:016x}-{lease}"
+
+
+def binding_name(queue: str, routing_key: str) -> str:
+    return f"{escape(queue)}{BINDING_SEP}{escape(routing_key)}"
+
+
+def parse_binding_name(name: str) -> tuple[str, str] | None:
+    queue, sep, routing_key = name.partition(BINDING_SEP)
+    if not sep:
+        return None
+    return unescape(queue), unescape(routing_key)
+
+
+def result_shard(key: str) -> str:
+    return hashlib.sha1(key.encode()).hexdigest()[:RESULT_SHARDS_HEX]
+
+
+#: Every name result_shard() can return.
+ALL_SHARDS = tuple(f"{i:0{RESULT_SHARDS_HEX}x}" for i in range(16 ** RESULT_SHARDS_HEX))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Paths under one root (the URL's path)."""
+
+    root: str
+
+    @staticmethod
+    def parent(path: str) -> str:
+        """The directory a path built here lives in (to create it on demand)."""
+        return path.rpartition("/")[0] or "/"
+
+    @staticmethod
+    def shards(sharded: str) -> list[str]:
+        """Every shard directory of a sharded level: results/, groups/ or an expiry bucket."""
+        return [join(sharded, shard) for shard in ALL_SHARDS]
+
+    # -- queues ---------------------------------------------------------------
+    @property
+    def queues(self) -> str:
+        return join(self.root, "queues")
+
+    def queue(self, queue: str) -> str:
+        return join(self.queues, escape(queue))
+
+    def unowned(self, queue: str) -> str:
+        return join(self.queue(queue), "unowned")
+
+    def owned(self, queue: str) -> str:
+        return join(self.queue(queue), "owned")
+
+    def dead(self, queue: str) -> str:
+        return join(self.queue(queue), "dead")
+
+    def offers(self, queue: str) -> str:
+        return join(self.queue(queue), "offers")
+
+    def offer(self, queue: str, name: str) -> str:
+        return join(self.offers(queue), name)
+
+    def holders(self, queue: str) -> str:
+        """Exists only for auto-delete queues: the sessions that declared it."""
+        return join(self.queue(queue), "holders")
+
+    def holder(self, queue: str, session_id: int, lease: str) -> str:
+        return join(self.holders(queue), holder_name(session_id, lease))
+
+    def queue_directories(self, queue: str) -> tuple[str, ...]:
+        """The directories every queue has (queues made before offers/ existed lack it)."""
+        return (self.unowned(queue), self.owned(queue), self.dead(queue), self.offers(queue))
+
+    def bucket(self, queue: str, name: str) -> str:
+        """A bucket of ``unowned/`` by its name (see :func:`bucket_name`)."""
+        return join(self.unowned(queue), name)
+
+    def unowned_message(self, queue: str, name: str) -> str:
+        """Where a waiting message lives: in the bucket its name states (names
+        from before buckets, and foreign ones, directly in ``unowned/``)."""
+        message = parse_message_name(name)
+        bucket = message.bucket if message is not None else None
+        if bucket is None:
+            return join(self.unowned(queue), name)
+        return join(self.unowned(queue), bucket, name)
+
+    def new_message_prefix(self, queue: str, inverted_priority: int, generation: int,
+                           uid: str, affinity: str | None = None) -> str:
+        """The path a new message is created at (ZooKeeper appends the sequence)."""
+        return join(self.bucket(queue, bucket_name(inverted_priority, generation)),
+                    message_prefix(inverted_priority, generation, uid, affinity))
+
+    def owned_message(self, queue: str, name: str) -> str:
+        return join(self.owned(queue), name)
+
+    def dead_message(self, queue: str, name: str) -> str:
+        """``name``: a waiting message's, or a foreign node's path under ``unowned/``
+        (``bucket/name``), kept as one name."""
+        return join(self.dead(queue), name.replace("/", OWNER_SEP))
+
+    def split_owned_path(self, path: str) -> tuple[str, str, str]:
+        """Inverse of :meth:`owned_message`: ``(queue, consumer id, unowned name)``."""
+        head, _, name = path.rpartition("/")
+        queue_path, _, owned = head.rpartition("/")
+        parts = split_owned_name(name)
+        if owned != "owned" or not queue_path.startswith(self.queues + "/") or parts is None:
+            raise ValueError(f"not an owned-message path: {path!r}")
+        return unescape(queue_path[len(self.queues) + 1:]), parts[0], parts[1]
+
+    # -- routing --------------------------------------------------------------
+    @property
+    def exchanges(self) -> str:
+        return join(self.root, "exchanges")
+
+    def exchange(self, exchange: str) -> str:
+        return join(self.exchanges, escape(exchange))
+
+    def bindings(self, exchange: str) -> str:
+        return join(self.exchange(exchange), "bindings")
+
+    def binding(self, exchange: str, queue: str, routing_key: str) -> str:
+        return join(self.bindings(exchange), binding_name(queue, routing_key))
+
+    # -- liveness -------------------------------------------------------------
+    @property
+    def consumers(self) -> str:
+        return join(self.root, "consumers")
+
+    def consumer(self, consumer_id: str) -> str:
+        return join(self.consumers, consumer_id)
+
+    # -- results (the backend) ------------------------------------------------
+    @property
+    def results(self) -> str:
+        return join(self.root, "results")
+
+    def result(self, task_id: str) -> str:
+        return join(self.results, result_shard(task_id), escape(task_id))
+
+    @property
+    def groups(self) -> str:
+        return join(self.root, "groups")
+
+    def group(self, group_id: str) -> str:
+        return join(self.groups, result_shard(group_id), escape(group_id))
+
+    @property
+    def chords(self) -> str:
+        return join(self.root, "chords")
+
+    def chord(self, group_id: str) -> str:
+        return join(self.chords, escape(group_id))
+
+    def chord_part(self, group_id: str, task_id: str) -> str:
+        return join(self.chord(group_id), escape(task_id))
+
+    def chord_child(self, group_id: str, name: str) -> str:
+        """A child of a chord counter by its name as listed (already escaped)."""
+        return join(self.chord(group_id), name)
+
+    def chord_size(self, group_id: str) -> str:
+        """How many parts the chord waits for. ``~`` never starts an escaped task id."""
+        return join(self.chord(group_id), CHORD_SIZE)
+
+    def chord_done(self, group_id: str) -> str:
+        """Made when the chord's body was sent: the counter is then a tombstone."""
+        return join(self.chord(group_id), CHORD_DONE)
+
+    # -- singleton locks (celery_zk.features.singleton) --------------------------------
+    @property
+    def locks(self) -> str:
+        return join(self.root, "locks")
+
+    def lock(self, key: str) -> str:
+        """A singleton task's lock: ephemeral, of the session of the run holding it."""
+        return join(self.locks, escape(key))
+
+    # -- durable revokes (celery_zk.features.revokes) ----------------------------------
+    @property
+    def revoked(self) -> str:
+        return join(self.root, "revoked")
+
+    def revoked_task(self, task_id: str) -> str:
+        """A revoked task id, sharded like results/ (Celery keeps up to 50,000)."""
+        key = REVOKED_TASK + escape(task_id)
+        return join(self.revoked, result_shard(key), key)
+
+    def revoked_stamp(self, header: str, value: str) -> str:
+        """A revoked stamp (revoke_by_stamped_headers): named by a hash of both,
+        which may be any text; the node's data says which."""
+        digest = hashlib.sha1(f"{header}\0{value}".encode()).hexdigest()
+        key = REVOKED_STAMP + digest
+        return join(self.revoked, result_shard(key), key)
+
+    # -- data affinity (celery_zk.features.affinity) ------------------------------------
+    @property
+    def affinity(self) -> str:
+        return join(self.root, "affinity")
+
+    def affinity_shards(self) -> list[str]:
+        return [join(self.affinity, f"{i:0{AFFINITY_SHARDS_HEX}x}")
+                for i in range(16 ** AFFINITY_SHARDS_HEX)]
+
+    def holding(self, token: str, worker: str, pid: int) -> str:
+        """Ephemeral: worker process ``worker``/``pid`` holds the data of ``token``."""
+        shard = hashlib.sha1(token.encode()).hexdigest()[:AFFINITY_SHARDS_HEX]
+        return join(self.affinity, shard, holding_name(token, worker, pid))
+
+    @property
+    def expiry(self) -> str:
+        return join(self.root, "expiry")
+
+    def expiry_bucket(self, hour: int) -> str:
+        return join(self.expiry, f"h{hour:010d}")
+
+    def expiry_shard(self, hour: int, shard: str) -> str:
+        return join(self.expiry_bucket(hour), shard)
+
+    def expiry_entry(self, hour: int, kind: str, key: str) -> str:
+        """Index entry pointing at a results/, groups/ or chords/ node written in ``hour``.
+
+        Sharded like results/: a busy hour would otherwise put more names in one
+        directory than a single get_children reply can carry (jute.maxbuffer).
+        """
+        return join(self.expiry_shard(hour, result_shard(key)),
+                    f"{kind}{OWNER_SEP}{escape(key)}")
+
+    @staticmethod
+    def parse_expiry_bucket(name: str) -> int | None:
+        return int(name[1:]) if name.startswith("h") and name[1:].isdigit() else None
+
+    @staticmethod
+    def parse_expiry_entry(name: str) -> tuple[str, str] | None:
+        kind, sep, key = name.partition(OWNER_SEP)
+        return (kind, unescape(key)) if sep else None

@@ -1,0 +1,241 @@
+"""Persistent recursive watches (ZooKeeper 3.6+ ``addWatch``) on top of kazoo.
+
+A one-shot child watch says only "something changed", so a consumer woken by
+it must list the directory to learn the new message's name: one more
+dependent request on every idle round trip. A persistent recursive watch
+reports every node created below a path, with the node's path, and stays set.
+
+kazoo (2.11) has no ``addWatch`` yet (python-zk/kazoo#715 is unmerged; Zuul
+vendors it too), so this module sends the two requests itself through
+kazoo's request queue and reads the events kazoo would otherwise drop: it
+wraps the connection's ``_read_watch_event`` on each client it serves. That
+is kazoo's private interface; when it is missing, or the server answers
+``addWatch`` with Unimplemented (ZooKeeper before 3.6), :meth:`TreeWatches.watch`
+returns False and the caller keeps using one-shot child watches.
+
+The server forgets a connection's watches when the connection drops, and
+kazoo re-sends only its own. Each connection drop therefore bumps a
+generation, and a watch counts as set only when it was added in the current
+one; the owner re-adds it (and re-reads what it watches) after a reconnect.
+
+Callbacks run on kazoo's *connection* thread, before kazoo's own watchers:
+they must only record the event and wake someone, never make a request.
+There is one :class:`TreeWatches` per session (:mod:`celery_zk.zk.session`),
+shared by the process's connections, so two of them watching one queue share
+the server's watch; callers pass :func:`~celery_zk.zk.session.weak_callback`
+wrappers, so a watch never keeps a dropped connection alive.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import namedtuple
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import UnimplementedError
+from kazoo.protocol.serialization import Watch, int_struct, write_string
+
+from .client import log_failure
+
+__all__ = ["NODE_CREATED", "NODE_DELETED", "TreeWatches"]
+
+logger = logging.getLogger(__name__)
+
+NODE_CREATED = 1   # ZooKeeper's WatcherEvent types
+NODE_DELETED = 2
+
+_PERSISTENT_RECURSIVE = 1   # AddWatchMode
+_ANY_WATCHER = 3            # WatcherType: removes every watch of ours on the path
+
+#: ``callback(event_type, name)``: ``name`` is the path below the watched one
+#: ("" for the watched node itself). Runs on kazoo's connection thread.
+TreeCallback = Callable[[int, str], None]
+
+
+#: How far below a watched path an event is handed to its callbacks.
+DEPTH = 2
+
+
+class _PathAndInt(namedtuple("_PathAndInt", "path value")):
+    """The wire form both requests share: a path and one int. The reply has no
+    body to read (an ErrorResponse whose code the reply header already gave)."""
+
+    type: int
+
+    def serialize(self) -> bytearray:
+        return bytearray(write_string(self.path) + int_struct.pack(self.value))
+
+    @classmethod
+    def deserialize(cls, _bytes: bytes, _offset: int) -> bool:
+        return True
+
+
+class AddWatch(_PathAndInt):
+    type = 106   # value: the AddWatchMode
+
+
+class RemoveWatches(_PathAndInt):
+    type = 18    # value: the WatcherType
+
+
+class WatchSource(Protocol):
+    """A session: its client, and its state listeners."""
+
+    @property
+    def client(self) -> KazooClient: ...
+
+    def add_listener(self, listener: Callable[[KazooState], None]) -> None: ...
+
+
+class TreeWatches:
+    """The persistent recursive watches of one session's client."""
+
+    add_request: type[AddWatch] = AddWatch   # a test swaps in an opcode the server lacks
+
+    def __init__(self, handle: WatchSource) -> None:
+        self.handle = handle
+        self.supported = True
+        self._client: KazooClient | None = None
+        self._generation = 0              # bumped on every connection drop
+        self._added: dict[str, int] = {}  # path -> generation it was added in
+        # Read by the connection thread; replaced, never mutated, so it needs no lock.
+        self._callbacks: dict[str, frozenset[TreeCallback]] = {}
+        self._lock = threading.Lock()
+        handle.add_listener(self._on_state)
+
+    # -- connection thread / kazoo listeners: never block ---------------------
+    def _on_state(self, state: KazooState) -> None:
+        if state != KazooState.CONNECTED:
+            self._generation += 1   # the server dropped our watches with the connection
+
+    def _dispatch(self, event_type: int, path: str) -> bool:
+        """Hand an event to the callbacks of the watched path it falls under,
+        with its path below that one ("" for the watched node itself)."""
+        callbacks = self._callbacks.get(path)
+        name = ""
+        watched = path
+        for _ in range(DEPTH):   # a queue's messages are two levels down (bucket/message)
+            if callbacks is not None:
+                break
+            watched, _, below = watched.rpartition("/")
+            name = f"{below}/{name}" if name else below
+            callbacks = self._callbacks.get(watched)
+        if not callbacks:
+            return False
+        for callback in callbacks:
+            try:
+                callback(event_type, name)
+            except Exception:  # an exception here would break kazoo's connection loop
+                logger.exception("celery_zk: watch callback for %s failed", path)
+        return True
+
+    def _install(self, client: KazooClient) -> None:
+        connection = client._connection
+        original = getattr(connection, "_read_watch_event", None)
+        if original is None:
+            raise AttributeError("kazoo's connection has no _read_watch_event")
+
+        def read_watch_event(buffer: bytes, offset: int) -> Any:
+            watch, _ = Watch.deserialize(buffer, offset)
+            ours = self._dispatch(watch.type, client.unchroot(watch.path))
+            if (not ours or watch.path in client._data_watchers
+                    or watch.path in client._child_watchers):
+                return original(buffer, offset)   # kazoo's own watchers
+            return None
+
+        connection._read_watch_event = read_watch_event
+
+    # -- the owner's thread ---------------------------------------------------
+    def _bind(self) -> KazooClient:
+        client = self.handle.client
+        if client is not self._client:   # first use, or a new client after fork
+            with self._lock:
+                if client is not self._client:
+                    self._install(client)
+                    self._client = client
+                    self._added.clear()
+        return client
+
+    def active(self, path: str) -> bool:
+        """True when ``path`` is watched on the current connection."""
+        return (self._client is self.handle.client
+                and self._added.get(path) == self._generation)
+
+    def watch(self, path: str, callback: TreeCallback) -> bool:
+        """Watch everything created, changed or deleted below ``path``.
+
+        Sends ``addWatch`` unless it is already set on this connection (a
+        reconnect needs it again). Returns False when persistent watches are
+        not available; the caller must then use one-shot watches.
+        """
+        if not self.supported:
+            return False
+        try:
+            client = self._bind()
+        except AttributeError as exc:
+            self._unsupported(f"this kazoo version cannot carry them ({exc})")
+            return False
+        with self._lock:
+            self._callbacks = {**self._callbacks,
+                               path: self._callbacks.get(path, frozenset()) | {callback}}
+        generation = self._generation   # read first: a drop meanwhile means "add again"
+        if self._added.get(path) == generation:
+            return True
+        request = self.add_request(client.chroot + path, _PERSISTENT_RECURSIVE)
+
+        def add() -> None:
+            result = client.handler.async_result()
+            client._call(request, result)
+            result.get()
+
+        try:
+            client.retry(add)
+        except UnimplementedError:
+            self._unsupported("the ZooKeeper server is older than 3.6 (no addWatch)")
+            self._forget(path, callback)
+            return False
+        self._added[path] = generation
+        return True
+
+    def unwatch(self, path: str, callback: TreeCallback) -> bool:
+        """Stop calling ``callback``; the last one out removes the server's watch.
+
+        True when that removal was sent. ZooKeeper (3.8) removes watches only
+        by path, so it also drops any one-shot watch this client holds there.
+        """
+        if not self._forget(path, callback) or self._added.pop(path, None) is None:
+            return False
+        client = self._client
+        if client is None or client is not self.handle.client:
+            return False
+        result = client.handler.async_result()
+
+        def done(result: Any) -> None:   # kazoo's thread: log only
+            try:
+                result.get()
+            except Exception as exc:   # the watch dies with the connection anyway
+                log_failure(logger, exc, "celery_zk: could not remove the watch on %s",
+                            path, level=logging.DEBUG)
+
+        result.rawlink(done)
+        client._call(RemoveWatches(client.chroot + path, _ANY_WATCHER), result)
+        return True
+
+    def _forget(self, path: str, callback: TreeCallback) -> bool:
+        """Drop ``callback``; True when no callback is left for ``path``."""
+        with self._lock:
+            left = self._callbacks.get(path, frozenset()) - {callback}
+            callbacks = dict(self._callbacks)
+            if left:
+                callbacks[path] = left
+            else:
+                callbacks.pop(path, None)
+            self._callbacks = callbacks
+        return not left
+
+    def _unsupported(self, why: str) -> None:
+        self.supported = False
+        logger.warning("celery_zk: persistent watches are off: %s. Idle consumers use "
+                       "one-shot child watches, one more request per delivery.", why)

@@ -19,7 +19,7 @@ from celery_zk.features.affinity import AffinityKeyError
 from celery_zk.zk.layout import Layout, affinity_token, parse_message_name
 
 from .queues import waiting
-from .workers import Worker, read_log, wait_until
+from .workers import Worker, read_log, run_example, wait_until
 
 LAYOUT = Layout("/")   # zk_client is chrooted at the URL's path
 OTHER_WORKER = "0123456789ab"   # a holder id that is not this process's worker
@@ -201,3 +201,9 @@ def ran(task_log: Path) -> list[tuple[tuple[str, int], str]]:
         return []
     return [(tuple(entry["value"][0]), entry["value"][1]) for entry in read_log(task_log)
             if entry["kind"] == "where"]
+
+
+def test_the_affinity_example_runs() -> None:
+    proc = run_example("affinity")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "40 tasks," in proc.stdout

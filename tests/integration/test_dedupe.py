@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from .workers import Worker, executed_values, wait_until
+from .workers import Worker, executed_values, run_example, wait_until
 
 
 @pytest.mark.parametrize("deduplicate", [True, False])
@@ -48,3 +48,9 @@ def test_a_task_that_succeeded_before_its_worker_died_runs_once(
             assert executed_values(task_log) == {"v0": 2, "v1": 1, "v2": 1}
     finally:
         client.close()
+
+
+def test_the_dedupe_example_runs() -> None:
+    proc = run_example("dedupe")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "charges made: 1" in proc.stdout

@@ -15,7 +15,7 @@ the first publish until every task has run:
 * ``plain``: no affinity key; the workers never state what they hold.
 * ``affinity``: each task carries ``headers={'zk_affinity': dataset}``, and
   a task that loads a dataset states the cache's new contents with
-  ``celery_zk.affinity.holding`` (``locality_wait`` at its default, 3 s).
+  ``celery_zk.features.affinity.holding`` (``locality_wait`` at its default, 3 s).
 
 The workers start with empty caches in both runs. Every process started is
 stopped, also on Ctrl-C.
@@ -34,7 +34,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,6 +42,7 @@ from collections import OrderedDict
 from typing import Any
 
 from celery import Celery, group
+from common import Processes, child_env, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TASK = "affinity.process"
@@ -77,7 +77,7 @@ def process(dataset: str) -> None:
                 cache.popitem(last=False)
             _Cache.misses += 1
             if os.environ.get("AFFINITY_STATE") == "1":
-                from celery_zk import affinity
+                from celery_zk.features import affinity
                 affinity.holding(cache, app=app)
         time.sleep(float(os.environ["AFFINITY_WORK_MS"]) / 1000)   # "work" on it
         now = time.time()
@@ -105,52 +105,29 @@ def _read_stats(work: str, run: str) -> list[dict[str, Any]]:
 
 
 def _start_workers(args: argparse.Namespace, url: str, work: str, run: str,
-                   state: bool) -> list[subprocess.Popen[bytes]]:
-    env = {**os.environ, "AFFINITY_BROKER": url,
-           "AFFINITY_STATS_FILE": os.path.join(work, f"{run}.stats"),
-           "AFFINITY_CACHE": str(args.cache), "AFFINITY_LOAD_MS": str(args.load_ms),
-           "AFFINITY_WORK_MS": str(args.work_ms), "AFFINITY_STATE": "1" if state else "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))}
-    procs = []
+                   state: bool) -> Processes:
+    env = child_env({"AFFINITY_BROKER": url,
+                     "AFFINITY_STATS_FILE": os.path.join(work, f"{run}.stats"),
+                     "AFFINITY_CACHE": str(args.cache), "AFFINITY_LOAD_MS": str(args.load_ms),
+                     "AFFINITY_WORK_MS": str(args.work_ms),
+                     "AFFINITY_STATE": "1" if state else "0"})
+    procs = Processes()
     for index in range(args.workers):
-        log_path = os.path.join(work, f"{run}.w{index}.log")
-        with open(log_path, "wb") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "affinity", "worker",
-                 f"--pool={args.pool}", "-c", "1", "--loglevel=INFO",
-                 f"--hostname={run}{index}@%h", "--without-mingle", "--without-gossip",
-                 "--without-heartbeat"],
-                cwd=HERE, env=env, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True))
+        procs.spawn([sys.executable, "-m", "celery", "-A", "affinity", "worker",
+                     f"--pool={args.pool}", "-c", "1", "--loglevel=INFO",
+                     f"--hostname={run}{index}@%h", "--without-mingle", "--without-gossip",
+                     "--without-heartbeat"],
+                    os.path.join(work, f"{run}.w{index}.log"), env, cwd=HERE)
     deadline = time.monotonic() + 90
-    for index, proc in enumerate(procs):
+    for index, proc in enumerate(procs.procs):
         log_path = os.path.join(work, f"{run}.w{index}.log")
         while "ready." not in open(log_path, errors="replace").read():
             if proc.poll() is not None or time.monotonic() > deadline:
-                _stop(procs)
+                procs.stop_together(grace=20)
                 raise SystemExit(f"worker {index} did not start:\n"
                                  + open(log_path, errors="replace").read()[-3000:])
             time.sleep(0.05)
     return procs
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    for proc in procs:
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
 
 
 def one_run(args: argparse.Namespace, hosts: str, work: str, run: str,
@@ -174,7 +151,7 @@ def one_run(args: argparse.Namespace, hosts: str, work: str, run: str,
             done = sum(s["hits"] + s["misses"] for s in stats)
             if done >= args.tasks:
                 break
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs.procs):
                 raise SystemExit(f"{run}: {done} of {args.tasks} tasks ran before the "
                                  "timeout (or a worker exited); see the logs in " + work)
             time.sleep(0.05)
@@ -187,7 +164,7 @@ def one_run(args: argparse.Namespace, hosts: str, work: str, run: str,
                 "per_worker": per_worker}
     finally:
         client.close()
-        _stop(procs)
+        procs.stop_together(grace=20)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pair {index}: hit rate {plain['hit_rate']:.3f} -> {aff['hit_rate']:.3f}, "
               f"throughput x{aff['tasks_per_s'] / plain['tasks_per_s']:.2f}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "results": results}, fh, indent=2)
+        write_json(args.json, {"args": vars(args), "results": results})
     return 0
 
 

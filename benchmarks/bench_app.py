@@ -1,19 +1,19 @@
 """The Celery app the benchmark's workers run, configured from the environment.
 
-``benchmarks/bench.py`` starts ``celery -A bench_app worker`` with:
+The scripts start ``celery -A bench_app worker`` (``common.spawn_worker``) with:
 
 * ``BENCH_BROKER`` / ``BENCH_BACKEND``: broker and result backend URLs.
 * ``BENCH_READY_FILE``: written once the worker consumes (``worker_ready``),
   because at loglevel WARNING the worker prints no "ready." line.
-* ``BENCH_TIMELINE_FILE``: where ``benchmarks/timeline.py``'s hooks write
-  the worker's timestamps (hooks installed only when set).
+* ``BENCH_TIMELINE_FILE``: where the timeline's hooks (``benchmarks/marks.py``)
+  write the worker's timestamps (hooks installed only when set).
 * ``BENCH_DRAIN_TOTAL`` / ``BENCH_DRAIN_FILE``: the ``bench.drain`` task counts
   distinct task indexes in this (threads pool: single) process and writes the
   first/last execution times to the file when all of them have run.
 * ``BENCH_PREFETCH_MULTIPLIER``: Celery's ``worker_prefetch_multiplier``
   (default 4).
 * ``BENCH_CLAIMS_FILE``: at shutdown, celery_zk's claim counts of this process
-  (:data:`celery_zk.queue.CLAIMS`: transactions, conflicts, messages) as JSON.
+  (:data:`celery_zk.broker.queue.CLAIMS`: transactions, conflicts, messages) as JSON.
 
 The client imports :func:`make_app` to get the same task names on any broker.
 """
@@ -113,7 +113,7 @@ app = make_app(os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/0"),
 
 
 if os.environ.get("BENCH_TIMELINE_FILE"):   # benchmarks/timeline.py's worker
-    from timeline import install_in_worker
+    from marks import install_in_worker
     install_in_worker()
 
 
@@ -131,6 +131,6 @@ def _report_claims(**_: Any) -> None:
     if path:
         from dataclasses import asdict
 
-        from celery_zk.queue import CLAIMS
+        from celery_zk.broker.queue import CLAIMS
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(asdict(CLAIMS), fh)

@@ -11,7 +11,7 @@ Modes (each sample: the client sends one message and waits for the answer):
 
 * ``claim``: celery_zk's protocol on both sides. Publish is one sequential
   create; the idle receiver is woken by its persistent recursive watch
-  (:mod:`celery_zk.watches`), which names the new node, reads the message
+  (:mod:`celery_zk.zk.watches`), which names the new node, reads the message
   (the read started from the watch callback, as celery_zk does) and claims
   it with one multi (delete from unowned + create in owned), then acks
   asynchronously.
@@ -25,7 +25,7 @@ Modes (each sample: the client sends one message and waits for the answer):
   done node and its expiry-index entry in one multi (the result backend's
   write) and the client, woken by an exists watch on that node, reads it.
 * ``handoff``: celery_zk's default protocol (option ``handoff``,
-  :mod:`celery_zk.handoff`). An idle receiver leaves an ephemeral *offer* node; the
+  :mod:`celery_zk.broker.handoff`). An idle receiver leaves an ephemeral *offer* node; the
   sender publishes by deleting the offer and creating the message directly in
   ``owned/`` in one multi, so the receiver, woken by the offer's deletion,
   reads the message and has no claim to make. The receiver makes its next
@@ -56,7 +56,7 @@ from typing import Any
 
 from kazoo.client import KazooClient
 
-from celery_zk.watches import NODE_CREATED, TreeWatches
+from celery_zk.zk.watches import NODE_CREATED, TreeWatches
 
 PAYLOAD = b"x" * 1200   # about one Celery task message
 MODES = ("claim", "claim-listing", "get-delete", "result", "handoff", "split",
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the modes this many times, every other round in reverse "
                              "order, so no mode always gets the warmer server")
     sys.path.insert(0, __file__.rpartition("/")[0])
-    from bench import add_server_options, measured_server, percentile, warm_up_zookeeper
+    from common import add_server_options, measured_server, percentile, warm_up_zookeeper
 
     add_server_options(parser)
     args = parser.parse_args(argv)

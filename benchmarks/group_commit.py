@@ -20,11 +20,10 @@ import argparse
 import os
 import sys
 import threading
-import time
-from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common import threaded_rate  # noqa: E402
 from kazoo.client import KazooClient  # noqa: E402
 
 from celery_zk.server import SERVER_JVM_FLAGS, ZooKeeperServer  # noqa: E402
@@ -64,22 +63,6 @@ class GroupCommit:
                 self._cond.notify_all()
 
 
-def rate(put: Callable[[], None], threads: int, messages: int) -> float:
-    per = messages // threads
-
-    def run() -> None:
-        for _ in range(per):
-            put()
-
-    pool = [threading.Thread(target=run) for _ in range(threads)]
-    t0 = time.perf_counter()
-    for thread in pool:
-        thread.start()
-    for thread in pool:
-        thread.join()
-    return per * threads / (time.perf_counter() - t0)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -92,15 +75,15 @@ def main() -> None:
         client.start()
         client.ensure_path("/q")
         grouped = GroupCommit(client, "/q/m-")
-        ways = {"sync": lambda: client.create("/q/m-", DATA, sequence=True),
-                "group commit": grouped.put}
-        rate(ways["sync"], 8, args.messages)   # warm-up: the server's JIT
+        ways = {"sync": lambda _: client.create("/q/m-", DATA, sequence=True),
+                "group commit": lambda _: grouped.put()}
+        threaded_rate(ways["sync"], args.messages, 8)   # warm-up: the server's JIT
         results: dict[tuple[str, int], list[float]] = {}
         for _ in range(args.rounds):
             for name, put in ways.items():
                 for threads in (1, 8):
                     results.setdefault((name, threads), []).append(
-                        rate(put, threads, args.messages))
+                        threaded_rate(put, args.messages, threads))
         client.stop()
         client.close()
     finally:

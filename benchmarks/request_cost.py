@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=300)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench import add_server_options, measured_server, warm_up_zookeeper
+    from common import add_server_options, measured_server, warm_up_zookeeper
 
     add_server_options(parser)
     args = parser.parse_args(argv)

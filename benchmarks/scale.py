@@ -36,7 +36,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -47,17 +46,20 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench import Processes, RedisServer, log, spawn_worker, tail  # noqa: E402
 from bench_app import DRAIN, make_app  # noqa: E402
+from common import (  # noqa: E402
+    Processes,
+    RabbitServer,
+    RedisServer,
+    Workers,
+    log,
+    spawn_worker,
+    write_json,
+)
 from kombu import Connection  # noqa: E402
 from kombu.exceptions import ChannelError  # noqa: E402
 
-from celery_zk.server import (  # noqa: E402
-    SERVER_JVM_FLAGS,
-    ZooKeeperServer,
-    four_letter_word,
-    free_ports,
-)
+from celery_zk.server import SERVER_JVM_FLAGS, ZooKeeperServer, four_letter_word  # noqa: E402
 
 BROKERS = ("zk", "redis", "rabbitmq")
 PARTS = ("backlog", "restart", "queues", "contention")
@@ -67,95 +69,6 @@ SMALL = 5_000
 
 
 # -- servers ---------------------------------------------------------------------------
-class RabbitServer:
-    """A private RabbitMQ node in the foreground (Debian's wrapper runs it as user
-    rabbitmq, so its directories are that user's)."""
-
-    def __init__(self, procs: Processes, work_dir: str) -> None:
-        if shutil.which("rabbitmq-server") is None:
-            raise RuntimeError("rabbitmq-server not found: install Debian's package "
-                               "(apt-get install rabbitmq-server), or leave rabbitmq out "
-                               "with --brokers")
-        self.procs = procs
-        self.port, dist = free_ports(2)
-        self.node = f"scale{self.port}@localhost"
-        self.base = os.path.join(work_dir, "rabbitmq")
-        os.chmod(work_dir, 0o755)   # mkdtemp's 0700 would keep user rabbitmq out
-        os.makedirs(os.path.join(self.base, "log"))
-        open(os.path.join(self.base, "enabled_plugins"), "w").write("[].")
-        shutil.chown(self.base, "rabbitmq", "rabbitmq")
-        for name in os.listdir(self.base):
-            shutil.chown(os.path.join(self.base, name), "rabbitmq", "rabbitmq")
-        self.env = dict(os.environ, RABBITMQ_NODE_PORT=str(self.port),
-                        RABBITMQ_NODENAME=self.node, RABBITMQ_DIST_PORT=str(dist),
-                        RABBITMQ_MNESIA_BASE=os.path.join(self.base, "mnesia"),
-                        RABBITMQ_LOG_BASE=os.path.join(self.base, "log"),
-                        RABBITMQ_ENABLED_PLUGINS_FILE=os.path.join(self.base, "enabled_plugins"),
-                        RABBITMQ_FEATURE_FLAGS_FILE=os.path.join(self.base, "feature_flags"))
-        self.out = os.path.join(work_dir, "rabbitmq.out")
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.beam = 0   # the node's OS pid
-        self.epmd_before: set[int] = set()
-
-    def url(self) -> str:
-        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
-
-    def ctl(self, *args: str, timeout: float = 60) -> str:
-        return subprocess.run(["rabbitmqctl", "-n", self.node, *args], env=self.env,
-                              capture_output=True, text=True, timeout=timeout).stdout
-
-    def start(self) -> RabbitServer:
-        self.epmd_before = epmd_pids()
-        self.proc = self.procs.spawn(["rabbitmq-server"], self.out, self.env)
-        deadline = time.monotonic() + 120
-        while True:   # await_startup fails at once until the node is known to epmd
-            result = subprocess.run(["rabbitmqctl", "-n", self.node, "await_startup",
-                                     "--timeout", "10"], env=self.env, capture_output=True,
-                                    text=True)
-            if result.returncode == 0:
-                self.beam = int(self.ctl("eval", "os:getpid().").strip().strip('"'))
-                return self
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"RabbitMQ did not start:\n{tail(self.out)}\n"
-                                   f"{result.stdout}{result.stderr}")
-            time.sleep(1)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            subprocess.run(["rabbitmqctl", "-n", self.node, "stop"], env=self.env,
-                           capture_output=True, timeout=60)
-            self.procs.stop(self.proc)
-        if self.beam:   # su runs the node in a session of its own: wait for it by pid
-            deadline = time.monotonic() + 30
-            while os.path.exists(f"/proc/{self.beam}") and time.monotonic() < deadline:
-                time.sleep(0.2)
-            try:
-                os.kill(self.beam, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.beam = 0
-        # The node starts epmd for the whole host (a daemon: not our child): stop
-        # the ones that were not running before we started, by pid.
-        for pid in epmd_pids() - self.epmd_before:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-    def version(self) -> str:
-        return self.ctl("version").strip()
-
-    def memory(self) -> int:
-        """Bytes the node uses (its own total, as `rabbitmqctl status` reports)."""
-        out = self.ctl("eval", "erlang:memory(total).")
-        return int(out.strip().rstrip("."))
-
-
-def epmd_pids() -> set[int]:
-    found = subprocess.run(["pgrep", "-x", "epmd"], capture_output=True, text=True).stdout
-    return {int(pid) for pid in found.split()}
-
-
 def zk_server(heap: str) -> ZooKeeperServer:
     # The launcher's production flags say -Xmx512m; the later -Xmx wins.
     return ZooKeeperServer(jvm_flags=(*SERVER_JVM_FLAGS, f"-Xms{heap}", f"-Xmx{heap}"),
@@ -249,24 +162,13 @@ class Run:
         self.args = args
         self.work_dir = work_dir
         self.procs = Processes()
+        self.workers = Workers(self.procs, work_dir, "w")
         self.results: dict[str, dict[str, Any]] = {}
-        self.workers = 0
         self.zk: ZooKeeperServer   # set while zk is measured
 
     def drain(self, broker: str, total: int, timeout: float) -> dict[str, Any]:
         """One 4-thread worker runs ``total`` drain tasks; bench_app's report."""
-        self.workers += 1
-        report = os.path.join(self.work_dir, f"drain{self.workers}.json")
-        worker = spawn_worker(self.procs, self.work_dir, f"w{self.workers}", broker, QUEUE,
-                              env={"BENCH_DRAIN_TOTAL": str(total),
-                                   "BENCH_DRAIN_FILE": report})
-        try:
-            wait_for(lambda: os.path.exists(report), timeout, f"{total} tasks on {broker}", 0.5)
-            with open(report, encoding="utf-8") as fh:
-                result: dict[str, Any] = json.load(fh)
-        finally:
-            self.procs.stop(worker)
-            self.procs.procs.remove(worker)
+        result, _ = self.workers.drain(broker, QUEUE, total, timeout, broker, poll=0.5)
         result["rate"] = total / result["elapsed"]
         return result
 
@@ -345,8 +247,7 @@ class Run:
             "zookeeper": 100 * (cpu_seconds(self.zk.pid) - cpu[1]) / self.args.idle}
         out["queues_watches"] = {"wchs": " ".join(wchs.split()), "before": watches_before,
                                  "zk_watch_count": mntr(self.zk).get("zk_watch_count")}
-        self.procs.stop(worker)
-        self.procs.procs.remove(worker)
+        self.procs.stop_and_remove(worker)
         log(f"zk: {count} queues: {out['queues_startup_seconds']:.1f}s to start, "
             f"idle CPU {out['queues_idle_cpu_percent']}, {out['queues_watches']}")
 
@@ -376,8 +277,7 @@ class Run:
                          0.1)
                 elapsed = time.monotonic() - began
                 for worker in workers:
-                    self.procs.stop(worker)
-                    self.procs.procs.remove(worker)
+                    self.procs.stop_and_remove(worker)
                 entry: dict[str, Any] = {"rate": backlog / elapsed}
                 counts = [json.load(open(c, encoding="utf-8")) for c in claims
                           if os.path.exists(c)]
@@ -507,8 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work_dir, ignore_errors=True)
     print(render(run.results, args))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({"args": vars(args), "results": run.results}, fh, indent=2)
+        write_json(args.json, {"args": vars(args), "results": run.results})
     return 0
 
 

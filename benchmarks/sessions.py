@@ -30,16 +30,14 @@ from kombu import Connection
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common import log  # noqa: E402
+
 from celery_zk.server import ZooKeeperServer  # noqa: E402
 from tests.integration.sessions import count, process_tree, sessions_by_pid  # noqa: E402
 from tests.integration.test_sessions import CLIENT, DROPPED  # noqa: E402
 
 PROJ = ROOT / "tests" / "integration"
 SECRET = "s3cr3t-Pw9"
-
-
-def log(msg: str) -> None:
-    print(f"[sessions {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def scripted(source: str, env: dict[str, str]) -> subprocess.Popen[str]:
@@ -155,7 +153,7 @@ def main() -> int:
         results["connect_timeout=3, a port that never answers"] = connect_time(
             f"zk://127.0.0.1:{port}/x", 3)
     for name, value in results.items():
-        log(f"{name}: {value}")
+        log(f"{name}: {value}", "sessions")
     return 0
 
 

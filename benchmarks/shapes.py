@@ -37,16 +37,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import random
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -56,22 +52,28 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench import (  # noqa: E402
+from bench_app import DRAIN, MARK, NOOP, make_app  # noqa: E402
+from bench_measure import reply_round_trip, result_round_trip, sample  # noqa: E402
+from celery import group  # noqa: E402
+from common import (  # noqa: E402
     Processes,
+    RabbitServer,
     RedisServer,
+    Workers,
+    add_server_options,
+    add_zk_option,
+    child_env,
     log,
     measured_server,
     percentile,
-    spawn_worker,
+    table,
     tail,
+    threaded_rate,
     warm_up_zookeeper,
+    write_json,
 )
-from bench_app import ADD, DRAIN, ECHO, MARK, NOOP, make_app  # noqa: E402
-from celery import group  # noqa: E402
-from kombu import Connection, Queue  # noqa: E402
-from scale import RabbitServer  # noqa: E402
 
-from celery_zk.unconfirmed import flush_all  # noqa: E402
+from celery_zk.broker.unconfirmed import flush_all  # noqa: E402
 
 BROKERS = ("zk", "redis", "redis-aof", "rabbitmq")
 SHAPES = ("oneway", "get", "roundtrip")
@@ -103,17 +105,14 @@ def load(procs: Processes, work_dir: str, url: str, queue: str, rate: float
         return
     out = os.path.join(work_dir, f"load-{queue}.out")
     proc = procs.spawn([sys.executable, os.path.abspath(__file__), "--load-process", url,
-                        queue, str(rate)], out,
-                       dict(os.environ, PYTHONPATH=os.pathsep.join(
-                           filter(None, [HERE, os.environ.get("PYTHONPATH")]))))
+                        queue, str(rate)], out, child_env())
     try:
         time.sleep(2.0)   # connected and steady
         if proc.poll() is not None:
             raise RuntimeError(f"load process exited:\n{tail(out)}")
         yield
     finally:
-        procs.stop(proc)
-        procs.procs.remove(proc)
+        procs.stop_and_remove(proc)
 
 
 # -- one broker --------------------------------------------------------------------------
@@ -122,43 +121,21 @@ class Broker:
                  args: argparse.Namespace) -> None:
         self.name, self.url, self.backend = name, url, backend
         self.procs, self.work_dir, self.args = procs, work_dir, args
-        self.workers = 0
-
-    @contextmanager
-    def worker(self, queue: str, backend: str | None = None, env: dict[str, str] | None = None,
-               wait: bool = True) -> Iterator[subprocess.Popen[bytes]]:
-        self.workers += 1
-        name = f"{self.name}-{self.workers}"
-        proc = spawn_worker(self.procs, self.work_dir, name, self.url, queue, backend=backend,
-                            env=env, wait=wait)
-        try:
-            yield proc
-        finally:
-            self.procs.stop(proc)
-            self.procs.procs.remove(proc)
-
-    @staticmethod
-    def pause() -> None:
-        time.sleep(random.uniform(0.020, 0.050))
+        self.workers = Workers(procs, work_dir, f"{name}-")
 
     # -- latency --------------------------------------------------------------------
     def latency(self, samples: int, rate: float) -> dict[str, dict[str, float]]:
         queue = f"shapes-{uuid.uuid4().hex[:8]}"
         app = make_app(self.url, self.backend)
         out: dict[str, dict[str, float]] = {}
-        with self.worker(queue, backend=self.backend), \
+        with self.workers.worker(self.url, queue, backend=self.backend), \
                 load(self.procs, self.work_dir, self.url, queue, rate):
-            for shape, once in (("oneway", self._oneway(app, queue)),
-                                ("get", self._get(app, queue)),
-                                ("roundtrip", self._roundtrip(app, queue))):
-                with once as sample:
-                    for _ in range(5):   # warm-up: connections, declarations
-                        sample()
-                        self.pause()
-                    values = []
-                    for _ in range(samples):
-                        values.append(sample() * 1000)
-                        self.pause()
+            for shape, sampler in (
+                    ("oneway", self._oneway(app, queue)),
+                    ("get", result_round_trip(app, queue, self.name)),
+                    ("roundtrip", reply_round_trip(app, self.url, queue, f"{queue}-reply"))):
+                with sampler as once:
+                    values = sample(once, samples)
                 out[shape] = {"p50": percentile(values, 50), "p99": percentile(values, 99),
                               "n": samples}
         app.close()
@@ -182,66 +159,16 @@ class Broker:
                         return float(started) - sent
             yield once
 
-    @contextmanager
-    def _get(self, app: Any, queue: str) -> Iterator[Callable[[], float]]:
-        add = app.tasks[ADD]
-        counter = iter(range(10**9))
-
-        def once() -> float:
-            i = next(counter)
-            t0 = time.perf_counter()
-            result = add.apply_async((i, 1), queue=queue)
-            value = result.get(timeout=30)
-            elapsed = time.perf_counter() - t0
-            if value != i + 1:
-                raise RuntimeError(f"{self.name}: add({i}, 1) returned {value!r}")
-            result.forget()
-            return elapsed
-        yield once
-
-    @contextmanager
-    def _roundtrip(self, app: Any, queue: str) -> Iterator[Callable[[], float]]:
-        echo = app.tasks[ECHO]
-        reply = f"{queue}-reply"
-        got: list[str] = []
-
-        def on_reply(body: dict[str, str], message: Any) -> None:
-            got.append(body["token"])   # the sample ends here; the ack is not timed
-            message.ack()
-
-        with Connection(self.url) as conn, conn.Consumer(
-                Queue(reply, routing_key=reply, durable=False), accept=["json"],
-                callbacks=[on_reply]):
-            def once() -> float:
-                token = uuid.uuid4().hex
-                t0 = time.perf_counter()
-                echo.apply_async((reply, token), queue=queue)
-                deadline = time.monotonic() + 30
-                while token not in got:
-                    conn.drain_events(timeout=max(0.01, deadline - time.monotonic()))
-                got.clear()
-                return time.perf_counter() - t0
-            yield once
-
     # -- throughput -----------------------------------------------------------------
     def drain(self, total: int) -> float:
         queue = f"shapes-drain-{uuid.uuid4().hex[:8]}"
-        done = os.path.join(self.work_dir, f"{queue}.json")
         app = make_app(self.url)
         task = app.tasks[DRAIN]
         task.apply_async((-1,), queue=queue)   # declares the queue; not counted
         for index in range(total - 1):
             task.apply_async((index,), queue=queue)
         app.close()
-        env = {"BENCH_DRAIN_TOTAL": str(total), "BENCH_DRAIN_FILE": done}
-        with self.worker(queue, env=env, wait=False) as proc:
-            deadline = time.monotonic() + max(120.0, total / 20)
-            while not os.path.exists(done):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.name}: drain of {total} did not finish")
-                time.sleep(0.02)
-        with open(done, encoding="utf-8") as fh:
-            report = json.load(fh)
+        report, _ = self.workers.drain(self.url, queue, total, max(120.0, total / 20), self.name)
         return total / report["elapsed"]
 
     def publish(self, url: str, count: int, threads: int) -> float:
@@ -249,21 +176,13 @@ class Broker:
         app = make_app(url)
         task = app.tasks[NOOP]
         task.apply_async((-1,), queue=queue)   # warm-up: connection, declaration
-        per = count // threads
 
-        def publish() -> None:
-            for index in range(per):
-                task.apply_async((index,), queue=queue)
+        def stored() -> None:
+            app.close()
+            flush_all()   # unconfirmed: until the server stored every message (kombu's pool)
 
-        pool = [threading.Thread(target=publish) for _ in range(threads)]
-        t0 = time.perf_counter()
-        for thread in pool:
-            thread.start()
-        for thread in pool:
-            thread.join()
-        app.close()
-        flush_all()   # unconfirmed: until the server stored every message (kombu's pool)
-        return per * threads / (time.perf_counter() - t0)
+        return threaded_rate(lambda index: task.apply_async((index,), queue=queue), count,
+                             threads, then=stored)
 
     def group(self, url: str) -> float:
         queue = f"shapes-group-{uuid.uuid4().hex[:8]}"
@@ -349,14 +268,6 @@ LATENCY = [f"{shape} {state}" for state in ("idle", "loaded") for shape in SHAPE
 THROUGHPUT = ["drain/s", "publish/s 1 thread", "publish/s 8 threads", "group of 1,000 s"]
 
 
-def table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w)
-                       for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines
-
-
 def render(results: dict[str, Any], load_rate: float) -> str:
     out = [f"Latency p50 / p99 ms ('loaded': {load_rate:.0f} no-op tasks/s into the same queue)"]
     rows = [["broker", *LATENCY]]
@@ -394,10 +305,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small sizes: checks every part")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the work dir")
-    parser.add_argument("--zk-force-sync", choices=("yes", "no"), default="yes")
-    parser.add_argument("--zk-jvm-flag", action="append", default=[])
-    parser.add_argument("--zk-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="a celery_zk option for the zk broker and backend URLs")
+    add_server_options(parser)
+    add_zk_option(parser)
     args = parser.parse_args(argv)
     args.brokers = [b for b in args.brokers.split(",") if b]
     args.only = [p for p in args.only.split(",") if p]
@@ -422,8 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args)
     print(render(results, args.load))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(results, fh, indent=2)
+        write_json(args.json, results)
     return 0
 
 

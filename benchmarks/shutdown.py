@@ -19,7 +19,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench import REDIS_SERVER, Processes, RedisServer, spawn_worker  # noqa: E402
+from common import REDIS_SERVER, Processes, RedisServer, spawn_worker  # noqa: E402
 
 from celery_zk.server import ZooKeeperServer  # noqa: E402
 

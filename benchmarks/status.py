@@ -4,7 +4,7 @@ Starts a ZooKeeper server with its default settings (a heap of ``--zk-heap``:
 the whole tree lives in it; see docs/sizing.md), publishes a backlog of
 Celery task messages (a no-op task with one argument, about 1 KB stored, the
 default priority) into one queue and one message into two others, then
-times :func:`celery_zk.status.collect` in this process (warm: connection
+times :func:`celery_zk.ops.status.collect` in this process (warm: connection
 made) and the whole ``celery zk status`` command (a new process:
 interpreter, Celery, connection and report).
 
@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from celery import Celery  # noqa: E402
 
+from celery_zk.broker.groups import publish_together  # noqa: E402
+from celery_zk.ops.status import collect  # noqa: E402
 from celery_zk.server import SERVER_JVM_FLAGS, ZooKeeperServer  # noqa: E402
-from celery_zk.status import collect  # noqa: E402
-from celery_zk.transport import publish_together  # noqa: E402
 
 BATCH = 5000   # messages per publish_together: 20 multis each
 

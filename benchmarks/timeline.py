@@ -12,13 +12,12 @@ median gap since the step before::
 ``--result``: the result round trip instead (``bench.py``'s (d): ``bench.add``
 with celery_zk's result backend, ``delay(...).get()``).
 
-The hooks wrap celery_zk methods from the outside (see :func:`install`); this
+The hooks wrap celery_zk methods from the outside (``marks.py``); this
 is a diagnostic, not a benchmark with targets.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -31,8 +30,17 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-#: Set in the worker's environment: where its hooks write their marks.
-ENV_FILE = "BENCH_TIMELINE_FILE"
+from bench_app import ADD, ECHO, make_app  # noqa: E402
+from common import (  # noqa: E402
+    Processes,
+    Workers,
+    add_server_options,
+    measured_server,
+    pause,
+    warm_up_zookeeper,
+)
+from kombu import Connection, Queue  # noqa: E402
+from marks import ENV_FILE, dump, install, mark  # noqa: E402
 
 #: (role, step) in the order a round trip passes them; the table follows it.
 STEPS = [
@@ -65,56 +73,6 @@ RESULT_STEPS = STEPS[:STEPS.index(("worker", "task", "the task starts")) + 1] + 
     ("client", "watch", "the client's watch on the done node fires"),
     ("client", "got", "get() returns the result"),
 ]
-
-_marks: list[tuple[float, str]] = []
-
-
-def mark(step: str) -> None:
-    _marks.append((time.perf_counter(), step))
-
-
-def install() -> None:
-    """Wrap the transport's steps so each call records the first mark it passes."""
-    from celery_zk import backend, queue, queue_view, result_consumer, transport
-
-    def wrap(cls: Any, name: str, step: str, after: str | None = None) -> None:
-        inner = getattr(cls, name)
-
-        @functools.wraps(inner)
-        def marked(*args: Any, **kwargs: Any) -> Any:
-            mark(step)
-            result = inner(*args, **kwargs)
-            if after:
-                mark(after)
-            return result
-        setattr(cls, name, marked)
-
-    wrap(transport.Channel, "_put", "put")
-    wrap(queue.QueueStore, "claim", "claim", "claimed")
-    wrap(queue.QueueStore, "ack_async", "ack")
-    wrap(queue_view.QueueView, "_on_tree", "tree")
-    wrap(queue_view.QueueView, "_on_owned", "handed")
-    wrap(queue_view.QueueView, "_take_handed", "take", "taken")
-    wrap(transport.Channel, "_get", "get")
-    wrap(backend.ZooKeeperBackend, "_store_result", "store", "stored")
-    wrap(result_consumer.ResultConsumer, "_on_watch", "watch")
-
-
-def dump(path: str, role: str) -> None:
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.writelines(f"{ts:.7f} {role} {step}\n" for ts, step in _marks)
-    _marks.clear()
-
-
-def install_in_worker() -> None:
-    """Called by bench_app when ``BENCH_TIMELINE_FILE`` is set."""
-    from celery.signals import task_prerun, worker_shutdown
-
-    path = os.environ[ENV_FILE]
-    install()
-    task_prerun.connect(lambda **_: mark("task"), weak=False)
-    worker_shutdown.connect(lambda **_: dump(path, "worker"), weak=False)
-
 
 def timeline(path: str, warm_up: int, steps: list[tuple[str, str, str]] = STEPS
              ) -> list[tuple[str, str, str, float, float, int]]:
@@ -154,17 +112,6 @@ def timeline(path: str, warm_up: int, steps: list[tuple[str, str, str]] = STEPS
 
 def record(args: argparse.Namespace, warm_up: int) -> str:
     """Run the round trips with the hooks in place; returns the marks file."""
-    from bench import (
-        ADD,
-        ECHO,
-        Bench,
-        Processes,
-        make_app,
-        measured_server,
-        warm_up_zookeeper,
-    )
-    from kombu import Connection, Queue
-
     work_dir = tempfile.mkdtemp(prefix="celery-zk-timeline-")
     path = os.path.join(work_dir, "marks.txt")
     procs = Processes()
@@ -174,14 +121,14 @@ def record(args: argparse.Namespace, warm_up: int) -> str:
             zk.start()
             warm_up_zookeeper(zk.hosts)
             url = f"zk://{zk.hosts}/timeline-{uuid.uuid4().hex[:8]}"
-            bench = Bench(args, procs, work_dir)
+            workers = Workers(procs, work_dir)
             if args.result:
                 backend = f"zk://{zk.hosts}/timeline-results-{uuid.uuid4().hex[:8]}"
                 app = make_app(url, backend)
                 add = app.tasks[ADD]
-                with bench.worker(url, "timeline", backend=backend, env={ENV_FILE: path}):
+                with workers.worker(url, "timeline", backend=backend, env={ENV_FILE: path}):
                     for _ in range(args.samples + warm_up):
-                        bench.pause()
+                        pause()
                         mark("apply_async")
                         add.apply_async((1, 2), queue="timeline").get(timeout=30)
                         mark("got")
@@ -197,11 +144,11 @@ def record(args: argparse.Namespace, warm_up: int) -> str:
                 got.append(body["token"])
                 message.ack()
 
-            with Connection(url) as conn, bench.worker(url, "timeline", env={ENV_FILE: path}):
+            with Connection(url) as conn, workers.worker(url, "timeline", env={ENV_FILE: path}):
                 with conn.Consumer(Queue("timeline-reply", durable=False), accept=["json"],
                                    callbacks=[on_reply]):
                     for _ in range(args.samples + warm_up):
-                        bench.pause()
+                        pause()
                         token = uuid.uuid4().hex
                         mark("apply_async")
                         echo.apply_async(("timeline-reply", token), queue="timeline")
@@ -221,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=150)
     parser.add_argument("--result", action="store_true",
                         help="time the result round trip (delay().get()) instead")
-    from bench import add_server_options
     add_server_options(parser)
     args = parser.parse_args(argv)
     warm_up = 5

@@ -148,7 +148,7 @@ def main() -> int:
     junit = args.junit or work / "junit.xml"
     started = time.monotonic()
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench import Processes, RedisServer  # the benchmarks' launcher, stopped by pid
+    from common import Processes, RedisServer  # the benchmarks' launcher, stopped by pid
 
     procs = Processes()
     try:

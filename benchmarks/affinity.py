@@ -17,13 +17,20 @@ the first publish until every task has run:
   a task that loads a dataset states the cache's new contents with
   ``celery_zk.features.affinity.holding`` (``locality_wait`` at its default, 3 s).
 
-The workers start with empty caches in both runs. Every process started is
-stopped, also on Ctrl-C.
+The workers start with empty caches in both runs.
+
+Then the price of a key on an idle queue, which keyed messages pay because
+they are never handed straight to an idle consumer: one worker, and
+``--latency-samples`` (200) tasks sent one at a time, from ``apply_async``
+until the task body starts (a UDP datagram from the task), p50/p99 ms: no
+key (handed off), a key this worker holds, and a key nobody holds.
+
+Every process started is stopped, also on Ctrl-C.
 
 Usage::
 
     .venv/bin/python benchmarks/affinity.py [--tasks 2000] [--pool threads|prefork]
-        [--runs 1] [--json out.json]
+        [--runs 1] [--latency-samples 200] [--json out.json]
 
 This file is also the workers' Celery app (``celery -A affinity worker``).
 """
@@ -34,18 +41,22 @@ import json
 import os
 import random
 import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from typing import Any
 
 from celery import Celery, group
-from common import Processes, child_env, write_json
+from common import Processes, child_env, percentile, sample, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TASK = "affinity.process"
+MARK = "affinity.mark"
+HOLD = "affinity.hold"
 
 # -- the workers' app -----------------------------------------------------------------
 app = Celery("affinity", broker=os.environ.get("AFFINITY_BROKER", "memory://"),
@@ -91,6 +102,19 @@ def process(dataset: str) -> None:
     os.replace(temp, f"{stats_file}.{os.getpid()}")
 
 
+@app.task(name=MARK, ignore_result=True)
+def mark(port: int, token: str) -> None:
+    """Tell the client (a UDP datagram) when the task body started."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.sendto(f"{token} {time.monotonic()}".encode(), ("127.0.0.1", port))
+
+
+@app.task(name=HOLD, ignore_result=True)
+def hold(key: str) -> None:
+    from celery_zk.features import affinity
+    affinity.hold(key, app=app)
+
+
 # -- the benchmark ----------------------------------------------------------------------
 def _read_stats(work: str, run: str) -> list[dict[str, Any]]:
     found = []
@@ -105,14 +129,14 @@ def _read_stats(work: str, run: str) -> list[dict[str, Any]]:
 
 
 def _start_workers(args: argparse.Namespace, url: str, work: str, run: str,
-                   state: bool) -> Processes:
+                   state: bool, count: int | None = None) -> Processes:
     env = child_env({"AFFINITY_BROKER": url,
                      "AFFINITY_STATS_FILE": os.path.join(work, f"{run}.stats"),
                      "AFFINITY_CACHE": str(args.cache), "AFFINITY_LOAD_MS": str(args.load_ms),
                      "AFFINITY_WORK_MS": str(args.work_ms),
                      "AFFINITY_STATE": "1" if state else "0"})
     procs = Processes()
-    for index in range(args.workers):
+    for index in range(args.workers if count is None else count):
         procs.spawn([sys.executable, "-m", "celery", "-A", "affinity", "worker",
                      f"--pool={args.pool}", "-c", "1", "--loglevel=INFO",
                      f"--hostname={run}{index}@%h", "--without-mingle", "--without-gossip",
@@ -167,6 +191,52 @@ def one_run(args: argparse.Namespace, hosts: str, work: str, run: str,
         procs.stop_together(grace=20)
 
 
+def latency(args: argparse.Namespace, hosts: str, work: str) -> dict[str, Any]:
+    """Idle one-way p50/p99 ms, one worker: no key, a key it holds, one nobody holds."""
+    from kazoo.client import KazooClient
+
+    url = f"zk://{hosts}/affinity-latency"
+    procs = _start_workers(args, url, work, "latency", state=False, count=1)
+    client = Celery("client", broker=url, set_as_current=False)
+    watcher = KazooClient(hosts=f"{hosts}/affinity-latency")
+    watcher.start()
+    try:
+        client.send_task(HOLD, ("held",))
+        deadline = time.monotonic() + 30
+        while not any(name.startswith("held~") for shard in watcher.get_children("/affinity")
+                      for name in watcher.get_children(f"/affinity/{shard}")):
+            if time.monotonic() > deadline:
+                raise SystemExit("the worker never said it holds its key")
+            time.sleep(0.05)
+        out: dict[str, Any] = {}
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            sock.settimeout(30)
+            port = sock.getsockname()[1]
+            for case, key in (("no key", None), ("key held", "held"),
+                              ("key nobody holds", "nobody")):
+                options = {"headers": {"zk_affinity": key}} if key else {}
+
+                def once(options: dict[str, Any] = options) -> float:
+                    token = uuid.uuid4().hex
+                    sent = time.monotonic()
+                    client.send_task(MARK, (port, token), **options)
+                    while True:
+                        got, started = sock.recv(200).decode().split()
+                        if got == token:
+                            return float(started) - sent
+
+                values = sample(once, args.latency_samples)
+                out[case] = {"p50": round(percentile(values, 50), 2),
+                             "p99": round(percentile(values, 99), 2)}
+        return out
+    finally:
+        watcher.stop()
+        watcher.close()
+        client.close()
+        procs.stop_together(grace=20)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=int, default=2000)
@@ -179,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=1, help="pairs of runs")
     parser.add_argument("--seed", type=int, default=17)
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--latency-samples", type=int, default=200, help="0: skip")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
 
@@ -199,12 +270,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"{result['tasks_per_s']:7.1f} tasks/s ({result['seconds']} s; "
                       f"publish {result['publish_s']} s; per worker "
                       f"{result['per_worker']})", flush=True)
+        idle = latency(args, zk.hosts, work) if args.latency_samples else {}
     for index in range(args.runs):
         plain, aff = results[2 * index], results[2 * index + 1]
         print(f"pair {index}: hit rate {plain['hit_rate']:.3f} -> {aff['hit_rate']:.3f}, "
               f"throughput x{aff['tasks_per_s'] / plain['tasks_per_s']:.2f}")
+    for case, value in idle.items():
+        print(f"idle one-way, {case:>16}: p50 {value['p50']:.2f} ms, p99 {value['p99']:.2f} ms")
     if args.json:
-        write_json(args.json, {"args": vars(args), "results": results})
+        write_json(args.json, {"args": vars(args), "results": results, "idle_latency": idle})
     return 0
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from bench_app import ADD, DRAIN, ECHO, make_app
 from celery import Celery
-from common import Processes, Workers, log, pause, percentile
+from common import Processes, Workers, log, percentile, sample
 from floor import measure as measure_floor
 from kombu import Connection, Queue
 
@@ -76,19 +76,6 @@ def result_round_trip(app: Celery, queue: str, label: str) -> Iterator[Callable[
         result.forget()
         return elapsed
     yield once
-
-
-def sample(once: Callable[[], float], samples: int, warm_up: int = 5) -> list[float]:
-    """Milliseconds of ``samples`` calls after ``warm_up`` uncounted ones (connections,
-    queue declarations), each followed by a pause."""
-    for _ in range(warm_up):
-        once()
-        pause()
-    values = []
-    for _ in range(samples):
-        values.append(once() * 1000)
-        pause()
-    return values
 
 
 @dataclass

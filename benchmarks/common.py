@@ -71,6 +71,19 @@ def pause() -> None:
     time.sleep(random.uniform(0.020, 0.050))
 
 
+def sample(once: Callable[[], float], samples: int, warm_up: int = 5) -> list[float]:
+    """Milliseconds of ``samples`` calls after ``warm_up`` uncounted ones (connections,
+    queue declarations), each followed by a pause."""
+    for _ in range(warm_up):
+        once()
+        pause()
+    values = []
+    for _ in range(samples):
+        values.append(once() * 1000)
+        pause()
+    return values
+
+
 def threaded_rate(call: Callable[[int], object], total: int, threads: int,
                   then: Callable[[], None] | None = None) -> float:
     """Calls per second: ``threads`` threads at once, each calling ``call(index)`` for

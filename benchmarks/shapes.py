@@ -53,7 +53,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from bench_app import DRAIN, MARK, NOOP, make_app  # noqa: E402
-from bench_measure import reply_round_trip, result_round_trip, sample  # noqa: E402
+from bench_measure import reply_round_trip, result_round_trip  # noqa: E402
 from celery import group  # noqa: E402
 from common import (  # noqa: E402
     Processes,
@@ -66,6 +66,7 @@ from common import (  # noqa: E402
     log,
     measured_server,
     percentile,
+    sample,
     table,
     tail,
     threaded_rate,

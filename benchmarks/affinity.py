@@ -191,6 +191,16 @@ def one_run(args: argparse.Namespace, hosts: str, work: str, run: str,
         procs.stop_together(grace=20)
 
 
+def _holds(client: Any, key: str) -> bool:
+    """Whether a holding node of ``key`` exists (celery_zk.zk.layout.holding)."""
+    from kazoo.exceptions import NoNodeError
+    try:
+        return any(name.startswith(f"{key}~") for shard in client.get_children("/affinity")
+                   for name in client.get_children(f"/affinity/{shard}"))
+    except NoNodeError:
+        return False   # nothing held yet, or a shard made meanwhile
+
+
 def latency(args: argparse.Namespace, hosts: str, work: str) -> dict[str, Any]:
     """Idle one-way p50/p99 ms, one worker: no key, a key it holds, one nobody holds."""
     from kazoo.client import KazooClient
@@ -203,8 +213,7 @@ def latency(args: argparse.Namespace, hosts: str, work: str) -> dict[str, Any]:
     try:
         client.send_task(HOLD, ("held",))
         deadline = time.monotonic() + 30
-        while not any(name.startswith("held~") for shard in watcher.get_children("/affinity")
-                      for name in watcher.get_children(f"/affinity/{shard}")):
+        while not _holds(watcher, "held"):
             if time.monotonic() > deadline:
                 raise SystemExit("the worker never said it holds its key")
             time.sleep(0.05)

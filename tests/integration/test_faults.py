@@ -345,7 +345,8 @@ def _expire_live_worker(make_url: Any, start_worker: Any,
     assert lost == 0
     assert "not acking" in a.output() and "ZooKeeper session" in a.output(), \
         a.output()[-3000:]
-    assert a_new, "A took no new work after registering again"
+    # Seen once in CI (stop 23), not reproduced in 15 runs: keep A's side of it.
+    assert a_new, f"A took no new work after registering again:\n{a.output()[-6000:]}"
     assert "Traceback" not in a.output(), a.output()[-5000:]
     assert a.stop() == 0 and b.stop() == 0, a.output()[-3000:]  # warm shutdown still works
 

@@ -161,9 +161,12 @@ class QueueView:
 
     # -- the consuming thread ---------------------------------------------------
     def reset(self) -> None:
-        """After a connection or session change: watches may be gone, so look again."""
+        """After a connection or session change: watches may be gone, so look again.
+
+        Runs on kazoo's thread (a session event), so it only flags: the
+        consuming thread may be iterating the listing, and it lists again
+        before its next pick anyway (``stale``)."""
         self.stale = True
-        self.listing.clear()
         self._woken()
 
     def invalidate(self) -> None:
@@ -500,7 +503,7 @@ class QueueView:
         listing = self.listing
         taken = set(batch)
         skipped = []
-        while taken:   # every name of the batch is in the listing, in its order
+        while taken and listing:   # every name of the batch is in the listing, in its order
             name = listing.popleft()
             if name in taken:
                 taken.discard(name)

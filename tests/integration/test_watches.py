@@ -277,3 +277,27 @@ def test_removing_the_tree_watch_makes_the_connections_other_views_look_again(
             _publish(zk_url, queue, "after")
             conn.drain_events(timeout=5)
     assert got == ["after"]
+
+
+def test_a_session_event_leaves_the_listing_to_the_consuming_thread(zk_url: str) -> None:
+    """reset() runs on kazoo's thread: clearing the listing there raced the
+    consuming thread's iteration of it ("deque mutated during iteration").
+    It only flags; the consumer lists again before its next pick."""
+    queue = Queue("reset", Exchange("reset", "direct"), "reset")
+    with Connection(f"{zk_url}?claim_batch=4&handoff=false") as conn:
+        queue(conn.channel()).declare()
+        _publish(zk_url, queue, *range(30))
+        got: list[Any] = []
+        with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())],
+                      prefetch_count=1):
+            conn.drain_events(timeout=5)
+            view = next(iter(conn.default_channel._views.values()))
+            before = list(view.listing)
+            assert before   # a backlog: the listing holds more than was claimed
+            resetter = threading.Thread(target=view.reset)   # as kazoo's thread calls it
+            resetter.start()
+            resetter.join()
+            assert list(view.listing) == before and view.stale
+            while len(got) < 30:
+                conn.drain_events(timeout=5)
+        assert sorted(got) == list(range(30))

@@ -177,22 +177,56 @@ def status(ctx: click.Context, queues: tuple[str, ...], as_json: bool, watch: fl
     QUEUES: only these (default: every queue). Never reads message bodies, so it
     is cheap on a big backlog. --json --watch prints one JSON document per line.
     """
-    with _zk_broker(ctx, timeout) as transport, _clear_errors("status"):
+    with _zk_broker(ctx, timeout) as transport, _clear_errors("status"), \
+            _whole_lines() as emit:
         try:
             while True:
                 report = _report(ctx, transport, queues)
                 if as_json:   # with --watch, one document per line (JSON lines)
-                    click.echo(json.dumps(report.as_dict(), sort_keys=True,
-                                          indent=None if watch else 2))
+                    emit(json.dumps(report.as_dict(), sort_keys=True,
+                                    indent=None if watch else 2))
                 else:
-                    if watch:
-                        click.clear()
-                    click.echo(format_status(report, transport.settings.sanitized_url()))
+                    emit(format_status(report, transport.settings.sanitized_url()),
+                         clear=bool(watch))
                 if not watch:
                     return
                 time.sleep(watch)
         except KeyboardInterrupt:
             return
+
+
+@contextmanager
+def _whole_lines() -> Iterator[Any]:
+    """An ``emit(text)`` that Ctrl-C never cuts in half.
+
+    A SIGINT that lands during a write used to stop it midway, so the last
+    JSON line of ``status --json --watch`` was cut off and a reader's parser
+    failed; here it waits until the text is written, then stops the loop.
+    """
+    state = {"writing": False, "pending": False}
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        if state["writing"]:
+            state["pending"] = True
+        else:
+            raise KeyboardInterrupt
+
+    def emit(text: str, clear: bool = False) -> None:
+        state["writing"] = True
+        try:
+            if clear:
+                click.clear()
+            click.echo(text)
+        finally:
+            state["writing"] = False
+        if state["pending"]:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield emit
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @zk.group()

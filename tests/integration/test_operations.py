@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -306,11 +307,22 @@ def test_status_watch_refreshes_until_stopped(zk_url: str) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "proj.app", "zk", "status",
                              "--json", "--watch", "0.3"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    # Wait for three reports, however slowly this machine starts Celery, then
+    # interrupt it mid-stream: Ctrl-C must never leave a line cut in half.
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
     try:
-        time.sleep(4)
+        deadline = time.monotonic() + 60
+        while len(lines) < 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=15)
+        proc.wait(timeout=15)
+        reader.join(timeout=15)
+        err = proc.stderr.read()
+    out = "".join(lines)
     reports = [json.loads(line) for line in out.splitlines() if line.strip()]
     assert len(reports) >= 3, (out[-500:], err)
     assert all(r["queues"][0]["waiting"] == 1 for r in reports)

@@ -30,7 +30,8 @@ events came, so one publisher's messages keep their order.
 
 When the listing holds messages with affinity keys, the view chooses among
 them by :func:`celery_zk.features.affinity.choose`. If it may take none yet (their
-keys are held by other workers and have not waited ``locality_wait``), it
+keys are held by other workers and have not waited ``locality_wait``, or a key
+it started on is not yet held), it
 is *deferring*: it lists again on the next watch event, and a timer wakes
 it when the first of them may be taken.
 
@@ -51,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from kazoo.exceptions import NoNodeError
 
-from ..features.affinity import choose
+from ..features.affinity import Waiting, choose
 from ..zk.client import CONNECTION_ERRORS, log_failure, reply_or_retry
 from ..zk.layout import parse_bucket_name, parse_message_name, sort_messages, split_owned_name
 from ..zk.session import weak_callback
@@ -93,8 +94,7 @@ class QueueView:
         self.offer = Offer(transport.handoff, queue) if transport.handoff is not None else None
         self.closed = False
         self.keyed = False    # the listing holds messages with affinity keys
-        self.seen: dict[str, float] = {}   # keyed messages held elsewhere: first seen at
-        self.started: dict[str, float] = {}   # keys this view started on unheld: when
+        self.waiting = Waiting()   # what the affinity choice remembers
         self._in_hand = 0   # delivered and not done with, at the last fill
         self.deferring: int | None = None   # nothing to take yet: events at that look
         self._retry_in: float | None = None   # from the last choice: when one may be taken
@@ -170,8 +170,12 @@ class QueueView:
         self._woken()
 
     def invalidate(self) -> None:
-        """The listing is out of date (a requeue sorts ahead of it, a purge emptied it)."""
-        self.listing.clear()
+        """The listing is out of date (a requeue sorts ahead of it, a purge emptied it).
+
+        A threads worker rejects (and so requeues) on a pool thread while the
+        consuming thread may be iterating the listing: only flag, as reset()."""
+        self.stale = True
+        self.armed = False
 
     def close(self) -> None:
         self.closed = True
@@ -279,9 +283,8 @@ class QueueView:
         self._dead_letter(found.foreign)
         names = found.names
         self._set_listing(names)
-        if self.seen:   # forget the messages that went
-            listed = set(names)
-            self.seen = {name: at for name, at in self.seen.items() if name in listed}
+        if self.waiting.seen:   # forget the messages that went
+            self.waiting.forget(set(names))
         self.listed_at = monotonic()
         self.idle = not names
         if tree and len(names) > self.options.claim_batch:
@@ -484,8 +487,8 @@ class QueueView:
             board.refresh()
             idle = not (self._in_hand or self.buffer or self.ahead)
             # A read-ahead's look must not count as starting on a key.
-            started = self.started if claim else dict(self.started)
-            batch, self._retry_in = choose(listing, limit, board, self.seen, started,
+            waiting = self.waiting if claim else self.waiting.look()
+            batch, self._retry_in = choose(listing, limit, board, waiting,
                                            self.options.locality_wait, index=place, idle=idle)
             return batch
         if offset:

@@ -52,7 +52,8 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   :mod:`celery_zk.broker.handoff`). Needs persistent watches.
 * ``locality_wait`` (float, 3.0): seconds a consumer leaves a message whose
   affinity key another live worker holds for that worker before taking it
-  itself (see :mod:`celery_zk.features.affinity`). 0: prefer held keys, never wait.
+  itself (see :mod:`celery_zk.features.affinity`); the oldest waiting message is
+  taken first once it has been the oldest this long. 0: never wait.
 * ``dead_letter_rejected`` (bool, False): keep messages rejected with
   ``requeue=False`` under the queue's ``dead/`` directory.
 * ``confirm_publish`` (bool, True): wait for ZooKeeper to store each message

@@ -15,10 +15,11 @@ changes::
 
 Each held key is an ephemeral node ``affinity/{h}/{key}~{worker}-{pid}`` of
 the process's ZooKeeper session, so it goes when the process dies. The
-worker id is made at import and inherited by forked children: a prefork
-worker's pool processes hold keys for their worker. Consumers watch
-``affinity/`` (one persistent recursive watch, names only) and so know which
-worker holds which key.
+worker id is made when a worker starts (``worker_init``) and inherited by
+the pool processes it forks. After a session expiry a process states its
+keys again from a thread of its own: a pool process consumes nothing that
+would notice. Consumers watch ``affinity/`` (one persistent recursive watch,
+names only) and so know which worker holds which key.
 
 Choosing (:func:`choose`, from the names of the listing alone): among the
 first :data:`WINDOW` waiting messages *of the best priority*, a consumer takes
@@ -32,13 +33,15 @@ first :data:`WINDOW` waiting messages *of the best priority*, a consumer takes
    and a key a consumer started on counts as held by it for
    ``locality_wait`` seconds (at least one), until its task says so. While
    a started key is not yet held, a consumer that has messages claimed or
-   running starts no other.
+   running starts no other;
+3. and first of all, whatever its key, the oldest waiting message once it
+   has been the oldest for ``locality_wait`` seconds. Every message becomes
+   the oldest in its turn, so none waits forever, even while every consumer
+   always has local work.
 
-A message held elsewhere is taken by its holder or, after the wait, by
-anyone: none waits forever. A lower priority is never taken while a better
-one waits, whatever the keys. Keyed messages are never handed straight to
-an idle consumer (:mod:`celery_zk.broker.handoff`): they wait where every consumer
-chooses.
+A lower priority is never taken while a better one waits, whatever the
+keys. Keyed messages are never handed straight to an idle consumer
+(:mod:`celery_zk.broker.handoff`): they wait where every consumer chooses.
 """
 from __future__ import annotations
 
@@ -46,17 +49,19 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from enum import Enum
 from itertools import islice
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
+from celery import signals
 from kazoo.client import KazooState
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 
 from ..exceptions import CeleryZKError
-from ..zk.client import CONNECTION_ERRORS, log_failure, multi_failure
+from ..zk.client import log_failure, multi_failure
 from ..zk.layout import Layout, affinity_token, parse_holding_name, quick_affinity
 from ..zk.session import SharedSession, weak_callback
 from ..zk.watches import NODE_CREATED
@@ -64,7 +69,7 @@ from ..zk.watches import NODE_CREATED
 if TYPE_CHECKING:
     from ..zk.watches import TreeWatches
 
-__all__ = ["HEADER", "AffinityKeyError", "Board", "choose", "hold", "held", "holding",
+__all__ = ["HEADER", "AffinityKeyError", "Board", "Waiting", "choose", "hold", "held", "holding",
            "release"]
 
 logger = logging.getLogger(__name__)
@@ -86,6 +91,9 @@ _held: dict[str, str] = {}   # token -> key, held by this process
 
 class AffinityKeyError(CeleryZKError, ValueError):
     """A message's affinity key is not one celery_zk can put in a node name."""
+
+
+AffinityKeyError.__module__ = "celery_zk.affinity"   # its public path (see LockHeld)
 
 
 class Where(Enum):
@@ -111,33 +119,51 @@ def affinity_of(message: dict[str, Any]) -> str | None:
 def hold(*keys: object, app: Any = None) -> None:
     """This worker now holds the data of ``keys`` (e.g. loaded into its cache)."""
     tokens = {affinity_token(key): str(key) for key in keys}
-    with _lock:
-        _held.update(tokens)
-    _publish(app)
+    _change(lambda held: held.update(tokens), app)
 
 
 def release(*keys: object, app: Any = None) -> None:
     """This worker no longer holds the data of ``keys``."""
     tokens = [affinity_token(key) for key in keys]
-    with _lock:
+
+    def drop(held: dict[str, str]) -> None:
         for token in tokens:
-            _held.pop(token, None)
-    _publish(app)
+            held.pop(token, None)
+
+    _change(drop, app)
 
 
 def holding(keys: Iterable[object], app: Any = None) -> None:
     """This worker holds exactly ``keys`` (one transaction for the change)."""
     tokens = {affinity_token(key): str(key) for key in keys}
-    with _lock:
-        _held.clear()
-        _held.update(tokens)
-    _publish(app)
+
+    def replace(held: dict[str, str]) -> None:
+        held.clear()
+        held.update(tokens)
+
+    _change(replace, app)
 
 
 def held() -> frozenset[str]:
     """The keys this process said it holds."""
     with _lock:
         return frozenset(_held.values())
+
+
+def _change(update: Callable[[dict[str, str]], None], app: Any) -> None:
+    """Change what this process holds, then say so in ZooKeeper. Every key is
+    valid by now; a broker that is not zk:// undoes the change. ZooKeeper away
+    does not: the holdings are stated again once it is back."""
+    with _lock:
+        before = dict(_held)
+        update(_held)
+    try:
+        _publish(app)
+    except CeleryZKError:
+        with _lock:
+            _held.clear()
+            _held.update(before)
+        raise
 
 
 def _publish(app: Any) -> None:
@@ -149,10 +175,31 @@ def _publish(app: Any) -> None:
         transport = connection.transport
         if not hasattr(transport, "affinity"):
             raise CeleryZKError(
-                "celery_zk.features.affinity states held keys in ZooKeeper: the broker must be "
-                f"zk:// (it is {connection.transport_cls!r})")
-        connection.connect()   # a no-op once the pooled connection is up
-        transport.affinity.sync()
+                "celery_zk.affinity states held keys in ZooKeeper: the broker must be "
+                f"zk:// (it is {connection.transport_cls!r}). Nothing is held.")
+        try:
+            connection.connect()   # a no-op once the pooled connection is up
+            transport.affinity.sync()
+        except KazooException as exc:
+            log_failure(logger, exc, "celery_zk: could not state the held affinity keys; "
+                        "stating them again when ZooKeeper answers")
+
+
+@signals.worker_init.connect(weak=False)
+def _new_worker(**_: Any) -> None:
+    """A worker starting gets an id of its own, which its pool processes inherit:
+    processes forked from one parent that imported celery_zk are still
+    different workers."""
+    global WORKER
+    WORKER = uuid.uuid4().hex[:12]
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()   # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # -- what every worker holds ----------------------------------------------------------
@@ -172,16 +219,35 @@ class Board:
         self._sync_lock = threading.Lock()
         self._made: set[str] = set()   # holding paths this process made
         self._pid = os.getpid()
+        # Bumped when the session ends: a sync that straddles it made nodes that
+        # went with it. _unsaid: holdings to state again once connected.
+        self._generation = 0
+        self._unsaid = False
         self._tree_cb = weak_callback(self._on_tree)
         session.add_listener(weak_callback(self._on_state))
 
     # -- kazoo's threads: record only ------------------------------------------------
     def _on_state(self, state: KazooState) -> None:
         if state == KazooState.LOST:
+            self._generation += 1
             self._made = set()   # ZooKeeper dropped them with the session: say it again
+            self._unsaid = True
             self._loaded_at = None
         elif state != KazooState.CONNECTED:
             self._loaded_at = None   # the watch went with the connection
+        elif self._unsaid and _held:
+            # A process that only runs tasks (a prefork child) has no consumer
+            # that would notice: state them again from a thread of our own,
+            # never on kazoo's.
+            threading.Thread(target=self._sync_quietly, name="celery_zk-affinity",
+                             daemon=True).start()
+
+    def _sync_quietly(self) -> None:
+        try:
+            self.sync()
+        except KazooException as exc:
+            log_failure(logger, exc, "celery_zk: could not state the held affinity keys "
+                        "again; retrying when ZooKeeper answers")
 
     def _on_tree(self, event_type: int, path: str) -> None:
         _, _, name = path.rpartition("/")
@@ -225,15 +291,15 @@ class Board:
         watches = self.watches
         path = self.layout.affinity
         try:
-            if _held and (not self._made or self._pid != os.getpid()):
-                self.sync()   # after a session expiry, or in a forked child
+            if _held and (self._unsaid or not self._made or self._pid != os.getpid()):
+                self.sync()   # after a session expiry or a failed sync, or in a forked child
             if self._loaded_at is not None:
                 if watches is not None and watches.supported and watches.active(path):
                     return
                 if monotonic() - self._loaded_at < RELOAD_EVERY:
                     return
             self._load(watches)
-        except CONNECTION_ERRORS as exc:
+        except KazooException as exc:   # the choice goes on without them
             log_failure(logger, exc, "celery_zk: could not read the affinity holdings; "
                         "choosing without them for now")
 
@@ -270,36 +336,44 @@ class Board:
         with self._sync_lock:
             if self._pid != os.getpid():   # forked: the parent's nodes are not ours
                 self._made, self._pid = set(), os.getpid()
+            generation = self._generation
+            self._unsaid = True   # until this sync has landed
             pid = os.getpid()
             with _lock:
                 want = {self.layout.holding(token, WORKER, pid) for token in _held}
             create, delete = want - self._made, self._made - want
-            if not create and not delete:
-                return
-            client = self.session.client
+            if create or delete:
+                self._commit(create, delete)
+            if generation == self._generation:
+                self._made, self._unsaid = want, False
+            # else the session ended meanwhile, and took what we made with it:
+            # _made stays empty and the reconnect states everything again.
 
-            def commit() -> bool:
-                txn = client.transaction()
-                for path in sorted(delete):
-                    txn.delete(path)
-                for path in sorted(create):
-                    txn.create(path, ephemeral=True)
-                return multi_failure(txn.commit()) is None
+    def _commit(self, create: set[str], delete: set[str]) -> None:
+        client = self.session.client
 
-            if not client.retry(commit):
-                # A shard not made yet, or a retried multi that had landed: one by
-                # one, idempotent (each node stands on its own).
-                for path in delete:
-                    try:
-                        client.retry(client.delete, path)
-                    except NoNodeError:
-                        pass
-                for path in create:
-                    try:
-                        client.retry(client.create, path, ephemeral=True, makepath=True)
-                    except NodeExistsError:
-                        pass
-            self._made = want
+        def commit() -> bool:
+            txn = client.transaction()
+            for path in sorted(delete):
+                txn.delete(path)
+            for path in sorted(create):
+                txn.create(path, ephemeral=True)
+            return multi_failure(txn.commit()) is None
+
+        if client.retry(commit):
+            return
+        # A shard not made yet, or a retried multi that had landed: one by one,
+        # idempotent (each node stands on its own).
+        for path in delete:
+            try:
+                client.retry(client.delete, path)
+            except NoNodeError:
+                pass
+        for path in create:
+            try:
+                client.retry(client.create, path, ephemeral=True, makepath=True)
+            except NodeExistsError:
+                pass
 
 
 def board_for(session: SharedSession, layout: Layout, watches: TreeWatches | None) -> Board:
@@ -307,19 +381,38 @@ def board_for(session: SharedSession, layout: Layout, watches: TreeWatches | Non
     return session.singleton(("affinity", layout.root), lambda: Board(session, layout, watches))
 
 
-def choose(names: Iterable[str], limit: int, board: Board, seen: dict[str, float],
-           started: dict[str, float], wait: float, index: int = 0, idle: bool = True
-           ) -> tuple[list[str], float | None]:
+@dataclass
+class Waiting:
+    """What one consumer remembers between choices (see :func:`choose`)."""
+
+    #: Keyed messages this consumer may not take yet: when it first saw each.
+    seen: dict[str, float] = field(default_factory=dict)
+    #: Keys it started on without holding them: when.
+    started: dict[str, float] = field(default_factory=dict)
+    #: The oldest waiting message, and since when it has been the oldest.
+    head: str | None = None
+    head_since: float = 0.0
+
+    def look(self) -> Waiting:
+        """A copy to choose with that changes nothing here (a read-ahead's look)."""
+        return Waiting(self.seen, dict(self.started), self.head, self.head_since)
+
+    def forget(self, listed: set[str]) -> None:
+        """Drop what it remembers of messages that are gone."""
+        self.seen = {name: at for name, at in self.seen.items() if name in listed}
+
+
+def choose(names: Iterable[str], limit: int, board: Board, waiting: Waiting, wait: float,
+           index: int = 0, idle: bool = True) -> tuple[list[str], float | None]:
     """Up to ``limit`` of ``names`` (a sorted listing) to claim, and, when none
     can be taken yet, the seconds until one can.
 
-    The caller keeps ``seen`` (when this consumer first saw each message
-    held elsewhere) and ``started`` (the keys it started on without holding
-    them, and when) across calls. ``index``: this consumer's place among the
-    live ones, so consumers without local work start on different keys.
-    ``idle``: the consumer has nothing claimed or running.
+    ``waiting``: what this consumer remembers across calls. ``index``: its
+    place among the live ones, so consumers without local work start on
+    different keys. ``idle``: it has nothing claimed or running.
     """
     now = monotonic()
+    started, seen = waiting.started, waiting.seen
     recent = max(wait, MIN_STARTED)
     # Started keys bridge the time until the task says it holds the key (from
     # then on the holdings decide, evictions included), or until they expire.
@@ -330,27 +423,45 @@ def choose(names: Iterable[str], limit: int, board: Board, seen: dict[str, float
     free: dict[str, list[str]] = {}   # key -> its messages nobody here may wait for
     best: str | None = None
     soonest: float | None = None
+
+    def due_at(at: float) -> None:
+        nonlocal soonest
+        if soonest is None or at < soonest:
+            soonest = at
+
     for name in islice(names, WINDOW):
         priority = name[1]   # "m{P}-…": one digit, inverted (see layout)
         if best is None:
             best = priority
+            if waiting.head != name:
+                waiting.head, waiting.head_since = name, now
         elif priority != best:
             break   # priority wins over affinity
         token = quick_affinity(name)
         if token is None or token in started:
             batch.append(name)
+            continue
+        where = board.where(token)
+        if where is Where.MINE:
+            batch.append(name)
+        elif name == waiting.head and now - waiting.head_since >= wait:
+            # The oldest message has been the oldest for the whole wait: whoever
+            # looks takes it, whatever its key. Every message becomes the oldest
+            # in its turn, so none waits forever behind others' local work.
+            batch.append(name)
+            if where is Where.NOWHERE:
+                started[token] = now   # this consumer loads it now
         else:
-            where = board.where(token)
-            if where is Where.MINE:
-                batch.append(name)
-            elif where is Where.NOWHERE:
+            if name == waiting.head:
+                due_at(waiting.head_since + wait)
+            if where is Where.NOWHERE:
                 free.setdefault(token, []).append(name)
             else:
                 due = seen.setdefault(name, now) + wait
                 if due <= now:
                     free.setdefault(token, []).append(name)
-                elif soonest is None or due < soonest:
-                    soonest = due
+                else:
+                    due_at(due)
         if len(batch) >= limit:
             break
     if batch:
@@ -358,12 +469,15 @@ def choose(names: Iterable[str], limit: int, board: Board, seen: dict[str, float
     # A key started on and not yet said to be held is being loaded: start no
     # second one meanwhile (a prefetch window would fill with new keys before
     # any is loaded), unless nothing runs (tasks that never call hold()).
-    if free and (idle or not started):
-        # No local work: start on one new key (its data is loaded once), a
-        # different one for each consumer, rather than on many at once. Until
-        # its task says it holds it, the key counts as this consumer's.
-        keys = list(free)
-        chosen = keys[index % len(keys)]
-        started[chosen] = now
-        return free[chosen][:limit], None
+    if free:
+        if idle or not started:
+            # No local work: start on one new key (its data is loaded once), a
+            # different one for each consumer, rather than on many at once. Until
+            # its task says it holds it, the key counts as this consumer's.
+            keys = list(free)
+            chosen = keys[index % len(keys)]
+            started[chosen] = now
+            return free[chosen][:limit], None
+        for at in started.values():   # look again when a started key lapses
+            due_at(at + recent)
     return [], None if soonest is None else max(0.0, soonest - now)

@@ -53,6 +53,11 @@ class LockHeld(CeleryZKError):
     """Another run of a singleton task holds its lock."""
 
 
+# Celery stores a task's exception by module and name: name the public path,
+# which stays when this module moves.
+LockHeld.__module__ = "celery_zk"
+
+
 @dataclass(frozen=True)
 class TaskLock:
     """The lock a running singleton task holds."""

@@ -1,8 +1,10 @@
 """A local ZooKeeper: the launcher (:mod:`.launcher`), finding an installation
 (:mod:`.install`) and ensembles (:mod:`.ensemble`).
 
-``from celery_zk.server import ZooKeeperServer`` is the public path.
+``from celery_zk.server import ZooKeeperServer`` (and ``ZooKeeperEnsemble``)
+is the public path.
 """
+from .ensemble import ZooKeeperEnsemble
 from .launcher import (
     JVM_FLAGS,
     SERVER_JVM_FLAGS,
@@ -16,6 +18,6 @@ from .launcher import (
     render_config,
 )
 
-__all__ = ["JVM_FLAGS", "SERVER_JVM_FLAGS", "Peer", "TLSConfig", "ZooKeeperInstall",
-           "ZooKeeperServer", "find_zookeeper", "four_letter_word", "free_ports",
-           "render_config"]
+__all__ = ["JVM_FLAGS", "SERVER_JVM_FLAGS", "Peer", "TLSConfig", "ZooKeeperEnsemble",
+           "ZooKeeperInstall", "ZooKeeperServer", "find_zookeeper", "four_letter_word",
+           "free_ports", "render_config"]

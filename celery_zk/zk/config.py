@@ -17,6 +17,7 @@ production running on a default nobody chose.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -83,7 +84,9 @@ class ZKOptions:
     locality_wait: float = _opt(3.0, "Seconds a consumer leaves a message whose "
                                 "affinity key another live worker holds for that worker, "
                                 "before it takes the message itself (delay scheduling; "
-                                "see celery_zk.affinity). 0: prefer held keys, never wait.")
+                                "see celery_zk.affinity); the oldest waiting message is "
+                                "taken first once it has been the oldest this long. "
+                                "0: never wait.")
     dead_letter_rejected: bool = _opt(False, "Keep messages rejected with requeue=False "
                                       "under the queue's dead/ directory instead of "
                                       "deleting them.")
@@ -157,6 +160,9 @@ def _coerce(name: str, raw: Any, typ: Any) -> Any:
         except (TypeError, ValueError):
             raise ZKConfigurationError(
                 f"celery_zk option {name!r} must be a number, not {raw!r}.") from None
+        if not math.isfinite(value):   # nan compares false with everything, inf never ends
+            raise ZKConfigurationError(
+                f"celery_zk option {name!r} must be a finite number, not {raw!r}.")
         if value < 0:
             raise ZKConfigurationError(
                 f"celery_zk option {name!r} must not be negative (got {raw!r}).")

@@ -87,6 +87,9 @@ _ESCAPE_RE = re.compile(r"[%/,~\x00-\x1f\x7f]")
 #: must stay within jute.maxbuffer: (45 + 1 + 40) bytes x 10,000 = 860 KB.
 AFFINITY_KEY_CHARS = 40
 AFFINITY_HASH = "#"
+#: Characters an affinity key keeps as they are: printable ASCII but the
+#: escape, the separators and the markers of a hash and of a key.
+_AFFINITY_PLAIN = frozenset(map(chr, range(0x20, 0x7F))) - set("%/,~#@")
 AFFINITY_SHARDS_HEX = 1   # 16 directories under affinity/
 
 
@@ -170,8 +173,9 @@ def message_prefix(inverted_priority: int, generation: int, uid: str,
 
 
 def affinity_token(key: object) -> str:
-    """How an affinity key appears in node names: escaped (``#`` too, which
-    marks a hash), or ``#`` and a hash when longer than :data:`AFFINITY_KEY_CHARS`.
+    """How an affinity key appears in node names: printable ASCII, the rest
+    %-escaped (``#`` too, which marks a hash), or ``#`` and a hash when that is
+    longer than :data:`AFFINITY_KEY_CHARS` bytes.
 
     Raises ValueError for what cannot be a key (not a str or int, or empty).
     """
@@ -184,11 +188,16 @@ def affinity_token(key: object) -> str:
     if not text:
         raise ValueError("a celery_zk affinity key must not be empty: leave the "
                          "'zk_affinity' header out for a message without affinity")
-    escaped = _ESCAPE_RE.sub(lambda m: f"%{ord(m.group()):02X}", text).replace(
-        AFFINITY_HASH, "%23").replace("@", "%40")
+    # Anything but printable ASCII goes in as the %-escaped bytes of its UTF-8:
+    # ZooKeeper refuses some code points in names (U+0080-U+009F, surrogates,
+    # U+F000-U+F8FF, U+FFF0-U+FFFF), and the length limit is then one of bytes.
+    raw = text.encode("utf-8", "surrogatepass")
+    escaped = "".join(ch if ch in _AFFINITY_PLAIN else
+                      "".join(f"%{byte:02X}" for byte in ch.encode("utf-8", "surrogatepass"))
+                      for ch in text)
     if len(escaped) <= AFFINITY_KEY_CHARS:
         return escaped
-    return AFFINITY_HASH + hashlib.sha1(text.encode()).hexdigest()[:24]
+    return AFFINITY_HASH + hashlib.sha1(raw).hexdigest()[:24]
 
 
 def requeued_name(message: MessageName) -> str:

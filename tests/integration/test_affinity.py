@@ -15,6 +15,7 @@ from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk import affinity
+from celery_zk.exceptions import CeleryZKError
 from celery_zk.features.affinity import AffinityKeyError
 from celery_zk.zk.layout import Layout, affinity_token, parse_message_name
 
@@ -98,6 +99,75 @@ def test_a_keyed_message_names_its_key_and_keeps_it_when_requeued(
         assert {parse_message_name(n).affinity for n in waiting(zk_client, LAYOUT, "named")} == {
             "s3:%2F%2Fbucket%2Fdataset 42", affinity_token(long_key)}
         assert affinity_token(long_key).startswith("#")   # named by its hash
+
+
+def test_keys_zookeeper_would_refuse_in_a_name_are_stored_and_held(
+        zk_url: str, zk_client: KazooClient, held_here: None) -> None:
+    """ZooKeeper refuses some code points in node names (C1 controls,
+    surrogates, U+F000-U+F8FF, U+FFF0-U+FFFF): such keys go in escaped, on a
+    real server, both as a message's name and as a holding."""
+    keys = ["\x85", "\ud800", "\uf000", "\ufff0", "😀", "数据" * 30]
+    queue = Queue("odd-keys", Exchange("odd-keys", "direct"), "odd-keys")
+    with Connection(zk_url) as conn:
+        for i, key in enumerate(keys):
+            publish(conn, queue, {"i": i}, key=key)
+        names = waiting(zk_client, LAYOUT, "odd-keys")
+        assert sorted(parse_message_name(n).affinity for n in names) == sorted(
+            affinity_token(k) for k in keys)
+    with client_app(zk_url) as app:
+        affinity.hold(*keys, app=app)
+        holders = {name.partition("~")[0]
+                   for shard in zk_client.get_children("affinity")
+                   for name in zk_client.get_children(f"affinity/{shard}")}
+        assert holders == {affinity_token(k) for k in keys}
+
+
+def holdings(zk_client: KazooClient) -> dict[str, int]:
+    """Holding node name -> the session that owns it."""
+    found = {}
+    for shard in zk_client.get_children("affinity"):
+        for name in zk_client.get_children(f"affinity/{shard}"):
+            stat = zk_client.exists(f"affinity/{shard}/{name}")
+            if stat is not None:
+                found[name] = stat.ephemeralOwner
+    return found
+
+
+def test_a_process_that_only_holds_states_its_keys_again_after_a_session_expiry(
+        zk_url: str, zk_client: KazooClient, held_here: None) -> None:
+    """A prefork child runs tasks and consumes nothing: nobody else would
+    notice that its session expired and took its holdings with it."""
+    with client_app(zk_url) as app:
+        affinity.hold("dataset-1", "dataset-2", app=app)
+        before = holdings(zk_client)
+        assert sorted(n.partition("~")[0] for n in before) == ["dataset-1", "dataset-2"]
+        with app.pool.acquire(block=True) as connection:
+            client = connection.transport.affinity.session.client
+        def session() -> int | None:   # None while reconnecting
+            return client.client_id[0] if client.client_id else None
+
+        old_session = session()
+        # Expire it as the server would: another client takes the session over
+        # and closes it.
+        twin = KazooClient(hosts=",".join(f"{h}:{p}" for h, p in client.hosts),
+                           client_id=client.client_id)
+        twin.start(timeout=10)
+        twin.stop()
+        twin.close()
+        wait_until(lambda: session() not in (None, old_session), 30,
+                   message="the client never got a new session")
+        wait_until(lambda: sorted(holdings(zk_client).values()) == [session()] * 2,
+                   30, message=f"holdings not stated again: {holdings(zk_client)}")
+        assert holdings(zk_client).keys() == before.keys()
+        assert affinity.held() == {"dataset-1", "dataset-2"}
+
+
+def test_holding_on_a_broker_that_is_not_zk_says_so_and_holds_nothing(
+        held_here: None) -> None:
+    app = Celery("other", broker="memory://", set_as_current=False)
+    with pytest.raises(CeleryZKError, match="broker must be zk://"):
+        affinity.hold("dataset-1", app=app)
+    assert affinity.held() == frozenset()
 
 
 @pytest.mark.parametrize("key", [["a list"], "", True, {"k": 1}])

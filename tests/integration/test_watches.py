@@ -301,3 +301,38 @@ def test_a_session_event_leaves_the_listing_to_the_consuming_thread(zk_url: str)
             while len(got) < 30:
                 conn.drain_events(timeout=5)
         assert sorted(got) == list(range(30))
+
+
+def test_a_requeue_from_a_pool_thread_leaves_the_listing_to_the_consuming_thread(
+        zk_url: str) -> None:
+    """A threads worker rejects on a pool thread: the requeue used to clear the
+    consuming thread's listing there (the race reset() had). It flags; the
+    next look lists again and delivers the requeued message first."""
+    queue = Queue("invalidate", Exchange("invalidate", "direct"), "invalidate")
+    with Connection(f"{zk_url}?claim_batch=4&handoff=false") as conn:
+        queue(conn.channel()).declare()
+        _publish(zk_url, queue, *range(30))
+        got: list[Any] = []
+        held: list[Any] = []
+
+        def on_message(body: Any, message: Any) -> None:
+            got.append(body)
+            if body == 0 and not held:
+                held.append(message)   # requeued below, from another thread
+            else:
+                message.ack()
+
+        with Consumer(conn, [queue], callbacks=[on_message], prefetch_count=1):
+            conn.drain_events(timeout=5)
+            view = next(iter(conn.default_channel._views.values()))
+            before = list(view.listing)
+            assert before and held
+            rejecter = threading.Thread(target=held[0].reject, kwargs={"requeue": True})
+            rejecter.start()
+            rejecter.join()
+            assert list(view.listing) == before and view.stale
+            conn.drain_events(timeout=5)
+            assert got[-1] == 0   # requeued: back ahead of everything after it
+            while len(got) < 31:
+                conn.drain_events(timeout=5)
+        assert sorted(got) == [0] + list(range(30))

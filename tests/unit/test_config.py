@@ -39,6 +39,8 @@ def test_generic_kombu_options_are_accepted() -> None:
     ("zk://h/?sesion_timeout=3", "Unknown celery_zk option 'sesion_timeout'"),
     ("zk://h/?session_timeout=abc", "must be a number"),
     ("zk://h/?session_timeout=-1", "must not be negative"),
+    ("zk://h/?locality_wait=inf", "must be a finite number"),
+    ("zk://h/?locality_wait=nan", "must be a finite number"),
     ("zk://h/?use_ssl=maybe", "true or false"),
     ("zk://h1,,h2/", "Empty host"),
     ("zk://h:99999/", "out of range"),

@@ -190,13 +190,14 @@ def test_a_chord_size_node_never_collides_with_a_counted_part() -> None:
 
 # -- affinity keys in names (celery_zk.features.affinity) ----------------------------------------
 @pytest.mark.parametrize("key", ["dataset-42", "a-r", "x-", "s3://b/p", "@#~,%", 7,
-                                 "y" * 41, "ünïcode"])
+                                 "y" * 41, "ünïcode", "\x85\ud800\uf000\ufff0", "😀",
+                                 "数据集" * 14])
 def test_an_affinity_key_survives_the_name_and_a_requeue(key: object) -> None:
     from celery_zk.zk.layout import affinity_token, message_prefix, quick_affinity, requeued_name
 
     token = affinity_token(key)
     assert "/" not in token and "~" not in token and "@" not in token
-    assert len(token) <= 40
+    assert token.isascii() and token.isprintable() and len(token) <= 40   # bytes, too
     name = message_prefix(3, 12, "abc", token) + "0000000005"
     parsed = parse_message_name(name)
     assert parsed is not None
@@ -215,6 +216,10 @@ def test_long_affinity_keys_are_named_by_a_hash_that_no_short_key_gives() -> Non
     hashed = affinity_token("k" * 41)
     assert hashed.startswith("#") and hashed != affinity_token("k" * 42)
     assert affinity_token(hashed) != hashed   # a literal "#..." key is escaped
+    # The limit counts what the name takes, escapes included: four three-byte
+    # characters (36) fit, five (45) are hashed.
+    assert affinity_token("数" * 4) == "%E6%95%B0" * 4
+    assert affinity_token("数" * 5).startswith("#")
 
 
 @pytest.mark.parametrize("key", ["", None, True, ["x"], 1.5])
@@ -225,28 +230,33 @@ def test_what_cannot_be_an_affinity_key_is_refused_clearly(key: object) -> None:
         affinity_token(key)
 
 
-def test_choose_prefers_held_keys_then_one_free_key_and_never_a_lower_priority() -> None:
-    from celery_zk import affinity
+class _Holdings:   # what a Board says, without a server
+    def where(self, token: str) -> Any:
+        from celery_zk.features.affinity import Where
+
+        return {"mine": Where.MINE, "theirs": Where.ELSEWHERE}.get(token, Where.NOWHERE)
+
+
+def _keyed_name(inv: int, seq: int, token: str | None) -> str:
     from celery_zk.zk.layout import message_prefix
 
-    class Holdings:   # what a Board says, without a server
-        def where(self, token: str) -> affinity.Where:
-            return {"mine": affinity.Where.MINE,
-                    "theirs": affinity.Where.ELSEWHERE}.get(token, affinity.Where.NOWHERE)
+    return message_prefix(inv, 0, f"{seq:x}", token) + f"{seq:010d}"
 
-    def name(inv: int, seq: int, token: str | None) -> str:
-        return message_prefix(inv, 0, f"{seq:x}", token) + f"{seq:010d}"
 
+def test_choose_prefers_held_keys_then_one_free_key_and_never_a_lower_priority() -> None:
+    from celery_zk import affinity
+
+    name = _keyed_name
     listing = [name(0, 1, "theirs"), name(0, 2, None), name(0, 3, "mine"),
                name(0, 4, "free-a"), name(0, 5, "mine"), name(0, 6, "free-b"),
                name(0, 7, "free-a"), name(1, 8, "mine")]
-    board: Any = Holdings()
-    seen: dict[str, float] = {}
-    started: dict[str, float] = {}
+    board: Any = _Holdings()
+    waiting = affinity.Waiting()
+    started = waiting.started
 
     def choose(names: list[str], limit: int, index: int = 0, idle: bool = True
                ) -> tuple[list[str], float | None]:
-        return affinity.choose(names, limit, board, seen, started, 3.0, index, idle)
+        return affinity.choose(names, limit, board, waiting, 3.0, index, idle)
 
     # Held keys and keyless messages first, in queue order; never priority 1.
     assert choose(listing, 10) == ([listing[1], listing[2], listing[4]], None)
@@ -255,13 +265,66 @@ def test_choose_prefers_held_keys_then_one_free_key_and_never_a_lower_priority()
     assert choose(free, 10, index=0) == ([listing[3], listing[6]], None)
     assert started.keys() == {"free-a"}
     # While free-a is not yet said to be held, it counts as this consumer's,
-    # and a busy consumer starts no second key.
+    # and a busy consumer starts no second key...
     assert choose([listing[0], listing[5], listing[6]], 10, idle=False) == ([listing[6]], None)
-    batch, retry = choose([listing[0], listing[5]], 10, idle=False)
+    batch, retry = choose([listing[5], listing[0]], 10, idle=False)
+    # ...but looks again when free-a lapses (the wait, at least a second).
     assert batch == [] and retry is not None and 2.5 < retry <= 3.0
     started.clear()
     assert choose(free, 10, index=1) == ([listing[5]], None)
     # The one held elsewhere: not before it has waited, then by anyone.
     started.clear()
-    seen[listing[0]] -= 3.0
+    waiting.seen[listing[0]] -= 3.0
     assert choose(listing[:1], 1) == ([listing[0]], None)
+
+
+def test_the_oldest_message_is_taken_after_the_wait_whatever_else_waits() -> None:
+    """Under a steady backlog of local work, a key nobody holds (or whose
+    holder does not come) still gets taken: once the oldest message has been
+    the oldest for locality_wait, whoever looks takes it."""
+    from celery_zk import affinity
+
+    name = _keyed_name
+    board: Any = _Holdings()
+    for head_key in ("free-x", "theirs"):
+        waiting = affinity.Waiting()
+        listing = [name(0, 1, head_key)] + [name(0, seq, "mine") for seq in range(2, 6)]
+        # Local work waits behind it: the consumer takes that, not the head...
+        for _ in range(2):
+            assert affinity.choose(listing, 2, board, waiting, 3.0, idle=False) == (
+                listing[1:3], None)
+        # ...until the head has been the head for the wait: then it goes first.
+        waiting.head_since -= 3.0
+        assert affinity.choose(listing, 2, board, waiting, 3.0, idle=False) == (
+            listing[:2], None)
+        # A key nobody holds is now this consumer's to load; another's is not.
+        assert waiting.started.keys() == ({"free-x"} if head_key == "free-x" else set())
+        # A new head starts its own wait.
+        assert affinity.choose(listing[1:2] + [listing[0]], 1, board, waiting, 3.0,
+                               idle=False)[0] == listing[1:2]
+        assert waiting.head == listing[1]
+
+
+def test_an_empty_choice_says_when_to_look_again() -> None:
+    from celery_zk import affinity
+
+    name = _keyed_name
+    board: Any = _Holdings()
+    theirs = [name(0, 1, "theirs"), name(0, 2, "theirs")]
+    batch, retry = affinity.choose(theirs, 10, board, affinity.Waiting(), 3.0)
+    assert batch == [] and retry is not None and 2.9 < retry <= 3.0
+    # With the wait at 0, the oldest is taken at once.
+    assert affinity.choose(theirs, 1, board, affinity.Waiting(), 0.0) == (theirs[:1], None)
+
+
+
+def test_a_worker_starting_gets_an_id_of_its_own() -> None:
+    """Processes forked from one parent that imported celery_zk are different
+    workers once each starts (worker_init); its pool processes inherit it."""
+    from celery import signals
+
+    from celery_zk import affinity
+
+    before = affinity.WORKER
+    signals.worker_init.send(sender=None)
+    assert affinity.WORKER != before and len(affinity.WORKER) == 12

@@ -110,10 +110,32 @@ def test_subpackages_import_only_what_is_below_them() -> None:
     "celery_zk.backend:ZooKeeperBackend", "celery_zk.server:ZooKeeperServer",
     "celery_zk.server:free_ports", "celery_zk:Singleton", "celery_zk:LockHeld",
     "celery_zk:affinity", "celery_zk.exceptions:MessageTooLarge",
+    "celery_zk.server:ZooKeeperEnsemble", "celery_zk.affinity:hold",
 ])
 def test_public_paths_resolve(path: str) -> None:
     module, _, attribute = path.partition(":")
     assert getattr(importlib.import_module(module), attribute) is not None
+
+
+def test_the_public_affinity_module_is_the_module_itself() -> None:
+    """``import celery_zk.affinity`` and ``from celery_zk import affinity`` give
+    the one module whose state (worker id, held keys) the transport reads."""
+    import celery_zk.affinity
+    from celery_zk import affinity
+    from celery_zk.features import affinity as inner
+
+    assert celery_zk.affinity is affinity is inner
+
+
+def test_public_exceptions_name_their_public_module() -> None:
+    """Celery stores a task's exception by module and name: results must keep
+    resolving when the code behind the public path moves."""
+    import celery_zk
+    from celery_zk.affinity import AffinityKeyError
+
+    assert (celery_zk.LockHeld.__module__, AffinityKeyError.__module__) == (
+        "celery_zk", "celery_zk.affinity")
+    assert importlib.import_module(celery_zk.LockHeld.__module__).LockHeld is celery_zk.LockHeld
 
 
 def test_every_entry_point_resolves() -> None:

@@ -62,7 +62,13 @@ from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 
 from ..exceptions import CeleryZKError
 from ..zk.client import log_failure, multi_failure
-from ..zk.layout import Layout, affinity_token, parse_holding_name, quick_affinity
+from ..zk.layout import (
+    Layout,
+    affinity_token,
+    parse_holding_name,
+    parse_message_name,
+    quick_affinity,
+)
 from ..zk.session import SharedSession, weak_callback
 from ..zk.watches import NODE_CREATED
 
@@ -402,6 +408,18 @@ class Waiting:
         self.seen = {name: at for name, at in self.seen.items() if name in listed}
 
 
+def _oldest(names: Iterable[str], among: int) -> str | None:
+    """The first message in delivery order. A listing is sorted, but a batch
+    whose claim could not be sent yet goes back to its front (see
+    QueueView._claim_async), so the oldest is among its first few names."""
+    oldest: tuple[tuple[int, int, int, bool, int], str] | None = None
+    for name in islice(names, among):
+        parsed = parse_message_name(name)
+        if parsed is not None and (oldest is None or parsed.sort_key < oldest[0]):
+            oldest = (parsed.sort_key, name)
+    return None if oldest is None else oldest[1]
+
+
 def choose(names: Iterable[str], limit: int, board: Board, waiting: Waiting, wait: float,
            index: int = 0, idle: bool = True) -> tuple[list[str], float | None]:
     """Up to ``limit`` of ``names`` (a sorted listing) to claim, and, when none
@@ -429,14 +447,30 @@ def choose(names: Iterable[str], limit: int, board: Board, waiting: Waiting, wai
         if soonest is None or at < soonest:
             soonest = at
 
+    head = _oldest(names, 2 * limit + 1)
+    if head is not None and waiting.head != head:
+        waiting.head, waiting.head_since = head, now
+    head_taken = head is not None and now - waiting.head_since >= wait
+    if head is not None and head_taken:
+        # The oldest message has been the oldest for the whole wait: whoever
+        # looks takes it first, whatever its key. Every message becomes the
+        # oldest in its turn, so none waits forever behind others' local work.
+        batch.append(head)
+        token = quick_affinity(head)
+        if token is not None and token not in started and board.where(token) is Where.NOWHERE:
+            started[token] = now   # this consumer loads it now
+    elif head is not None:
+        due_at(waiting.head_since + wait)
     for name in islice(names, WINDOW):
+        if len(batch) >= limit:
+            break
         priority = name[1]   # "m{P}-…": one digit, inverted (see layout)
         if best is None:
             best = priority
-            if waiting.head != name:
-                waiting.head, waiting.head_since = name, now
         elif priority != best:
             break   # priority wins over affinity
+        if head_taken and name == head:
+            continue   # taken above
         token = quick_affinity(name)
         if token is None or token in started:
             batch.append(name)
@@ -444,26 +478,14 @@ def choose(names: Iterable[str], limit: int, board: Board, waiting: Waiting, wai
         where = board.where(token)
         if where is Where.MINE:
             batch.append(name)
-        elif name == waiting.head and now - waiting.head_since >= wait:
-            # The oldest message has been the oldest for the whole wait: whoever
-            # looks takes it, whatever its key. Every message becomes the oldest
-            # in its turn, so none waits forever behind others' local work.
-            batch.append(name)
-            if where is Where.NOWHERE:
-                started[token] = now   # this consumer loads it now
+        elif where is Where.NOWHERE:
+            free.setdefault(token, []).append(name)
         else:
-            if name == waiting.head:
-                due_at(waiting.head_since + wait)
-            if where is Where.NOWHERE:
+            due = seen.setdefault(name, now) + wait
+            if due <= now:
                 free.setdefault(token, []).append(name)
             else:
-                due = seen.setdefault(name, now) + wait
-                if due <= now:
-                    free.setdefault(token, []).append(name)
-                else:
-                    due_at(due)
-        if len(batch) >= limit:
-            break
+                due_at(due)
     if batch:
         return batch, None
     # A key started on and not yet said to be held is being loaded: start no

@@ -213,6 +213,42 @@ def test_a_consumer_takes_the_keys_its_worker_holds_first(
         "mine-0", "mine-1", "mine-2", "nobodys-0", "nobodys-1", "nobodys-2"]
 
 
+@pytest.mark.parametrize("head", ["nobody holds this", "theirs"])
+def test_the_oldest_message_is_not_starved_by_a_steady_stream_of_local_work(
+        zk_url: str, zk_client: KazooClient, held_here: None, head: str) -> None:
+    """A consumer that always has a held key's message to take still takes
+    the oldest message once it has been the oldest for locality_wait: a key
+    nobody holds gets loaded, and one whose holder does not come runs here."""
+    held_elsewhere(zk_client, "theirs")
+    queue = Queue("steady", Exchange("steady", "direct"), "steady")
+    with client_app(zk_url) as app:
+        affinity.hold("mine", app=app)
+    with Connection(zk_url + "?locality_wait=1") as conn:
+        publish(conn, queue, "oldest", key=head)
+        for i in range(40):
+            publish(conn, queue, f"mine-{i}", key="mine")
+        got: list[tuple[Any, float]] = []
+        started = time.monotonic()
+
+        def on_message(body: Any, message: Any) -> None:
+            got.append((body, time.monotonic() - started))
+            time.sleep(0.1)   # 40 held messages: about 4 s of local work
+            message.ack()
+
+        with Consumer(conn, [queue], callbacks=[on_message], prefetch_count=1):
+            while len(got) < 41 and time.monotonic() - started < 60:
+                try:
+                    conn.drain_events(timeout=0.5)
+                except TimeoutError:
+                    pass
+    order = [body for body, _ in got]
+    assert sorted(order) == sorted(["oldest"] + [f"mine-{i}" for i in range(40)])
+    at = order.index("oldest")
+    # Taken after about the wait, long before the local work ran out.
+    assert 5 <= at < 30, order
+    assert got[at][1] >= 1 - 0.1
+
+
 def test_priority_wins_over_affinity(zk_url: str, zk_client: KazooClient,
                                      held_here: None) -> None:
     held_elsewhere(zk_client, "theirs")

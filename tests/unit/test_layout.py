@@ -299,8 +299,11 @@ def test_the_oldest_message_is_taken_after_the_wait_whatever_else_waits() -> Non
             listing[:2], None)
         # A key nobody holds is now this consumer's to load; another's is not.
         assert waiting.started.keys() == ({"free-x"} if head_key == "free-x" else set())
-        # A new head starts its own wait.
-        assert affinity.choose(listing[1:2] + [listing[0]], 1, board, waiting, 3.0,
+        # A batch put back at the front of the listing does not hide the oldest.
+        assert affinity.choose(listing[2:3] + listing[:2] + listing[3:], 1, board, waiting,
+                               3.0, idle=False)[0] == listing[:1]
+        # Once it is taken, the next oldest starts its own wait.
+        assert affinity.choose(listing[1:], 1, board, waiting, 3.0,
                                idle=False)[0] == listing[1:2]
         assert waiting.head == listing[1]
 

@@ -29,7 +29,7 @@ a claim. Handed messages and arrivals are delivered in the order their watch
 events came, so one publisher's messages keep their order.
 
 When the listing holds messages with affinity keys, the view chooses among
-them by :func:`celery_zk.features.affinity.choose`. If it may take none yet (their
+them by :func:`celery_zk.features.locality.choose`. If it may take none yet (their
 keys are held by other workers and have not waited ``locality_wait``, or a key
 it started on is not yet held), it
 is *deferring*: it lists again on the next watch event, and a timer wakes
@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from kazoo.exceptions import NoNodeError
 
-from ..features.affinity import Waiting, choose
+from ..features.locality import Waiting, choose
 from ..zk.client import CONNECTION_ERRORS, log_failure, reply_or_retry
 from ..zk.layout import parse_bucket_name, parse_message_name, sort_messages, split_owned_name
 from ..zk.session import weak_callback
@@ -468,7 +468,7 @@ class QueueView:
 
     def _peek(self, limit: int, claim: bool = True) -> list[str]:
         """The batch to claim next, in delivery order: the head, one consumer's
-        slice of it, or the affinity choice (:func:`celery_zk.features.affinity.choose`;
+        slice of it, or the affinity choice (:func:`celery_zk.features.locality.choose`;
         ``claim=False``: only a look, to read ahead).
 
         Consumers sharing a backlog would all try the same head and abort each

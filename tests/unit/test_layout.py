@@ -244,19 +244,19 @@ def _keyed_name(inv: int, seq: int, token: str | None) -> str:
 
 
 def test_choose_prefers_held_keys_then_one_free_key_and_never_a_lower_priority() -> None:
-    from celery_zk import affinity
+    from celery_zk.features import locality
 
     name = _keyed_name
     listing = [name(0, 1, "theirs"), name(0, 2, None), name(0, 3, "mine"),
                name(0, 4, "free-a"), name(0, 5, "mine"), name(0, 6, "free-b"),
                name(0, 7, "free-a"), name(1, 8, "mine")]
     board: Any = _Holdings()
-    waiting = affinity.Waiting()
+    waiting = locality.Waiting()
     started = waiting.started
 
     def choose(names: list[str], limit: int, index: int = 0, idle: bool = True
                ) -> tuple[list[str], float | None]:
-        return affinity.choose(names, limit, board, waiting, 3.0, index, idle)
+        return locality.choose(names, limit, board, waiting, 3.0, index, idle)
 
     # Held keys and keyless messages first, in queue order; never priority 1.
     assert choose(listing, 10) == ([listing[1], listing[2], listing[4]], None)
@@ -282,42 +282,42 @@ def test_the_oldest_message_is_taken_after_the_wait_whatever_else_waits() -> Non
     """Under a steady backlog of local work, a key nobody holds (or whose
     holder does not come) still gets taken: once the oldest message has been
     the oldest for locality_wait, whoever looks takes it."""
-    from celery_zk import affinity
+    from celery_zk.features import locality
 
     name = _keyed_name
     board: Any = _Holdings()
     for head_key in ("free-x", "theirs"):
-        waiting = affinity.Waiting()
+        waiting = locality.Waiting()
         listing = [name(0, 1, head_key)] + [name(0, seq, "mine") for seq in range(2, 6)]
         # Local work waits behind it: the consumer takes that, not the head...
         for _ in range(2):
-            assert affinity.choose(listing, 2, board, waiting, 3.0, idle=False) == (
+            assert locality.choose(listing, 2, board, waiting, 3.0, idle=False) == (
                 listing[1:3], None)
         # ...until the head has been the head for the wait: then it goes first.
         waiting.head_since -= 3.0
-        assert affinity.choose(listing, 2, board, waiting, 3.0, idle=False) == (
+        assert locality.choose(listing, 2, board, waiting, 3.0, idle=False) == (
             listing[:2], None)
         # A key nobody holds is now this consumer's to load; another's is not.
         assert waiting.started.keys() == ({"free-x"} if head_key == "free-x" else set())
         # A batch put back at the front of the listing does not hide the oldest.
-        assert affinity.choose(listing[2:3] + listing[:2] + listing[3:], 1, board, waiting,
+        assert locality.choose(listing[2:3] + listing[:2] + listing[3:], 1, board, waiting,
                                3.0, idle=False)[0] == listing[:1]
         # Once it is taken, the next oldest starts its own wait.
-        assert affinity.choose(listing[1:], 1, board, waiting, 3.0,
+        assert locality.choose(listing[1:], 1, board, waiting, 3.0,
                                idle=False)[0] == listing[1:2]
         assert waiting.head == listing[1]
 
 
 def test_an_empty_choice_says_when_to_look_again() -> None:
-    from celery_zk import affinity
+    from celery_zk.features import locality
 
     name = _keyed_name
     board: Any = _Holdings()
     theirs = [name(0, 1, "theirs"), name(0, 2, "theirs")]
-    batch, retry = affinity.choose(theirs, 10, board, affinity.Waiting(), 3.0)
+    batch, retry = locality.choose(theirs, 10, board, locality.Waiting(), 3.0)
     assert batch == [] and retry is not None and 2.9 < retry <= 3.0
     # With the wait at 0, the oldest is taken at once.
-    assert affinity.choose(theirs, 1, board, affinity.Waiting(), 0.0) == (theirs[:1], None)
+    assert locality.choose(theirs, 1, board, locality.Waiting(), 0.0) == (theirs[:1], None)
 
 
 

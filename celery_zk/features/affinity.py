@@ -216,7 +216,7 @@ class Board:
             self._loaded_at = None
         elif state != KazooState.CONNECTED:
             self._loaded_at = None   # the watch went with the connection
-        elif self._unsaid and _held:
+        elif self._unsaid and (_held or self._made):
             # A process that only runs tasks (a prefork child) has no consumer
             # that would notice: state them again from a thread of our own,
             # never on kazoo's.
@@ -272,7 +272,8 @@ class Board:
         watches = self.watches
         path = self.layout.affinity
         try:
-            if _held and (self._unsaid or not self._made or self._pid != os.getpid()):
+            if (self._unsaid and (_held or self._made)) or (
+                    _held and (not self._made or self._pid != os.getpid())):
                 self.sync()   # after a session expiry or a failed sync, or in a forked child
             if self._loaded_at is not None:
                 if watches is not None and watches.supported and watches.active(path):

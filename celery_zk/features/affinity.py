@@ -43,11 +43,7 @@ from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 
 from ..exceptions import CeleryZKError
 from ..zk.client import log_failure, multi_failure
-from ..zk.layout import (
-    Layout,
-    affinity_token,
-    parse_holding_name,
-)
+from ..zk.layout import Layout, affinity_token, parse_holding_name
 from ..zk.session import SharedSession, weak_callback
 from ..zk.watches import NODE_CREATED
 
@@ -63,7 +59,7 @@ logger = logging.getLogger(__name__)
 HEADER = "zk_affinity"
 #: Without persistent watches, how often the holdings are listed again (seconds).
 RELOAD_EVERY = 5.0
-#: This worker: the process that imported celery_zk and the pool processes it forks.
+#: This worker: made again when a worker starts (worker_init); its pool processes inherit it.
 WORKER = uuid.uuid4().hex[:12]
 
 _lock = threading.Lock()

@@ -30,7 +30,7 @@ from itertools import islice
 from time import monotonic
 from typing import Protocol
 
-from ..zk.layout import parse_message_name, quick_affinity
+from ..zk.layout import quick_affinity, sort_messages
 from .affinity import Where
 
 __all__ = ["MIN_STARTED", "WINDOW", "Holders", "Waiting", "choose"]
@@ -72,12 +72,8 @@ def _oldest(names: Iterable[str], among: int) -> str | None:
     """The first message in delivery order. A listing is sorted, but a batch
     whose claim could not be sent yet goes back to its front (see
     QueueView._claim_async), so the oldest is among its first few names."""
-    oldest: tuple[tuple[int, int, int, bool, int], str] | None = None
-    for name in islice(names, among):
-        parsed = parse_message_name(name)
-        if parsed is not None and (oldest is None or parsed.sort_key < oldest[0]):
-            oldest = (parsed.sort_key, name)
-    return None if oldest is None else oldest[1]
+    ours = sort_messages(list(islice(names, among)))[0]
+    return ours[0] if ours else None
 
 
 def choose(names: Iterable[str], limit: int, board: Holders, waiting: Waiting, wait: float,
@@ -108,19 +104,21 @@ def choose(names: Iterable[str], limit: int, board: Holders, waiting: Waiting, w
             soonest = at
 
     head = _oldest(names, 2 * limit + 1)
-    if head is not None and waiting.head != head:
-        waiting.head, waiting.head_since = head, now
-    head_taken = head is not None and now - waiting.head_since >= wait
-    if head is not None and head_taken:
-        # The oldest message has been the oldest for the whole wait: whoever
-        # looks takes it first, whatever its key. Every message becomes the
-        # oldest in its turn, so none waits forever behind others' local work.
-        batch.append(head)
-        token = quick_affinity(head)
-        if token is not None and token not in started and board.where(token) is Where.NOWHERE:
-            started[token] = now   # this consumer loads it now
-    elif head is not None:
-        due_at(waiting.head_since + wait)
+    if head is not None:
+        if waiting.head != head:
+            waiting.head, waiting.head_since = head, now
+        if now - waiting.head_since >= wait:
+            # The oldest message has been the oldest for the whole wait: whoever
+            # looks takes it first, whatever its key. Every message becomes the
+            # oldest in its turn, so none waits forever behind others' local work.
+            batch.append(head)
+            token = quick_affinity(head)
+            if (token is not None and token not in started
+                    and board.where(token) is Where.NOWHERE):
+                started[token] = now   # this consumer loads it now
+        else:
+            due_at(waiting.head_since + wait)
+    head_taken = bool(batch)
     for name in islice(names, WINDOW):
         if len(batch) >= limit:
             break

@@ -191,10 +191,11 @@ def affinity_token(key: object) -> str:
     # Anything but printable ASCII goes in as the %-escaped bytes of its UTF-8:
     # ZooKeeper refuses some code points in names (U+0080-U+009F, surrogates,
     # U+F000-U+F8FF, U+FFF0-U+FFFF), and the length limit is then one of bytes.
+    # (A byte below 0x80 is its ASCII character; every byte of a longer
+    # sequence is 0x80 or above, so escaped.)
     raw = text.encode("utf-8", "surrogatepass")
-    escaped = "".join(ch if ch in _AFFINITY_PLAIN else
-                      "".join(f"%{byte:02X}" for byte in ch.encode("utf-8", "surrogatepass"))
-                      for ch in text)
+    escaped = "".join(chr(byte) if chr(byte) in _AFFINITY_PLAIN else f"%{byte:02X}"
+                      for byte in raw)
     if len(escaped) <= AFFINITY_KEY_CHARS:
         return escaped
     return AFFINITY_HASH + hashlib.sha1(raw).hexdigest()[:24]

@@ -56,6 +56,7 @@ from typing import Any
 
 from kazoo.client import KazooClient
 
+from celery_zk.zk.config import parse_url
 from celery_zk.zk.watches import NODE_CREATED, TreeWatches
 
 PAYLOAD = b"x" * 1200   # about one Celery task message
@@ -83,8 +84,9 @@ class _Waiter:
 class _Handle:
     """What :class:`TreeWatches` needs of a ClientHandle, for a plain client."""
 
-    def __init__(self, client: KazooClient) -> None:
+    def __init__(self, client: KazooClient, hosts: str) -> None:
         self.client = client
+        self.settings = parse_url(f"zk://{hosts}")
 
     def add_listener(self, listener: Any) -> None:
         self.client.add_listener(listener)
@@ -93,7 +95,7 @@ class _Handle:
 class _Receiver:
     """Takes the next message off one queue's unowned directory, as a consumer does."""
 
-    def __init__(self, client: KazooClient, queue: str, mode: str) -> None:
+    def __init__(self, client: KazooClient, hosts: str, queue: str, mode: str) -> None:
         self.client, self.queue, self.mode = client, queue, mode
         self.waiter = _Waiter()
         self.arrivals: deque[str] = deque()
@@ -119,7 +121,7 @@ class _Receiver:
                     self.reads[name] = client.get_async(f"{queue}/unowned/{name}")
                 self.arrivals.append(name)
                 self.waiter.event.set()
-            if not TreeWatches(_Handle(client)).watch(f"{queue}/unowned", on_tree):  # type: ignore[arg-type]
+            if not TreeWatches(_Handle(client, hosts)).watch(f"{queue}/unowned", on_tree):  # type: ignore[arg-type]
                 raise RuntimeError("floor: this ZooKeeper has no persistent watches")
 
     def offer(self) -> None:
@@ -211,7 +213,7 @@ def _worker_side(hosts: str, root: str, mode: str, count: int,
                  ready: Any) -> None:
     client = KazooClient(hosts)
     client.start()
-    receiver = _Receiver(client, f"{root}/requests", _request_mode(mode))
+    receiver = _Receiver(client, hosts, f"{root}/requests", _request_mode(mode))
     ready.set()
     try:
         for number in range(count):
@@ -250,7 +252,7 @@ def measure(hosts: str, mode: str, samples: int, seed: int = 1) -> list[float]:
     worker.start()
     pauses = random.Random(seed)
     waiter = _Waiter()
-    replies = None if mode in RESULT_MODES else _Receiver(client, f"{root}/replies", mode)
+    replies = None if mode in RESULT_MODES else _Receiver(client, hosts, f"{root}/replies", mode)
     values: list[float] = []
     try:
         deadline = time.monotonic() + 60

@@ -23,7 +23,7 @@ from .ops.status import Status, collect
 from .ops.status import queue_names as status_queue_names
 from .ops.tree import export
 from .server.launcher import ZooKeeperServer
-from .zk.config import mask_in_celery_reports, mask_password
+from .zk.config import SCHEMES, mask_in_celery_reports, mask_password
 
 # Celery imports this module (the celery.commands entry point) before it runs
 # any command, `celery report` included.
@@ -115,6 +115,11 @@ def _clear_errors(what: str) -> Iterator[None]:
         raise click.ClickException(f"{what}: {_one_line(exc)}") from exc
 
 
+def _not_zk(url: str) -> str:
+    return (f"the broker is {mask_password(url)}, not zk://: give the app (celery -A proj "
+            "zk ...) or the broker URL (celery -b zk://host:2181/path zk ...)")
+
+
 @contextmanager
 def _zk_broker(ctx: click.Context, timeout: float) -> Iterator[Any]:
     """The app's zk:// broker transport, connected (a clear error otherwise)."""
@@ -125,13 +130,14 @@ def _zk_broker(ctx: click.Context, timeout: float) -> Iterator[Any]:
         # resort; a command says what went wrong in one line of its own.
         logging.getLogger("kazoo").addHandler(logging.NullHandler())
     app = ctx.obj.app
+    url = app.conf.broker_write_url or app.conf.broker_url
+    if isinstance(url, str) and "://" in url and url.partition("://")[0] not in SCHEMES:
+        # Before kombu loads that transport (which may need a package not installed).
+        raise click.ClickException(_not_zk(url))
     conn = app.connection_for_write(connect_timeout=timeout)
     try:
         if not isinstance(conn.transport, Transport):
-            raise click.ClickException(
-                f"the broker is {mask_password(conn.as_uri())}, not zk://: give the app "
-                "(celery -A proj zk ...) or the broker URL (celery -b zk://host:2181/path "
-                "zk ...)")
+            raise click.ClickException(_not_zk(conn.as_uri()))
         with _clear_errors(f"cannot connect to {mask_password(conn.as_uri())}"):
             conn.transport.establish_connection()
         yield conn.transport

@@ -36,19 +36,19 @@ Transport Options
 """
 from __future__ import annotations
 
-import contextvars
 import logging
 import queue
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
-from typing import Any, Optional
+from typing import Any
 
 from celery import states
 from celery.backends.asynchronous import AsyncBackendMixin
 from celery.backends.base import BaseKeyValueStoreBackend
 from celery.exceptions import TimeoutError
+from celery.result import result_from_tuple
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
     NoNodeError,
@@ -56,12 +56,14 @@ from kazoo.exceptions import (
 )
 from kazoo.protocol.states import WatchedEvent
 
+from ..compat.celery import is_lazy, is_stray_copy
 from ..exceptions import ResultTooLarge
 from ..zk.client import CONNECTION_ERRORS
 from ..zk.config import mask_in_celery_reports, mask_password, parse_url
 from ..zk.layout import Layout
 from ..zk.session import ClientHandle
 from .chord import ChordCounter
+from .chord_body import send_chord_body
 from .expiry import CHORD, GROUP, HOUR, RESULT, ExpiryIndex, Key, bucket_expired, expiry_hour
 from .result_consumer import ResultConsumer, read_nodes
 from .writes import ResultWrites
@@ -73,12 +75,6 @@ logger = logging.getLogger(__name__)
 
 
 mask_in_celery_reports()   # app.conf.humanize() shows result_backend too
-
-
-# The count on_chord_part_return already made for the part whose return Celery's
-# protocol is handling, for incr() to report (see on_chord_part_return).
-_chord_count: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(  # noqa: UP045
-    "celery_zk_chord_count", default=None)
 
 
 class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin):
@@ -201,13 +197,9 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         """Per-key lifetimes are not kept: cleanup() applies ``result_expires``."""
 
     def incr(self, key: Key) -> int:
-        """Count one finished chord part (see on_chord_part_return, which counts
-        first and only then, if at all, runs Celery's protocol)."""
-        counted = _chord_count.get()
-        if counted is not None:
-            return counted
-        counter = self._counter(key.id)   # called on its own: count the call
-        return counter.increment(f"call-{time.monotonic_ns()}")[0] or 0
+        """Count one call (Celery's protocol; celery_zk's chords count their parts
+        in on_chord_part_return and never call it)."""
+        return self._counter(key.id).increment(f"call-{time.monotonic_ns()}").counted or 0
 
     def _counter(self, group_id: str) -> ChordCounter:
         key = self.get_key_for_chord(group_id)
@@ -218,6 +210,26 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         """Celery says how many parts chord ``group_id`` waits for (nested groups
         included), before it sends the header's last task."""
         ChordCounter(self.client, self.layout, str(group_id)).set_size(int(chord_size))
+
+    def add_to_chord(self, group_id: str, result: Any) -> None:
+        """``Task.add_to_chord``: the chord waits for one more part, ``result``,
+        and its body gets that part's result too (the saved header gains it, in
+        the same transaction)."""
+        group_id = str(group_id)
+        group_path = self.path(self.get_key_for_group(group_id))
+
+        def also_in_saved_group(tx: Any) -> None:
+            try:
+                data, stat = self.client.get(group_path)
+            except NoNodeError:
+                return   # a lazy header saves no group: its parts name the results
+            header = result_from_tuple(self.decode(data)["result"], self.app)
+            grown = self.app.GroupResult(group_id, [*header.results, result])
+            data = self.encode({"result": grown.as_tuple()})
+            tx.set_data(group_path, data.encode() if isinstance(data, str) else data,
+                        version=stat.version)
+
+        self._counter(group_id).add(also_in_saved_group)
 
     # -- writes ---------------------------------------------------------------
     def _store_result(self, task_id: str, result: Any, state: str,
@@ -236,8 +248,21 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
 
     # -- groups and chords ----------------------------------------------------
     def _apply_chord_incr(self, header_result_args: Any, body: Any, **kwargs: Any) -> Any:
-        header_id = header_result_args[0]
-        ids = Counter(getattr(r, "id", r) for r in header_result_args[1] or ())
+        """Each apply is a run of its own (a frozen chord applied again runs its
+        body again). A header given as a generator is neither read nor saved
+        here: Celery publishes it as it yields (see celery_zk.backend.chord)."""
+        header_id, results = header_result_args[0], header_result_args[1]
+        lazy = is_lazy(results)
+        if not lazy:
+            self._refuse_repeated_ids(header_id, results)
+            super()._apply_chord_incr(header_result_args, body, **kwargs)
+        # Made up front so it is indexed for expiry even if the chord never ends.
+        fresh = self._write(self.get_key_for_chord(header_id), b"0", create_only=True)
+        self._counter(header_id).start(lazy=lazy, fresh=fresh)
+
+    @staticmethod
+    def _refuse_repeated_ids(header_id: str, results: Any) -> None:
+        ids = Counter(getattr(r, "id", r) for r in results or ())
         repeated = sorted(str(task_id) for task_id, n in ids.items() if n > 1)
         if repeated:
             # Celery sends the header after this returns: refusing here sends nothing.
@@ -247,35 +272,34 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
                 "twice is not counted twice), and this chord could never complete. Give "
                 "every header task its own id (leave task_id unset, or make the ids "
                 "unique). Nothing was sent.")
-        super()._apply_chord_incr(header_result_args, body, **kwargs)
-        # Made up front so it is indexed for expiry even if the chord never ends.
-        self._write(self.get_key_for_chord(header_id), b"0", create_only=True)
 
     def on_chord_part_return(self, request: Any, state: str, result: Any,
                              **kwargs: Any) -> Any:
-        """Count this header task once; run Celery's protocol only when it may be
-        the last (Celery's restores the saved header, every result of it, on
-        each part: O(parts²) for a chord, 0.1 s a part at 1,000 parts)."""
+        """Count this header task once; the last part sends the body
+        (:mod:`celery_zk.backend.chord_body`). Celery's own protocol restores
+        the saved header, every result of it, on each part: O(parts²) for a
+        chord, 0.1 s a part at 1,000 parts."""
         gid = request.group
         if not gid:
             return None
-        counted, size = self._counter(str(gid)).increment(str(request.id))
+        counter = self._counter(str(gid))
+        counted, size, lazy = counter.increment(str(request.id),
+                                                getattr(request, "group_index", None))
         if counted is None:
             logger.warning("celery_zk: chord %s part %s was already counted; ignoring "
                            "the duplicate", gid, request.id)
             return None
-        if size is not None:
-            if counted < size:
-                return None   # not the last part: nothing to read
-            if isinstance(request.chord, dict):
-                # Celery compares the count with this, else with the number of saved
-                # header results (too few when groups nest: see celery_zk.backend.chord).
-                request.chord["chord_size"] = size
-        token = _chord_count.set(counted)
-        try:
-            return super().on_chord_part_return(request, state, result, **kwargs)
-        finally:
-            _chord_count.reset(token)
+        if size is None:
+            # Celery says the size before it sends the header's last task: this
+            # part is not the last (a generator's header still being sent).
+            return None
+        if counted < size:
+            return None
+        if counted > size:
+            logger.warning("celery_zk: chord %s counted %d parts of %d", gid, counted, size)
+            return None
+        send_chord_body(self, request, counter, lazy)
+        return None
 
     # -- reading --------------------------------------------------------------
     def is_cached(self, task_id: str) -> bool:
@@ -283,6 +307,14 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         # tell which results it already has; ready results our watches
         # delivered are held by their AsyncResult objects.
         return bool(super().is_cached(task_id) or task_id in self.result_consumer.delivered)
+
+    def remove_pending_result(self, result: Any) -> Any:
+        """Celery before 5.7 removes whatever waits on ``result``'s id when any
+        object of that id goes (celery#4925): a copy dropped while a group was
+        published made the group's get() hang. Only the waiter itself leaves."""
+        if is_stray_copy(self._pending_results, result):
+            return result
+        return super().remove_pending_result(result)
 
     def forget(self, task_id: str) -> None:
         super().forget(task_id)

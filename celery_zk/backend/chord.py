@@ -5,30 +5,34 @@ an atomic ``incr`` and fires the chord body when the count reaches the chord
 size. A plain increment counts a header task twice when it runs twice (a
 message redelivered after its worker died, with ``acks_late``), and then the
 body fires before the last part is done. This counter counts *parts*: each
-increment creates a child named after the header task id, in the same
+increment creates a child named after the header task id (its data: the
+count it made, a token, and the task's place in the header), in the same
 transaction that bumps the count kept in the counter's data, so a part that
 is already there is not counted again.
 
-The number of parts the chord waits for, once Celery has said it
-(``set_chord_size``), is kept in a child of its own, ``~size`` (a part's name
-is an escaped task id, which never starts with ``~``). Celery's key/value
-protocol otherwise takes the number of results in the saved header, which is
-too small when the header nests groups (a chain ending in a group counts each
-of that group's tasks): the body would fire before the last part, and the
-last part would count "too many times".
+The number of parts the chord waits for is ``~size`` (Celery's
+``set_chord_size``, nested groups counted, said before the header's last
+task is sent) plus ``~added`` (one per ``Task.add_to_chord``). A part's name
+is an escaped task id, which never starts with ``~``.
 
-A finished chord's counter is not deleted but *finished*: a ``~done`` child
-is made and the counted parts are deleted. The counter then lives on as a
-small tombstone, indexed for expiry like the results, so a header task
-delivered again, or the whole chord applied again (a duplicated message
-upstream of it), counts nothing and fires nothing: a chord's body fires once
-per chord id. Deleting it, as Celery's protocol does, let a second run count
-afresh and then find its saved header deleted by the first.
+**Runs.** Each apply of a chord is a run of its own, as on Redis: applying a
+frozen chord again (same group id, e.g. a retried workflow) resets the
+counter, and its body runs again. Within a run, a finished counter is kept
+as a tombstone (``~done``, parts deleted) until expiry or the next apply, so
+a header task delivered again after the body was sent counts nothing.
+
+**Lazy headers.** A header given as a generator is published as it yields
+(celery#3021), so its results cannot be saved as a group up front. Its
+counter is marked ``~lazy``; when the last part is counted, the parts, in
+header order, say which results the body gets (as Redis's backend keeps
+them in a sorted set).
 """
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
@@ -39,14 +43,28 @@ from kazoo.exceptions import (
 from kazoo.retry import ForceRetryError
 
 from ..zk.client import multi_failure
-from ..zk.layout import CHORD_SIZE, Layout
+from ..zk.layout import OWNER_SEP, Layout, unescape
 
-__all__ = ["ChordCounter"]
+__all__ = ["ChordCounter", "Count"]
+
+#: Most deletes in one multi when a counter is reset for a new run.
+RESET_BATCH = 500
+
+
+class Count(NamedTuple):
+    """What counting one part found."""
+
+    #: The new count; None when the part was counted before (or the run finished).
+    counted: int | None
+    #: How many parts the run waits for; None until ``set_chord_size`` said it.
+    size: int | None
+    #: The header was a generator (see the module docstring).
+    lazy: bool
 
 
 class ChordCounter:
     """Counter node ``chords/{group id}``: data = count, children = counted parts
-    (and ``~size``)."""
+    (and ``~size``, ``~added``, ``~lazy``, ``~done``)."""
 
     def __init__(self, client: KazooClient, layout: Layout, group_id: str,
                  create: Callable[[], object] | None = None) -> None:
@@ -54,19 +72,57 @@ class ChordCounter:
         self.layout = layout
         self.path = layout.chord(group_id)
         self.size_path = layout.chord_size(group_id)
+        self.added_path = layout.chord_added(group_id)
+        self.lazy_path = layout.chord_lazy(group_id)
         self.done_path = layout.chord_done(group_id)
         self.group_id = group_id
         # Makes the counter node when missing (the backend also indexes it for
         # expiry); must treat NodeExists as success.
         self._create = create or self._create_plain
 
-    def increment(self, part_id: str) -> tuple[int | None, int | None]:
-        """Count ``part_id``: ``(new count or None if it was counted before, size)``,
-        the size being what :meth:`set_size` stored (None if nothing was)."""
+    # -- a run ------------------------------------------------------------------
+    def start(self, lazy: bool, fresh: bool) -> None:
+        """A new run of the chord: the count back to 0 and what an earlier run
+        of this group id left (its size, parts, tombstone) gone, unless the
+        counter is ``fresh`` (just made). ``lazy``: the header is a generator."""
+        self.client.retry(self._inner_start, lazy, fresh)
+
+    def _inner_start(self, lazy: bool, fresh: bool) -> None:
+        client = self.client
+        if not fresh:
+            children = [self.layout.chord_child(self.group_id, name)
+                        for name in client.get_children(self.path)]
+            for first in range(0, len(children), RESET_BATCH):
+                tx = client.transaction()
+                for child in children[first:first + RESET_BATCH]:
+                    tx.delete(child)
+                failure = multi_failure(tx.commit())
+                if failure is not None and not isinstance(failure[1], NoNodeError):
+                    raise failure[1]
+                if failure is not None:
+                    raise ForceRetryError()   # one went meanwhile: list again
+        # One multi: the run begins with its count at 0 and its kind known.
+        tx = client.transaction()
+        tx.set_data(self.path, b"0")
+        if lazy:
+            tx.create(self.lazy_path)
+        failure = multi_failure(tx.commit())
+        if failure is None:
+            return
+        if isinstance(failure[1], NodeExistsError):   # a retry after a lost reply
+            return
+        if isinstance(failure[1], NoNodeError):
+            self._create()
+            raise ForceRetryError()
+        raise failure[1]
+
+    def increment(self, part_id: str, group_index: int | None = None) -> Count:
+        """Count ``part_id`` (the ``group_index``-th task of the header)."""
         # One token per call: a commit that succeeded just before a
         # ConnectionLoss is recognised as ours on the retry, not as a duplicate.
         token = uuid.uuid4().hex
-        return self.client.retry(self._inner_increment, part_id, token)
+        return self.client.retry(self._inner_increment, part_id, token,
+                                 "" if group_index is None else str(group_index))
 
     def value(self) -> int:
         try:
@@ -83,11 +139,61 @@ class ChordCounter:
     def _inner_set_size(self, size: bytes) -> bool:
         try:
             self.client.create(self.size_path, size)
-        except NodeExistsError:   # the chord applied again (same id): a new run
+        except NodeExistsError:
             self.client.set(self.size_path, size)
         except NoNodeError:
             return False
         return True
+
+    def add(self, also: Callable[[Any], None] | None = None) -> None:
+        """One more part to wait for (``Task.add_to_chord``). ``also(tx)`` adds
+        its own operations to the same transaction (the saved group's new
+        member); a conflict it causes makes the whole add retry."""
+        self.client.retry(self._inner_add, also)
+
+    def _inner_add(self, also: Callable[[Any], None] | None) -> None:
+        client = self.client
+        try:
+            data, stat = client.get(self.added_path)
+        except NoNodeError:
+            data, stat = None, None
+        tx = client.transaction()
+        if stat is None:
+            tx.create(self.added_path, b"1")
+        else:
+            tx.set_data(self.added_path, str(int(data or b"0") + 1).encode(),
+                        version=stat.version)
+        if also is not None:
+            also(tx)
+        failure = multi_failure(tx.commit())
+        if failure is None:
+            return
+        if isinstance(failure[1], (BadVersionError, NodeExistsError)):
+            raise ForceRetryError()   # another add (or the group changed) meanwhile
+        if isinstance(failure[1], NoNodeError):
+            raise LookupError(
+                f"chord {self.group_id} has no counter: it was never applied, or it "
+                "finished and expired. add_to_chord works from a header task of a "
+                "chord still running.")
+        raise failure[1]
+
+    def parts(self) -> list[str]:
+        """The counted parts' task ids in header order (Celery's ``group_index``,
+        then the order they were counted)."""
+        client = self.client
+        names = [name for name in client.retry(client.get_children, self.path)
+                 if not name.startswith(OWNER_SEP)]
+        reads = [(name, client.get_async(self.layout.chord_child(self.group_id, name)))
+                 for name in names]
+        keyed = []
+        for name, read in reads:
+            try:
+                data, _ = read.get()
+            except NoNodeError:
+                continue
+            count, _, index = _parse_part(data)
+            keyed.append(((math.inf if index is None else index, count), unescape(name)))
+        return [task_id for _, task_id in sorted(keyed)]
 
     def _create_plain(self) -> None:
         try:
@@ -106,7 +212,7 @@ class ChordCounter:
         except NoNodeError:
             return   # no counter (removed by expiry): nothing to keep
         parts = [name for name in client.retry(client.get_children, self.path)
-                 if not name.startswith(CHORD_SIZE[0])]
+                 if not name.startswith(OWNER_SEP)]
         for result in [client.delete_async(self.layout.chord_child(self.group_id, name))
                        for name in parts]:
             try:
@@ -114,37 +220,41 @@ class ChordCounter:
             except NoNodeError:
                 pass
 
-    def _inner_increment(self, part_id: str, token: str) -> tuple[int | None, int | None]:
+    def _inner_increment(self, part_id: str, token: str, group_index: str) -> Count:
         part_path = self.layout.chord_part(self.group_id, part_id)
-        sized = self.client.get_async(self.size_path)   # the same round trip
-        done = self.client.exists_async(self.done_path)
+        client = self.client
+        # The same round trip as the count: what the run waits for, and its kind.
+        sized = client.get_async(self.size_path)
+        added = client.get_async(self.added_path)
+        lazy_read = client.exists_async(self.lazy_path)
+        done = client.exists_async(self.done_path)
         try:
-            data, stat = self.client.get(self.path)
+            data, stat = client.get(self.path)
         except NoNodeError:
             self._create()
             raise ForceRetryError() from None
-        try:
-            size: int | None = int(sized.get()[0])
-        except NoNodeError:
-            size = None
+        size = _int_or_none(sized)
+        if size is not None:
+            size += _int_or_none(added) or 0
+        lazy = lazy_read.get() is not None
         if done.get() is not None:
-            return None, size   # the chord finished: this is a duplicate
+            return Count(None, size, lazy)   # the run finished: this is a duplicate
         count = int(data or b"0") + 1
         # Without the transaction, a crash between making the part and bumping
         # the count would leave a part that is never counted: the chord hangs.
-        tx = self.client.transaction()
-        tx.create(part_path, f"{count}:{token}".encode())
+        tx = client.transaction()
+        tx.create(part_path, f"{count}:{token}:{group_index}".encode())
         tx.set_data(self.path, str(count).encode(), version=stat.version)
         failure = multi_failure(tx.commit())
         if failure is None:
-            return count, size
+            return Count(count, size, lazy)
         error = failure[1]
         if isinstance(error, BadVersionError):
             raise ForceRetryError()  # another part was counted meanwhile
         if isinstance(error, NodeExistsError):
-            return self._already_counted(part_path, token), size
+            return Count(self._already_counted(part_path, token), size, lazy)
         if isinstance(error, NoNodeError):  # counter deleted: chord completed
-            return None, size
+            return Count(None, size, lazy)
         raise error
 
     def _already_counted(self, part_path: str, token: str) -> int | None:
@@ -152,5 +262,21 @@ class ChordCounter:
             data, _ = self.client.get(part_path)
         except NoNodeError:  # counter deleted since: the chord completed
             return None
-        counted, _, owner = data.decode().partition(":")
-        return int(counted) if owner == token else None
+        counted, owner, _ = _parse_part(data)
+        return counted if owner == token else None
+
+
+def _parse_part(data: bytes) -> tuple[int, str, int | None]:
+    """A part's ``(count, token, group index)``; parts stored before the index
+    was kept have none."""
+    count, _, rest = data.decode().partition(":")
+    token, _, index = rest.partition(":")
+    return int(count), token, int(index) if index else None
+
+
+def _int_or_none(read: Any) -> int | None:
+    try:
+        data, _ = read.get()
+    except NoNodeError:
+        return None
+    return int(data or b"0")

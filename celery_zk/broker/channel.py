@@ -17,6 +17,7 @@ from typing import Any
 from kombu.transport import virtual
 from kombu.transport.virtual.base import queue_declare_ok_t
 
+from ..compat import kombu as kombu_compat
 from ..features.affinity import affinity_of
 from ..features.revokes import RevokeStore, control_command
 from ..zk.client import CONNECTION_ERRORS
@@ -74,7 +75,7 @@ class QoS(virtual.QoS):
         # dropped without close() could never be collected. A channel that is
         # closed requeues its unacked messages itself; one that is dropped has
         # them requeued by recovery once its consumer node goes with its lease.
-        self._on_collect.cancel()
+        kombu_compat.forget_at_exit(self)
 
     def _closed(self, delivery_tag: str, what: str) -> bool:
         """True when the channel is closed (e.g. celery restarted its consumer after
@@ -87,7 +88,7 @@ class QoS(virtual.QoS):
 
     def unacked(self) -> int:
         """Messages delivered and not yet acked or rejected."""
-        return len(self._delivered) - len(self._dirty)  # type: ignore[arg-type]
+        return kombu_compat.unacked(self)
 
     def ack(self, delivery_tag: str) -> None:
         if self._closed(delivery_tag, "acking"):
@@ -101,27 +102,24 @@ class QoS(virtual.QoS):
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         if self._closed(delivery_tag, "rejecting"):
             return
-        message = self._delivered.get(delivery_tag)  # type: ignore[attr-defined]
+        message = kombu_compat.delivered(self, delivery_tag)
         if requeue:
             self.channel.requeue_owned(delivery_tag, message)
         else:
             self.channel.connection.store.remove(
                 delivery_tag, dead_letter=self.channel.options.dead_letter_rejected,
                 reason="rejected with requeue=False")
-        self._quick_ack(delivery_tag)
+        kombu_compat.settle(self, delivery_tag)
         self.channel.connection.wake()
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
         """Put every unacked message back (warm shutdown, channel close)."""
-        self._flush()
         errors: list[tuple[BaseException, Any]] = []
-        delivered = self._delivered
-        while delivered:
-            tag, message = delivered.popitem()
+        for tag, message, settled in kombu_compat.drain_delivered(self):
             try:
                 self.channel.requeue_owned(tag, message)
             except BaseException as exc:
-                if tag not in self._dirty:
+                if not settled:
                     errors.append((exc, message))
         return errors
 
@@ -169,9 +167,9 @@ class Channel(virtual.Channel):
             view.reset()
 
     def basic_cancel(self, consumer_tag: str) -> Any:
-        queue = self._tag_to_queue.get(consumer_tag)
+        queue = kombu_compat.queue_of(self, consumer_tag)
         result = super().basic_cancel(consumer_tag)
-        if queue is not None and queue not in self._active_queues:
+        if queue is not None and queue not in kombu_compat.consumed_queues(self):
             self._drop_view(queue)
         if self.connection is not None:   # None once the channel is closed
             self.connection.consuming_changed()
@@ -198,7 +196,7 @@ class Channel(virtual.Channel):
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         view = self._view(queue)
-        view.consuming = queue in self._active_queues
+        view.consuming = queue in kombu_compat.consumed_queues(self)
         while True:
             view.collect()
             if not view.buffer:
@@ -261,14 +259,14 @@ class Channel(virtual.Channel):
         view = self._views.get(queue)
         if view is not None:
             view.invalidate()
-        data = json.dumps(message._raw).encode() if message is not None else None
+        data = json.dumps(kombu_compat.raw(message)).encode() if message is not None else None
         self.connection.store.requeue(owned_path, data)
 
     # -- publishing ---------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         affinity = affinity_of(message)   # first: a bad key must fail before any write
         data = encode_message(message)
-        priority = self._get_message_priority(message)
+        priority = kombu_compat.priority_of(self, message)
         transport = self.connection
         store = transport.store
         together = transport.publishing_together()
@@ -392,12 +390,12 @@ class Channel(virtual.Channel):
                 for routing_key, queue in self.connection.bindings.table(exchange, fresh)]
 
     def _lookup(self, exchange: str, routing_key: str, default: Any = None) -> list[str]:
-        queues = super()._lookup(exchange, routing_key, default)
+        queues = kombu_compat.lookup(self, exchange, routing_key, default)
         fallback = [default if default is not None else self.deadletter_queue]
         if exchange and queues in ([], fallback) and self.typeof(exchange).type == "direct":
             # A direct miss may be a binding made an instant ago elsewhere: re-read once.
             self.connection.bindings.table(exchange, fresh=True)
-            queues = super()._lookup(exchange, routing_key, default)
+            queues = kombu_compat.lookup(self, exchange, routing_key, default)
         return queues
 
     # -- lifecycle ----------------------------------------------------------------

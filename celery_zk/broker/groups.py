@@ -9,8 +9,10 @@ when the group ends, 256 per multi: ``group.apply_async()`` still returns only
 once every message is stored (the confirm moves from each task to the group).
 
 Celery has no hook for "a group is being published", so this wraps that one
-method, and only when its signature is the one this was written against;
-other brokers' publishes pass through unchanged. It is wrapped as soon as
+method (a private name, fenced in :mod:`celery_zk.compat.celery`), and only
+when its signature is the one this was written against; other brokers'
+publishes pass through unchanged, and so does a group (or chord header)
+given as a generator, which Celery publishes as it yields. It is wrapped as soon as
 ``celery.canvas`` is imported (:func:`install_when_imported`, run by
 ``import celery_zk``), so even a process whose first publish is a group
 batches it. Option ``batch_groups=false`` turns it off for a ``zk://`` broker.
@@ -20,7 +22,6 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.util
-import inspect
 import logging
 import sys
 import threading
@@ -29,13 +30,13 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
+from ..compat.celery import is_lazy, wrap_group_apply_tasks
+
 logger = logging.getLogger(__name__)
 
 #: This thread's open publish_together: the messages it holds, per QueueStore.
 _together = threading.local()
 
-#: The leading parameters of ``group._apply_tasks`` this wrapper relies on.
-_EXPECTED = ["self", "tasks", "producer", "app"]
 _CANVAS = "celery.canvas"
 
 
@@ -93,34 +94,26 @@ class _AfterCanvas(importlib.abc.MetaPathFinder):
 
 def install() -> bool:
     """Wrap ``group._apply_tasks`` (once); False if this Celery's differs."""
-    from celery.canvas import group
+    return wrap_group_apply_tasks(_batched)
 
-    original = getattr(group, "_apply_tasks", None)
-    if original is None:
-        return False
-    if getattr(original, "_celery_zk", False):
-        return True
-    if (not inspect.isgeneratorfunction(original)
-            or list(inspect.signature(original).parameters)[:4] != _EXPECTED):
-        logger.debug("celery_zk: group._apply_tasks is not the one expected; "
-                     "groups are published task by task")
-        return False
 
+def _batched(original: Any) -> Any:
     @functools.wraps(original)
     def _apply_tasks(self: Any, tasks: Any, producer: Any = None, app: Any = None,
                      *args: Any, **kwargs: Any) -> Iterator[Any]:
         app = app or self.app
         with app.producer_or_acquire(producer) as producer:
-            together = _publish_together(producer)
+            # A generator is published as it yields (celery#3021): its first
+            # tasks run while later ones are still being made, and it is never
+            # held whole in memory.
+            together = None if is_lazy(self.tasks) else _publish_together(producer)
             if together is None:
                 yield from original(self, tasks, producer, app, *args, **kwargs)
                 return
             with together():
                 yield from original(self, tasks, producer, app, *args, **kwargs)
 
-    _apply_tasks._celery_zk = True  # type: ignore[attr-defined]
-    group._apply_tasks = _apply_tasks
-    return True
+    return _apply_tasks
 
 
 @contextmanager

@@ -90,11 +90,13 @@ from celery.signals import worker_shutting_down
 from kazoo.client import KazooState
 from kombu.transport import virtual
 
+from ..compat import kombu as kombu_compat
 from ..features.affinity import Board, board_for
 from ..features.revokes import load_into_worker
 from ..zk.client import CONNECTION_ERRORS
 from ..zk.config import (
     DEFAULT_PORT,
+    MASK,
     ZKSettings,
     hide_secrets,
     mask_password,
@@ -163,6 +165,7 @@ class Transport(virtual.Transport):
     connection_errors = virtual.Transport.connection_errors + CONNECTION_ERRORS
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
+        kombu_compat.require()   # this kombu has what the transport reads, or a clear error
         super().__init__(client, **kwargs)
         self.settings = self._settings(client)
         _hide_secrets(client)
@@ -245,7 +248,7 @@ class Transport(virtual.Transport):
         which (``celery zk status``, ``queue_declare``'s consumer count)."""
         channels: list[Channel] = list(self.channels or ())
         self.session.set_queues({queue for channel in channels
-                                 for queue in channel._active_queues})
+                                 for queue in kombu_compat.consumed_queues(channel)})
 
     def wake(self) -> None:
         """Something may be deliverable now (new message, free prefetch slot)."""
@@ -314,7 +317,7 @@ class Transport(virtual.Transport):
         self.bindings.restore_ephemeral()
         try:
             assert self.cycle is not None
-            self.cycle.get(self._deliver)
+            self.cycle.get(kombu_compat.deliver_callback(self))
             return True
         except Empty:
             pass
@@ -383,11 +386,14 @@ def _hide_secrets(client: Any) -> None:
     the Connection's ``password`` field, which Celery leaves out of the stats
     and kombu's pools use to tell connections apart.
     """
-    urls = [client.hostname, *(client.alt or [])]
-    if not any(isinstance(u, str) and "://" in u for u in urls):
+    # After kombu's failover switch (Connection.switch) the hostname is a bare
+    # host parsed out of one URL; the URLs are still in ``alt``.
+    urls = [reveal_secrets(u, client.password) for u in (client.hostname, *(client.alt or []))
+            if isinstance(u, str) and "://" in u]
+    if not urls:
         return
-    settings = parse_url([u for u in urls if isinstance(u, str)])
-    if settings.password is not None and client.password is None:
+    settings = parse_url(urls)
+    if settings.password is not None and client.password in (None, MASK):
         client.userid, client.password = settings.username, settings.password
     if isinstance(client.hostname, str):
         client.hostname = hide_secrets(client.hostname, client.password)

@@ -104,13 +104,19 @@ def make_client(settings: ZKSettings, connect_timeout: float | None = None) -> K
         # kazoo's stop() waits for its connection thread, which may sit in a
         # connect attempt to a host that never answers for up to 10 s more:
         # the caller is told now, the client is disposed of in the background.
-        threading.Thread(target=_dispose, args=(client,), name="celery_zk-dispose",
-                         daemon=True).start()
+        dispose_later(client)
         raise ZKConnectionError(
             f"Could not connect to ZooKeeper at {settings.hosts}: {why}. Is the server "
             "running and reachable? (For a local one: `celery zk server`.) Raise "
             f"'connect_timeout' for a slow network. {_tls_hint(settings)}")
     return client
+
+
+def dispose_later(client: KazooClient) -> None:
+    """Stop and close ``client`` in the background: kazoo's stop() waits for its
+    connection thread, which may sit in a connect attempt for seconds."""
+    threading.Thread(target=_dispose, args=(client,), name="celery_zk-dispose",
+                     daemon=True).start()
 
 
 def _dispose(client: KazooClient) -> None:

@@ -296,6 +296,8 @@ def parse_url(
     )
 
 
+#: What a password becomes in a masked URL.
+MASK = "**"
 _PASSWORD_RE = re.compile(r"(://[^:/@]*:)[^@/]*@")
 # Options whose values hold passwords: read_only_users=user:pw,... and keyfile_password.
 _SECRET_OPTION_RE = re.compile(r"([?&](read_only_users|keyfile_password)=)([^&;]*)")
@@ -314,33 +316,22 @@ def mask_password(url: str) -> str:
 
     Passwords in options (``read_only_users``, ``keyfile_password``) are masked too.
     """
-    return _SECRET_OPTION_RE.sub(_mask_option, _PASSWORD_RE.sub(r"\1**@", url))
+    return _SECRET_OPTION_RE.sub(_mask_option, _PASSWORD_RE.sub(rf"\1{MASK}@", url))
 
 
 def mask_in_celery_reports() -> None:
     """Make Celery's own URL masking hide everything :func:`mask_password` hides.
 
-    ``celery report`` and ``app.conf.humanize()`` mask result backend URLs with
-    ``celery.app.utils.sanitize_url``, which masks ``user:password@`` but
-    keeps the query, where celery_zk takes ``read_only_users`` and
-    ``keyfile_password``. zk:// URLs go through :func:`mask_password` instead;
-    every other URL is left to Celery. Idempotent; a no-op without Celery.
+    ``celery report`` and ``app.conf.humanize()`` mask result backend URLs
+    with Celery's masking, which hides ``user:password@`` but keeps the
+    query, where celery_zk takes ``read_only_users`` and ``keyfile_password``.
+    zk:// URLs go through :func:`mask_password` instead; every other URL is
+    left to Celery (:func:`celery_zk.compat.celery.wrap_url_masking`).
+    Idempotent; a no-op without Celery.
     """
-    try:
-        from celery.app import utils
-    except ImportError:
-        return
-    celery_sanitize = utils.sanitize_url
-    if getattr(celery_sanitize, "celery_zk", False):
-        return
+    from ..compat.celery import wrap_url_masking
 
-    def sanitize_url(url: Any, mask: str = "*" * 8) -> Any:
-        if isinstance(url, str) and url.partition("://")[0] in SCHEMES:
-            return mask_password(url)
-        return celery_sanitize(url, mask=mask)
-
-    sanitize_url.celery_zk = True   # type: ignore[attr-defined]
-    utils.sanitize_url = sanitize_url
+    wrap_url_masking(mask_password, frozenset(SCHEMES))
 
 
 #: Masked URL (and password) -> the URL it hides, for :func:`hide_secrets`.
@@ -362,5 +353,15 @@ def hide_secrets(url: str, password: str | None) -> str:
 
 
 def reveal_secrets(url: str, password: str | None) -> str:
-    """The URL :func:`hide_secrets` masked as ``url``; ``url`` itself if it did not."""
-    return _hidden.get((url, password), url)
+    """The URL :func:`hide_secrets` masked as ``url``; ``url`` itself if it did not.
+
+    kombu's failover (``Connection.switch``) may be handed a masked URL from
+    ``Connection.alt`` and then holds the mask as the password: the one URL
+    masked that way is given back then.
+    """
+    found = _hidden.get((url, password))
+    if found is None and password in (None, MASK):
+        candidates = {real for (masked, _), real in _hidden.items() if masked == url}
+        if len(candidates) == 1:
+            found = candidates.pop()
+    return url if found is None else found

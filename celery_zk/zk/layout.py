@@ -25,9 +25,13 @@
       results/{shard}/{task id}       done node: the task's result meta
       groups/{shard}/{group id}       saved GroupResult
       chords/{group id}               chord counter (children are completed parts)
-        {task id}                     one per counted header task: counts it once
+        {task id}                     one per counted header task: counts it once;
+                                      data: "{count}:{token}:{group index}"
         ~size                         how many parts it waits for (Celery's set_chord_size)
-        ~done                         the body was sent: parts deleted, counter kept until expiry
+        ~added                        how many Task.add_to_chord added since
+        ~lazy                         the header was a generator: no saved group
+        ~done                         the body was sent: parts deleted, counter kept
+                                      until expiry or the chord's next apply
       expiry/h{hour}/{shard}/{kind}~{id}  index of results/groups/chords by write hour
       locks/{key}                     ephemeral: a running singleton task's lock
                                       (celery_zk.features.singleton); czxid: fencing token
@@ -70,6 +74,8 @@ BINDING_SEP = ","
 RESULT_SHARDS_HEX = 2  # 256 shards: a million results is ~4,000 per directory
 CHORD_SIZE = OWNER_SEP + "size"   # beside a chord's counted parts, which are escaped ids
 CHORD_DONE = OWNER_SEP + "done"
+CHORD_ADDED = OWNER_SEP + "added"
+CHORD_LAZY = OWNER_SEP + "lazy"
 REVOKED_TASK, REVOKED_STAMP = "t" + OWNER_SEP, "s" + OWNER_SEP   # kinds under revoked/
 
 _MESSAGE_RE = re.compile(r"^m(\d)-(\d{10})-([0-9a-f]{1,32})(?:@([^/~]+?))?-(r?)(\d{10})$")
@@ -473,6 +479,15 @@ class Layout:
     def chord_done(self, group_id: str) -> str:
         """Made when the chord's body was sent: the counter is then a tombstone."""
         return join(self.chord(group_id), CHORD_DONE)
+
+    def chord_added(self, group_id: str) -> str:
+        """How many parts ``Task.add_to_chord`` added to the chord's size."""
+        return join(self.chord(group_id), CHORD_ADDED)
+
+    def chord_lazy(self, group_id: str) -> str:
+        """Made when the header is a generator: the parts, not a saved group,
+        say which results the body gets."""
+        return join(self.chord(group_id), CHORD_LAZY)
 
     # -- singleton locks (celery_zk.features.singleton) --------------------------------
     @property

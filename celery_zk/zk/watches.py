@@ -5,12 +5,13 @@ it must list the directory to learn the new message's name: one more
 dependent request on every idle round trip. A persistent recursive watch
 reports every node created below a path, with the node's path, and stays set.
 
-kazoo (2.11) has no ``addWatch`` yet (python-zk/kazoo#715 is unmerged; Zuul
-vendors it too), so this module sends the two requests itself through
-kazoo's request queue and reads the events kazoo would otherwise drop: it
-wraps the connection's ``_read_watch_event`` on each client it serves. That
-is kazoo's private interface; when it is missing, or the server answers
-``addWatch`` with Unimplemented (ZooKeeper before 3.6), :meth:`TreeWatches.watch`
+kazoo (2.9 to 2.11) has no ``addWatch`` yet (python-zk/kazoo#715 is
+unmerged; Zuul vendors it too), so this module sends the two requests itself
+through kazoo's request queue and reads the events kazoo would otherwise
+drop, through the private names fenced in :mod:`celery_zk.compat.kazoo`.
+When they are missing, or the servers do not know ``addWatch`` (ZooKeeper
+before 3.6; asked once per process by a client of its own, see
+:meth:`TreeWatches._server_knows_add_watch`), :meth:`TreeWatches.watch`
 returns False and the caller keeps using one-shot child watches.
 
 The server forgets a connection's watches when the connection drops, and
@@ -35,9 +36,12 @@ from typing import Any, Protocol
 
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import UnimplementedError
-from kazoo.protocol.serialization import Watch, int_struct, write_string
+from kazoo.protocol.serialization import int_struct, write_string
 
-from .client import log_failure
+from ..compat import PrivateAPIChanged
+from ..compat import kazoo as kazoo_compat
+from .client import dispose_later, log_failure, make_client
+from .config import ZKSettings
 
 __all__ = ["NODE_CREATED", "NODE_DELETED", "TreeWatches"]
 
@@ -53,6 +57,12 @@ _ANY_WATCHER = 3            # WatcherType: removes every watch of ours on the pa
 #: ("" for the watched node itself). Runs on kazoo's connection thread.
 TreeCallback = Callable[[int, str], None]
 
+
+#: Hosts -> whether their servers know addWatch (see TreeWatches._server_knows_add_watch).
+_probed: dict[str, bool] = {}
+#: Where the probe sets its watch: a node no one makes (a missing node has no ACL
+#: to check), outside the chroot, and gone with the probe's session.
+PROBE_PATH = "/celery_zk-addWatch-probe"
 
 #: How far below a watched path an event is handed to its callbacks.
 DEPTH = 2
@@ -81,10 +91,13 @@ class RemoveWatches(_PathAndInt):
 
 
 class WatchSource(Protocol):
-    """A session: its client, and its state listeners."""
+    """A session: its client, its settings, and its state listeners."""
 
     @property
     def client(self) -> KazooClient: ...
+
+    @property
+    def settings(self) -> ZKSettings: ...
 
     def add_listener(self, listener: Callable[[KazooState], None]) -> None: ...
 
@@ -131,29 +144,13 @@ class TreeWatches:
                 logger.exception("celery_zk: watch callback for %s failed", path)
         return True
 
-    def _install(self, client: KazooClient) -> None:
-        connection = client._connection
-        original = getattr(connection, "_read_watch_event", None)
-        if original is None:
-            raise AttributeError("kazoo's connection has no _read_watch_event")
-
-        def read_watch_event(buffer: bytes, offset: int) -> Any:
-            watch, _ = Watch.deserialize(buffer, offset)
-            ours = self._dispatch(watch.type, client.unchroot(watch.path))
-            if (not ours or watch.path in client._data_watchers
-                    or watch.path in client._child_watchers):
-                return original(buffer, offset)   # kazoo's own watchers
-            return None
-
-        connection._read_watch_event = read_watch_event
-
     # -- the owner's thread ---------------------------------------------------
     def _bind(self) -> KazooClient:
         client = self.handle.client
         if client is not self._client:   # first use, or a new client after fork
             with self._lock:
                 if client is not self._client:
-                    self._install(client)
+                    kazoo_compat.intercept_watch_events(client, self._dispatch)
                     self._client = client
                     self._added.clear()
         return client
@@ -174,9 +171,14 @@ class TreeWatches:
             return False
         try:
             client = self._bind()
-        except AttributeError as exc:
-            self._unsupported(f"this kazoo version cannot carry them ({exc})")
+        except PrivateAPIChanged as exc:
+            self._unsupported(str(exc))
             return False
+        known = self._server_knows_add_watch()
+        if not known:
+            if known is False:
+                self._unsupported("the ZooKeeper server is older than 3.6 (no addWatch)")
+            return False   # None: not known yet, one-shot watches this time
         with self._lock:
             self._callbacks = {**self._callbacks,
                                path: self._callbacks.get(path, frozenset()) | {callback}}
@@ -186,18 +188,47 @@ class TreeWatches:
         request = self.add_request(client.chroot + path, _PERSISTENT_RECURSIVE)
 
         def add() -> None:
-            result = client.handler.async_result()
-            client._call(request, result)
-            result.get()
+            kazoo_compat.send(client, request).get()
 
-        try:
-            client.retry(add)
-        except UnimplementedError:
-            self._unsupported("the ZooKeeper server is older than 3.6 (no addWatch)")
-            self._forget(path, callback)
-            return False
+        client.retry(add)
         self._added[path] = generation
         return True
+
+    def _server_knows_add_watch(self) -> bool | None:
+        """Whether the ensemble's servers know ``addWatch``; None if it could not
+        be found out now.
+
+        A server before 3.6 answers an unknown request out of turn (ZooKeeper's
+        UnimplementedRequestProcessor replies at once, ahead of the requests
+        still in its pipeline, then closes the connection), and kazoo, seeing
+        the reply's xid out of order, gives up on the client for good. So the
+        question is never asked on the shared session: a client of its own
+        asks it once per process and ensemble, and is thrown away.
+        """
+        settings = self.handle.settings
+        known = _probed.get(settings.hosts)
+        if known is not None:
+            return known
+        try:
+            probe = make_client(settings)
+        except Exception as exc:
+            log_failure(logger, exc, "celery_zk: could not ask %s whether it has addWatch",
+                        settings.hosts, level=logging.DEBUG)
+            return None
+        try:
+            kazoo_compat.send(probe, self.add_request(PROBE_PATH, _PERSISTENT_RECURSIVE)).get(
+                timeout=settings.options.connect_timeout)
+            known = True
+        except UnimplementedError:
+            known = False
+        except Exception as exc:   # the shared session will meet the same trouble
+            log_failure(logger, exc, "celery_zk: could not ask %s whether it has addWatch",
+                        settings.hosts, level=logging.DEBUG)
+            return None
+        finally:
+            dispose_later(probe)
+        _probed[settings.hosts] = known
+        return known
 
     def unwatch(self, path: str, callback: TreeCallback) -> bool:
         """Stop calling ``callback``; the last one out removes the server's watch.
@@ -210,8 +241,6 @@ class TreeWatches:
         client = self._client
         if client is None or client is not self.handle.client:
             return False
-        result = client.handler.async_result()
-
         def done(result: Any) -> None:   # kazoo's thread: log only
             try:
                 result.get()
@@ -219,8 +248,8 @@ class TreeWatches:
                 log_failure(logger, exc, "celery_zk: could not remove the watch on %s",
                             path, level=logging.DEBUG)
 
-        result.rawlink(done)
-        client._call(RemoveWatches(client.chroot + path, _ANY_WATCHER), result)
+        kazoo_compat.send(client, RemoveWatches(client.chroot + path, _ANY_WATCHER)
+                          ).rawlink(done)
         return True
 
     def _forget(self, path: str, callback: TreeCallback) -> bool:

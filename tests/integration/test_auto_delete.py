@@ -1,6 +1,7 @@
 """Auto-delete queues (pidbox, reply, events) live exactly as long as a session holds them."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -97,7 +98,7 @@ with Consumer(c, [q], callbacks=[lambda body, message: None], prefetch_count=1):
         # The survivor consumes too: only live consumers take part in the leader election.
         mine = Queue("survivor-q", Exchange("survivor-q", "direct"), "survivor-q")
         with Consumer(survivor, [mine], callbacks=[lambda body, message: None]):
-            with pytest.raises(TimeoutError):
+            with pytest.raises(socket.timeout):
                 survivor.drain_events(timeout=0.2)
             doomed = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
                                       text=True)

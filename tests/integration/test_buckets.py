@@ -9,6 +9,7 @@ import base64
 import dataclasses
 import json
 import random
+import socket
 import threading
 import time
 from typing import Any
@@ -72,7 +73,7 @@ def consume_all(connection: Connection, queue: Queue, count: int,
         while len(got) < count and time.monotonic() < deadline:
             try:
                 connection.drain_events(timeout=0.5)
-            except TimeoutError:
+            except socket.timeout:
                 pass
     return got
 
@@ -183,7 +184,7 @@ def test_publishers_and_consumers_across_many_rolls_lose_nothing(
                 while not done.is_set():
                     try:
                         conn.drain_events(timeout=0.2)
-                    except TimeoutError:
+                    except socket.timeout:
                         pass
 
     with Connection(url(zk_url)) as setup:

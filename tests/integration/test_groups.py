@@ -25,6 +25,9 @@ from celery_zk.zk.layout import Layout
 from .queues import buckets, waiting
 from .test_unconfirmed import decode
 
+#: In every cell of the version matrix (tox.ini).
+pytestmark = pytest.mark.matrix
+
 LAYOUT = Layout("/")  # zk_client is chrooted at the URL's path
 
 
@@ -63,7 +66,7 @@ def transactions(items: list[tuple[Any, int]]) -> int:
 def test_a_group_is_stored_in_a_few_multis_and_in_order(
         zk_url: str, zk_client: KazooClient, options: str, size: int, multis: int) -> None:
     with client_app(zk_url + options) as app:
-        group(sig(app, i, "grp") for i in range(size)).apply_async()
+        group([sig(app, i, "grp") for i in range(size)]).apply_async()
         # apply_async returned: every message is stored, nothing left to flush.
         items = stored(zk_client, "grp")
     assert [value for value, _ in items] == list(range(size))
@@ -73,7 +76,7 @@ def test_a_group_is_stored_in_a_few_multis_and_in_order(
 def test_a_group_rolls_to_new_buckets_and_keeps_their_bound(
         zk_url: str, zk_client: KazooClient) -> None:
     with client_app(zk_url + "?bucket_size=5") as app:
-        group(sig(app, i, "grp-roll") for i in range(23)).apply_async()
+        group([sig(app, i, "grp-roll") for i in range(23)]).apply_async()
         items = stored(zk_client, "grp-roll")
     assert [value for value, _ in items] == list(range(23))
     sizes = [len(zk_client.get_children(path)) for path in buckets(zk_client, LAYOUT, "grp-roll")]
@@ -85,7 +88,7 @@ def test_big_messages_are_split_into_multis_that_fit(
     """Six messages of ~270 KB encoded (base64): three fit in one 1 MB multi, four
     would not."""
     with client_app(zk_url) as app:
-        group(sig(app, [i, "x" * 200_000], "grp-big") for i in range(6)).apply_async()
+        group([sig(app, [i, "x" * 200_000], "grp-big") for i in range(6)]).apply_async()
         items = stored(zk_client, "grp-big")
     assert [value[0] for value, _ in items] == list(range(6))
     assert transactions(items) == 2
@@ -183,11 +186,32 @@ def test_a_script_whose_first_publish_is_a_group_batches_it(
     """However the script's imports load Celery's canvas and celery_zk."""
     script = f"""{first_import}
 app = Celery("script", broker={zk_url!r}, set_as_current=False)
-group(app.signature("proj.app.record", args=(i,), queue="grp-script")
-      for i in range(300)).apply_async()
+group([app.signature("proj.app.record", args=(i,), queue="grp-script")
+       for i in range(300)]).apply_async()
 app.close()
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
     items = stored(zk_client, "grp-script")
     assert [value for value, _ in items] == list(range(300))
     assert transactions(items) == 2
+
+
+def test_a_group_given_as_a_generator_is_published_as_it_yields(
+        zk_url: str, zk_client: KazooClient) -> None:
+    """Celery publishes a generator's tasks as it yields them (celery#3021): they
+    are never held back for the group's end, so each is stored (one create
+    each) soon after the generator made it."""
+    stored_before: list[int] = []
+    with client_app(zk_url) as app:
+        def members() -> Iterator[Any]:
+            for i in range(6):
+                stored_before.append(len(waiting(zk_client, LAYOUT, "grp-gen")))
+                yield sig(app, i, "grp-gen")
+
+        group(members()).apply_async()
+        items = stored(zk_client, "grp-gen")
+    assert [value for value, _ in items] == list(range(6))
+    # Celery looks a task or two ahead (to know the last): when the generator
+    # makes the sixth, at least three are stored (held, none would be).
+    assert stored_before == sorted(stored_before) and stored_before[-1] >= 3, stored_before
+    assert transactions(items) == 6

@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
@@ -22,6 +23,9 @@ from celery_zk.zk.layout import Layout
 
 from .queues import waiting
 from .workers import HERE, Worker, celery_cli, wait_until
+
+#: In every cell of the version matrix (tox.ini).
+pytestmark = pytest.mark.matrix
 
 LAYOUT = Layout("/")  # zk_client is chrooted at the URL's path
 SECRET = "s3cr3t-Pa55"

@@ -38,6 +38,7 @@ def owned_by(zk_client: KazooClient, queue: str = "celery") -> list[str]:
             if split_owned_name(n)]
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_thousand_tasks(pool: str, zk_url: str, client_app: Celery, start_worker: Any,
                         task_log: Path, zk_client: KazooClient) -> None:
@@ -56,6 +57,7 @@ def test_thousand_tasks(pool: str, zk_url: str, client_app: Celery, start_worker
 
 
 @pytest.mark.slow
+@pytest.mark.matrix
 def test_sigkill_one_of_two_workers_loses_nothing(zk_url: str, start_worker: Any,
                                                   task_log: Path, zk_client: KazooClient,
                                                   record_property: Any) -> None:
@@ -167,6 +169,7 @@ def test_control_and_inspect_with_two_workers(zk_url: str, client_app: Celery,
         assert worker.proc.wait(30) == 0, worker.output()
 
 
+@pytest.mark.matrix
 def test_purge_cli(zk_url: str, client_app: Celery, zk_client: KazooClient) -> None:
     for i in range(10):
         send(client_app, "record", i)
@@ -175,6 +178,7 @@ def test_purge_cli(zk_url: str, client_app: Celery, zk_client: KazooClient) -> N
     assert waiting(zk_client, LAYOUT, "celery") == []
 
 
+@pytest.mark.matrix
 def test_warm_shutdown_requeues_unacked(zk_url: str, client_app: Celery, start_worker: Any,
                                         task_log: Path, zk_client: KazooClient) -> None:
     for i in range(20):
@@ -190,6 +194,7 @@ def test_warm_shutdown_requeues_unacked(zk_url: str, client_app: Celery, start_w
                message="messages restored at shutdown did not all run")
 
 
+@pytest.mark.matrix
 def test_app_config_resolves_zk_alias_without_import(zk_url: str) -> None:
     """A plain Celery app module knows zk:// (via celery_zk's kombu entry point)."""
     code = (
@@ -204,6 +209,7 @@ def test_app_config_resolves_zk_alias_without_import(zk_url: str) -> None:
     assert out.stdout.strip() == "celery_zk.broker.transport", out.stderr
 
 
+@pytest.mark.matrix
 def test_a_prefork_worker_with_every_process_busy_answers_remote_control(
         zk_url: str, client_app: Celery, start_worker: Any) -> None:
     """The worker runs zk:// in Celery's event loop, where a busy pool does not

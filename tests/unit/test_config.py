@@ -86,9 +86,12 @@ def test_celery_reports_mask_zk_query_secrets_and_leave_other_urls_alone() -> No
 
     mask_in_celery_reports()
     mask_in_celery_reports()   # idempotent
-    masked = utils.sanitize_url("zk://alice:pw@h/app?read_only_users=bob:secret")
-    assert "secret" not in masked and "pw" not in masked
-    assert utils.sanitize_url("redis://:pw@localhost:6379/0") == "redis://:********@localhost:6379/0"
+    # What `celery report` and app.conf.humanize() show, on every Celery release.
+    shown = utils.filter_hidden_settings({
+        "result_backend": "zk://alice:pw@h/app?read_only_users=bob:secret",
+        "broker_url": "redis://:pw@localhost:6379/0"})
+    assert "secret" not in shown["result_backend"] and "pw" not in shown["result_backend"]
+    assert shown["broker_url"] == "redis://:********@localhost:6379/0"
 
 
 @pytest.mark.parametrize("size", ["1", "10001", "0"])

@@ -14,11 +14,12 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "celery_zk"
 #: Which subpackage may import which (besides itself and exceptions).
 ALLOWED = {
-    "zk": set(),
-    "features": {"zk"},
-    "broker": {"zk", "features"},
-    "backend": {"zk"},
-    "ops": {"zk", "features", "broker", "backend", "server"},
+    "compat": set(),
+    "zk": {"compat"},
+    "features": {"zk", "compat"},
+    "broker": {"zk", "features", "compat"},
+    "backend": {"zk", "compat"},
+    "ops": {"zk", "features", "broker", "backend", "server", "compat"},
     "server": set(),
 }
 

@@ -32,89 +32,25 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
-import tempfile
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from suites import ROOT, check, failures, read_expected, say, sdist_tests
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-CACHE = ROOT / ".cache"
 EXPECTED = HERE / "celery_redis_failures.txt"
 SUITES = ("t/integration/test_tasks.py", "t/integration/test_canvas.py",
           "t/integration/test_inspect.py")
 #: A wedged test fails after this long instead of stalling the whole run.
 TEST_TIMEOUT = 180
-
-
-def say(msg: str) -> None:
-    print(f"[celery-suite {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+TAG = "celery-suite"
 
 
 def celery_tests() -> Path:
-    """Celery's ``t/`` package and pytest settings, from the sdist of the installed
-    Celery (fetched from PyPI once). Only those: with the sdist's ``celery/``
-    beside them, the tests would import that copy instead of the installed one."""
+    """Celery's ``t/`` package and pytest settings, from the installed Celery's sdist."""
     import celery
 
-    version = celery.__version__
-    target = CACHE / f"celery-{version}-tests"
-    if (target / "t" / "integration" / "conftest.py").exists():
-        return target
-    CACHE.mkdir(exist_ok=True)
-    say(f"fetching the celery {version} sdist from PyPI")
-    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                        "--disable-pip-version-check", "--no-binary", ":all:",
-                        f"celery=={version}", "-d", tmp], check=True)
-        with tarfile.open(Path(tmp) / f"celery-{version}.tar.gz") as tar:
-            tar.extractall(tmp, filter="data")
-        unpacked = Path(tmp) / f"celery-{version}"
-        staging = Path(tmp) / "tests"
-        staging.mkdir()
-        shutil.copytree(unpacked / "t", staging / "t")
-        shutil.copy(unpacked / "pyproject.toml", staging)   # markers, xfail_strict
-        staging.rename(target)
-    return target
-
-
-def failures(junit: Path, xfailed: bool = False) -> dict[str, str]:
-    """``{test id: first line of the failure}`` from a JUnit XML report; with
-    ``xfailed``, the tests the suite marks as known to fail (pytest.xfail) too."""
-    found: dict[str, str] = {}
-    for case in ET.parse(junit).iter("testcase"):
-        for element in case:
-            if element.tag in ("failure", "error") or (
-                    xfailed and element.tag == "skipped"
-                    and element.get("type") == "pytest.xfail"):
-                test_id = _test_id(case.get("classname", ""), case.get("name", ""))
-                message = (element.get("message") or "").strip().splitlines()
-                reason = message[0][:200] if message else element.tag
-                if element.tag == "skipped":
-                    reason = f"xfail on Redis (Celery marks it): {reason}"
-                found[test_id] = reason
-                break
-    return found
-
-
-def _test_id(classname: str, name: str) -> str:
-    """``t/integration/test_x.py::cls::name`` from JUnit's dotted classname."""
-    parts = classname.split(".")
-    for index, part in enumerate(parts):
-        if part.startswith("test_"):
-            module = "/".join(parts[:index + 1]) + ".py"
-            return "::".join([module, *parts[index + 1:], name])
-    return f"{classname}::{name}"
-
-
-def read_expected() -> dict[str, str]:
-    expected: dict[str, str] = {}
-    for line in EXPECTED.read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            test_id, _, reason = line.partition("  # ")
-            expected[test_id.strip()] = reason.strip()
-    return expected
+    return sdist_tests("celery", celery.__version__, ("t", "pyproject.toml"))
 
 
 def run_suites(sdist: Path, broker: str, backend: str, redis_port: int, junit: Path,
@@ -127,7 +63,7 @@ def run_suites(sdist: Path, broker: str, backend: str, redis_port: int, junit: P
     args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "celery.contrib.pytest",
             f"--timeout={TEST_TIMEOUT}", f"--junitxml={junit}", "-q", "-ra",
             *SUITES, *pytest_args]
-    say(f"pytest {' '.join(SUITES)}  (TEST_BROKER={broker})")
+    say(TAG, f"pytest {' '.join(SUITES)}  (TEST_BROKER={broker})")
     return subprocess.run(args, cwd=sdist, env=env).returncode
 
 
@@ -162,9 +98,9 @@ def main() -> int:
         else:
             rc = run_suites(sdist, redis_server.url(0), redis_server.url(1), redis_server.port,
                             junit, args.pytest_args)
-        say(f"pytest exited {rc} after {time.monotonic() - started:.0f} s")
+        say(TAG, f"pytest exited {rc} after {time.monotonic() - started:.0f} s")
         if not junit.exists():
-            say("no JUnit report: pytest did not run")
+            say(TAG, "no JUnit report: pytest did not run")
             return 1
         failed = failures(junit)
         if args.write_expected:
@@ -173,16 +109,7 @@ def main() -> int:
             write_expected(failures(junit, xfailed=True))
         if not args.check:
             return rc
-        expected = read_expected()
-        unexpected = sorted(set(failed) - set(expected))
-        for test_id in sorted(failed):
-            mark = "expected (fails on Redis too)" if test_id in expected else "UNEXPECTED"
-            say(f"failed: {test_id}: {failed[test_id]}  [{mark}]")
-        if unexpected:
-            say(f"{len(unexpected)} failure(s) that Redis does not have: FAIL")
-            return 1
-        say(f"every failure ({len(failed)}) also fails on Redis: pass")
-        return 0
+        return check(TAG, failed, read_expected(EXPECTED))
     finally:
         procs.stop_all()
         if args.junit is None:
@@ -190,7 +117,7 @@ def main() -> int:
 
 
 def write_expected(failed: dict[str, str]) -> None:
-    old = read_expected() if EXPECTED.exists() else {}
+    old = read_expected(EXPECTED) if EXPECTED.exists() else {}
     lines = [
         "# Tests of Celery's integration suites that fail on Redis too, made by",
         "# `tests/upstream/celery_suite.py --broker redis --write-expected`.",
@@ -201,7 +128,7 @@ def write_expected(failed: dict[str, str]) -> None:
         reason = old.get(test_id) or failed[test_id]
         lines.append(f"{test_id}  # {reason}")
     EXPECTED.write_text("\n".join(lines) + "\n")
-    say(f"wrote {len(failed)} expected failure(s) to {EXPECTED}")
+    say(TAG, f"wrote {len(failed)} expected failure(s) to {EXPECTED}")
 
 
 if __name__ == "__main__":

@@ -204,3 +204,11 @@ def hold_keys(self, keys: list[str]) -> list[object]:
 def where_run(self, value: object) -> str:
     _record("where", [value, self.request.hostname])
     return str(self.request.hostname)
+
+
+# -- chord tests (append-only) ----------------------------------------------------
+@app.task(bind=True)
+def grow_chord(self, value: int, extra: int) -> int:
+    """A header task that adds ``add(extra, 100)`` to its own chord."""
+    self.add_to_chord(add.s(extra, 100))
+    return value

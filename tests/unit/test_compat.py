@@ -1,0 +1,170 @@
+"""The private names of kazoo, Celery and kombu celery_zk uses, fenced in
+``celery_zk/compat/``: each is there in the installed release (every cell of the
+test matrix runs this), a changed one is named clearly, and where a fallback
+exists it is taken."""
+from __future__ import annotations
+
+import ast
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_zk.compat import PrivateAPIChanged
+from celery_zk.compat import celery as celery_compat
+from celery_zk.compat import kazoo as kazoo_compat
+from celery_zk.compat import kombu as kombu_compat
+
+PACKAGE = Path(__file__).resolve().parents[2] / "celery_zk"
+
+#: Every private name of a dependency celery_zk touches; only compat/ may.
+FENCED = {
+    "_call", "_read_watch_event", "_connection", "_data_watchers", "_child_watchers",
+    "_apply_tasks", "_regen", "sanitize_url", "maybe_sanitize_url",
+    "_delivered", "_dirty", "_flush", "_quick_ack", "_on_collect", "_active_queues",
+    "_tag_to_queue", "_get_message_priority", "_raw", "_deliver",
+}
+
+
+@pytest.mark.parametrize("module", [kazoo_compat, celery_compat, kombu_compat],
+                         ids=["kazoo", "celery", "kombu"])
+def test_the_installed_release_has_every_fenced_name(module: Any) -> None:
+    problems = module.missing()
+    assert not problems, "\n".join(problems)
+
+
+def test_instances_have_the_fenced_attributes() -> None:
+    """Attributes set by ``__init__`` (a kombu channel's: see test_transport_kombu)."""
+    from celery import Celery
+    from kazoo.client import KazooClient
+
+    assert not kazoo_compat.missing(KazooClient()), kazoo_compat.missing(KazooClient())
+    app = Celery("compat", backend="zk://127.0.0.1:1/compat", set_as_current=False)
+    assert not celery_compat.missing(app.backend), celery_compat.missing(app.backend)
+
+
+def test_no_module_outside_compat_touches_a_fenced_name() -> None:
+    for path in PACKAGE.rglob("*.py"):
+        if "compat" in path.relative_to(PACKAGE).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                assert node.attr not in FENCED, (
+                    f"{path.relative_to(PACKAGE)}:{node.lineno} reads .{node.attr}: "
+                    "private names of dependencies go through celery_zk/compat/")
+
+
+# -- a changed release: named, and the fallback taken ------------------------------
+def test_kazoo_without_its_connection_internals_is_named_and_watches_fall_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kazoo.client import KazooClient
+    from kazoo.protocol.connection import ConnectionHandler
+
+    monkeypatch.delattr(ConnectionHandler, "_read_watch_event")
+    [problem] = kazoo_compat.missing()
+    assert "kazoo" in problem and "ConnectionHandler._read_watch_event" in problem
+    assert "one-shot child watches" in problem
+    with pytest.raises(PrivateAPIChanged, match="_read_watch_event"):
+        kazoo_compat.intercept_watch_events(KazooClient(), lambda kind, path: False)
+
+    from celery_zk.zk.watches import TreeWatches
+
+    class Handle:   # a session as TreeWatches sees it; no request is sent
+        client = KazooClient()
+
+        def add_listener(self, listener: Any) -> None:
+            pass
+
+    watches = TreeWatches(Handle())
+    assert watches.watch("/q", lambda kind, name: None) is False
+    assert watches.supported is False
+
+
+def test_kazoo_without_call_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kazoo.client import KazooClient
+
+    monkeypatch.delattr(KazooClient, "_call")
+    assert any("KazooClient._call" in p for p in kazoo_compat.missing())
+    with pytest.raises(PrivateAPIChanged, match="KazooClient._call"):
+        kazoo_compat.send(KazooClient(), object())
+
+
+def test_a_changed_group_apply_tasks_is_left_alone(monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    from celery.canvas import group
+
+    def _apply_tasks(self: Any, tasks: Any, app: Any = None) -> Any:   # not a generator
+        return []
+
+    monkeypatch.setattr(group, "_apply_tasks", _apply_tasks)
+    with caplog.at_level(logging.WARNING, logger="celery_zk.compat.celery"):
+        assert celery_compat.wrap_group_apply_tasks(lambda original: original) is False
+    assert group._apply_tasks is _apply_tasks
+    assert "published task by task" in caplog.text and "celery" in caplog.text
+    assert any("group._apply_tasks" in p for p in celery_compat.missing())
+
+
+def test_group_batching_wraps_celerys_apply_tasks() -> None:
+    from celery.canvas import group
+
+    import celery_zk  # noqa: F401  (installs the wrapper)
+
+    assert getattr(group._apply_tasks, "_celery_zk", False)
+    assert celery_compat.missing() == []   # the wrapped one still passes the check
+
+
+def test_url_masking_without_celerys_function_falls_back(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from celery.app import utils
+
+    for name in celery_compat.URL_MASKERS:
+        monkeypatch.delattr(utils, name, raising=False)
+    with caplog.at_level(logging.WARNING, logger="celery_zk.compat.celery"):
+        assert celery_compat.wrap_url_masking(str.upper, frozenset({"zk"})) is False
+    assert "user:password@" in caplog.text
+    assert any("sanitize_url" in p for p in celery_compat.missing())
+
+
+def test_url_masking_masks_zk_query_passwords_with_either_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery.app import utils
+
+    from celery_zk.zk.config import mask_password
+
+    for name in celery_compat.URL_MASKERS:
+        monkeypatch.delattr(utils, name, raising=False)
+
+    def celery_mask(url: Any, mask: str = "*" * 8) -> Any:
+        return f"celery masked {url}"
+
+    for name in celery_compat.URL_MASKERS:   # Celery 5.7's name, then the older one
+        monkeypatch.setattr(utils, name, celery_mask, raising=False)
+        assert celery_compat.wrap_url_masking(mask_password, frozenset({"zk"}))
+        masked = getattr(utils, name)
+        assert masked("zk://h/x?read_only_users=bob:pw", mask="*" * 8) == (
+            "zk://h/x?read_only_users=bob:**")
+        assert masked("redis://h", mask="*" * 8) == "celery masked redis://h"
+        monkeypatch.delattr(utils, name)
+
+
+def test_lazy_headers_without_celerys_regen_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery.utils import functional
+
+    generated = functional.regen(iter([1, 2]))
+    assert celery_compat.is_lazy(generated) and not celery_compat.is_lazy([1, 2])
+    monkeypatch.delattr(functional, "_regen")
+    assert celery_compat.is_lazy(generated)
+    assert not celery_compat.is_lazy([1, 2]) and not celery_compat.is_lazy((1, 2))
+    assert any("_regen" in p for p in celery_compat.missing())
+
+
+def test_kombu_without_a_qos_internal_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kombu.transport import virtual
+
+    monkeypatch.delattr(virtual.QoS, "_flush")
+    monkeypatch.setattr(kombu_compat, "_checked", False)
+    with pytest.raises(PrivateAPIChanged) as excinfo:
+        kombu_compat.require()
+    assert "kombu" in str(excinfo.value) and "virtual.QoS._flush" in str(excinfo.value)
+    assert "cannot run on this kombu" in str(excinfo.value)

@@ -1,10 +1,15 @@
-"""Ending a claim: ack (acks held back briefly and sent a few hundred per
-multi), requeue to its original place, reject (remove or dead-letter)."""
+"""Ending a delivery: ack (acks held back briefly and sent a few hundred per
+multi), requeue to its original place, reject (remove or dead-letter).
+
+An owned message is its name in its consumer's inbox and, for an ``n`` name,
+its body in ``bodies/``. The ack deletes both in the multi that checks the
+owner is alive; a requeue moves only the name back (the body never moved).
+"""
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any
 
 from kazoo.client import TransactionRequest
 from kazoo.exceptions import (
@@ -30,8 +35,9 @@ from .store import ANY_VERSION, ClientSource, StoreBase
 
 logger = logging.getLogger(__name__)
 
-#: Most acks sent in one multi (a few dozen bytes each: far below jute.maxbuffer).
+#: Most acks sent in one multi (two deletes of a few dozen bytes each).
 ACK_BATCH = 256
+
 
 class Acking(StoreBase):
     """ack, requeue, remove: how an owned message leaves :class:`QueueStore`."""
@@ -43,14 +49,21 @@ class Acking(StoreBase):
         self._acks: list[tuple[str, str]] = []   # (owned path, consumer node) held back
         self._acks_lock = threading.Lock()
 
-    def _ack_ops(self, owned_path: str, consumer_node: str) -> Callable[[TransactionRequest], None]:
-        def build(txn: TransactionRequest) -> None:
-            # The check makes an ack from an expired session a no-op: by then a
-            # survivor may have requeued the message and another worker holds it.
-            # Any version: the node's data (its queues) changes as consumers do.
-            txn.check(consumer_node, ANY_VERSION)
-            txn.delete(owned_path)
-        return build
+    def body_of(self, owned_path: str) -> str | None:
+        """Where an owned message's body lives; None when it is in the owned node."""
+        queue, _, name = self.layout.split_owned_path(owned_path)
+        message = parse_message_name(name)
+        assert message is not None   # split_owned_path validated the name
+        return self.layout.body(queue, message)
+
+    def _delete_ops(self, txn: TransactionRequest, owned_path: str) -> int:
+        """Add the deletes that end ``owned_path`` (its name, then its body); how many."""
+        txn.delete(owned_path)
+        body = self.body_of(owned_path)
+        if body is None:
+            return 1
+        txn.delete(body)
+        return 2
 
     def _ack_outcome(self, owned_path: str, consumer_node: str, results: list[Any]) -> bool:
         failure = multi_failure(results)
@@ -64,9 +77,16 @@ class Acking(StoreBase):
         return False
 
     def ack(self, owned_path: str, consumer_node: str) -> bool:
-        """Delete an owned message if the session that claimed it still lives."""
+        """Delete an owned message if the session that was given it still lives."""
+        def build(txn: TransactionRequest) -> None:
+            # The check makes an ack from an expired session a no-op: by then a
+            # survivor may have requeued the message and another worker holds it.
+            # Any version: the node's data (its queues) changes as consumers do.
+            txn.check(consumer_node, ANY_VERSION)
+            self._delete_ops(txn, owned_path)
+
         try:
-            results = self.commit(self._ack_ops(owned_path, consumer_node))
+            results = self.commit(build)
         except NoNodeError:
             return False
         return self._ack_outcome(owned_path, consumer_node, results)
@@ -102,8 +122,9 @@ class Acking(StoreBase):
         """One multi: the owner's session is alive (the check), and every message goes."""
         txn = self.client.transaction()
         txn.check(consumer_node, ANY_VERSION)
+        owners: list[str] = []   # the owned path each op after the check ends
         for owned_path in paths:
-            txn.delete(owned_path)
+            owners += [owned_path] * self._delete_ops(txn, owned_path)
 
         def done(result: Any) -> None:  # kazoo's event thread: never block here
             try:
@@ -121,8 +142,9 @@ class Acking(StoreBase):
                 return
             # One message was gone already (a requeue raced the ack, say), which
             # refused the whole multi: ack the others one by one.
-            for index, owned_path in enumerate(paths, start=1):
-                if index != failure[0]:
+            gone = owners[failure[0] - 1]
+            for owned_path in paths:
+                if owned_path != gone:
                     self._ack_retries.submit((owned_path, consumer_node))
 
         txn.commit_async().rawlink(done)
@@ -137,18 +159,21 @@ class Acking(StoreBase):
 
     def requeue(self, owned_path: str, data: bytes | None = None,
                 expected_version: int = -1) -> bool:
-        """Move an owned message back to unowned, ahead of newer messages of its priority.
+        """Move an owned message back to wait, ahead of newer messages of its priority.
 
-        ``data=None`` reads it from the owned node (recovery of a dead owner).
-        Returns False when the message was no longer there (acked, or requeued
-        by someone else): the delete in the same transaction makes a double
-        requeue impossible.
+        An ``n`` message's name moves alone (its body stays where it was
+        written); an ``m`` message (from before 0.2) carries its body, read
+        from the owned node when ``data`` is None. Returns False when the
+        message was no longer there (acked, or requeued by someone else): the
+        delete in the same transaction makes a double requeue impossible.
         """
         layout, client = self.layout, self.client
         queue, _, name = layout.split_owned_path(owned_path)
         message = parse_message_name(name)
         assert message is not None  # split_owned_path validated the name
-        if data is None:
+        if message.body_apart:
+            data = b""
+        elif data is None:
             try:
                 data, stat = client.retry(client.get, owned_path)
             except NoNodeError:
@@ -192,27 +217,31 @@ class Acking(StoreBase):
 
     def remove(self, owned_path: str, dead_letter: bool, reason: str = "") -> bool:
         """Drop an owned message, or move it to the queue's dead/ directory."""
-        layout, client = self.layout, self.client
+        layout = self.layout
         if not dead_letter:
-            try:
-                client.retry(client.delete, owned_path)
+            failure = multi_failure(self.commit(lambda txn: self._delete_ops(txn, owned_path)))
+            if failure is None:
                 return True
-            except NoNodeError:
+            if isinstance(failure[1], NoNodeError):
                 return False
+            raise failure[1]
         queue, _, name = layout.split_owned_path(owned_path)
-        return self._move_to_dead(owned_path, layout.dead_message(queue, name), reason)
+        return self._move_to_dead(owned_path, layout.dead_message(queue, name), reason,
+                                  self.body_of(owned_path))
 
     def discard(self, owned_path: str) -> None:
         """Delete an owned message without waiting for the reply (no_ack consumers)."""
         def done(result: Any) -> None:
             try:
-                result.get()
-            except NoNodeError:
-                pass
+                failure = multi_failure(result.get())
+                if failure is not None and not isinstance(failure[1], NoNodeError):
+                    raise failure[1]
             except Exception as exc:  # the owner's session end requeues it: at-least-once
                 log_failure(logger, exc, "celery_zk: could not delete no-ack message %s",
                             owned_path)
-        self.client.delete_async(owned_path).rawlink(done)
+        txn = self.client.transaction()
+        self._delete_ops(txn, owned_path)
+        txn.commit_async().rawlink(done)
 
     def dead_letter_unowned(self, queue: str, name: str, reason: str) -> bool:
         """Move a node we cannot deliver out of the way, so it is not retried forever.
@@ -220,15 +249,22 @@ class Acking(StoreBase):
         return self._move_to_dead(self.layout.unowned_message(queue, name),
                                   self.layout.dead_message(queue, name), reason)
 
-    def _move_to_dead(self, source: str, target: str, reason: str) -> bool:
+    def _move_to_dead(self, source: str, target: str, reason: str,
+                      body: str | None = None) -> bool:
+        """Move ``source`` (and its ``body``, whose data is the message then) to
+        ``target``, keeping the message behind a reason line."""
         client = self.client
         try:
-            data, stat = client.retry(client.get, source)
+            data, stat = client.retry(client.get, body or source)
         except NoNodeError:
             return False
 
         def build(txn: TransactionRequest) -> None:
-            txn.delete(source, version=stat.version)
+            if body is None:
+                txn.delete(source, version=stat.version)
+            else:
+                txn.delete(source)
+                txn.delete(body, version=stat.version)
             txn.create(target, wrap(data, reason))   # the reason is kept (celery_zk.broker.dead)
 
         failure = multi_failure(self.commit(build))

@@ -27,7 +27,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError, NotEmptyError
 
 from ..zk.client import CONNECTION_ERRORS, log_failure, multi_failure
-from ..zk.layout import Layout, parse_bucket_name
+from ..zk.layout import Layout
 from ..zk.session import AfterExpiry, ClientHandle
 from .queue import ClientSource, QueueStore
 
@@ -120,27 +120,29 @@ class Sweeper:
         except NoNodeError:
             return None
         pending = [(d, client.get_children_async(d)) for d in layout.queue_directories(queue)]
+        # Directories whose children are directories too: buckets, the bodies'
+        # buckets, inboxes (and a flat owned node from before 0.2, which has none).
+        nested = {layout.unowned(queue), layout.bodies(queue), layout.owned(queue)}
         nodes: list[str] = []
         directories: list[str] = []
-        buckets: list[str] = []
+        inner: list[str] = []
         for directory, result in pending:
             try:
                 children = [f"{directory}/{name}" for name in result.get()]
             except NoNodeError:
                 continue
-            if directory == layout.unowned(queue):
-                buckets = [path for path in children
-                           if parse_bucket_name(path.rpartition("/")[2]) is not None]
-                children = [path for path in children if path not in buckets]
-            nodes += children
+            if directory in nested:
+                inner += children
+            else:
+                nodes += children
             directories.append(directory)
-        # Buckets' messages, then the buckets: children go before their parents.
-        for bucket, result in [(b, client.get_children_async(b)) for b in buckets]:
+        # Their children, then them: children go before their parents.
+        for parent, result in [(p, client.get_children_async(p)) for p in inner]:
             try:
-                nodes += [f"{bucket}/{name}" for name in result.get()]
+                nodes += [f"{parent}/{name}" for name in result.get()]
             except NoNodeError:
-                buckets.remove(bucket)
-        return nodes, buckets + directories
+                inner.remove(parent)
+        return nodes, inner + directories
 
     def _guarded_delete(self, queue: str, paths: Iterable[str], keep_holders: bool) -> None:
         client, holders = self.client, self.layout.holders(queue)

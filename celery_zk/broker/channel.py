@@ -25,7 +25,6 @@ from ..zk.layout import parse_message_name
 from .connection import ZKConnection
 from .liveness import consumer_count
 from .queue import Claimed
-from .queue_view import QueueView
 
 __all__ = ["Channel", "QoS", "encode_message"]
 
@@ -96,8 +95,9 @@ class QoS(virtual.QoS):
         transport = self.channel.connection
         owner = transport.session.node_of(transport.layout.split_owned_path(delivery_tag)[1])
         transport.store.ack_async(delivery_tag, owner)
+        transport.settled(delivery_tag)
         super().ack(delivery_tag)
-        self.channel.connection.wake()  # a prefetch slot is free
+        transport.wake()  # a prefetch slot is free
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         if self._closed(delivery_tag, "rejecting"):
@@ -110,6 +110,7 @@ class QoS(virtual.QoS):
                 delivery_tag, dead_letter=self.channel.options.dead_letter_rejected,
                 reason="rejected with requeue=False")
         kombu_compat.settle(self, delivery_tag)
+        self.channel.connection.settled(delivery_tag)
         self.channel.connection.wake()
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
@@ -121,6 +122,8 @@ class QoS(virtual.QoS):
             except BaseException as exc:
                 if not settled:
                     errors.append((exc, message))
+            finally:
+                self.channel.connection.settled(tag)
         return errors
 
 
@@ -135,17 +138,21 @@ class Channel(virtual.Channel):
     def __init__(self, connection: ZKConnection, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
         self.options = connection.settings.options
-        self._views: dict[str, QueueView] = {}
+        self._consuming: set[str] = set()   # queues whose inbox this channel consumes
         self._no_ack_queues: set[str] = set()
 
     # -- consuming ----------------------------------------------------------------
     def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
-        # Register before the first claim: an owned message must always name a session.
+        # Register before anything is given to us: an owned message must always
+        # name a session.
         self.connection.session.ensure_registered()
         self.connection.honour_kept_revokes()
         if no_ack:
             self._no_ack_queues.add(queue)
         result = super().basic_consume(queue, no_ack, *args, **kwargs)
+        if queue not in self._consuming:
+            self._consuming.add(queue)
+            self.connection.inbox(queue).start()
         self.connection.consuming_changed()
         self.connection.wake()
         return result
@@ -155,60 +162,50 @@ class Channel(virtual.Channel):
         self.connection.wake()   # a raised prefetch limit frees slots
         return result
 
-    def _view(self, queue: str) -> QueueView:
-        view = self._views.get(queue)
-        if view is None:
-            view = self._views[queue] = QueueView(self.connection, queue)
-        return view
-
-    def reset_watches(self) -> None:
-        """After a connection or session change: watches are gone, so look again."""
-        for view in list(self._views.values()):
-            view.reset()
-
     def basic_cancel(self, consumer_tag: str) -> Any:
         queue = kombu_compat.queue_of(self, consumer_tag)
         result = super().basic_cancel(consumer_tag)
         if queue is not None and queue not in kombu_compat.consumed_queues(self):
-            self._drop_view(queue)
+            self._stop_consuming(queue)
         if self.connection is not None:   # None once the channel is closed
             self.connection.consuming_changed()
         return result
 
-    def _drop_view(self, queue: str) -> None:
-        """Stop watching ``queue`` and give back what was claimed but not delivered."""
-        view = self._views.pop(queue, None)
-        if view is None:
-            return
-        view.close()
-        store = self.connection.store if self.connection else None
-        if store is not None:
+    def _stop_consuming(self, queue: str) -> None:
+        """Leave ``queue``'s inbox; the last channel out gives back what was given
+        to it and not delivered."""
+        if queue in self._consuming and self.connection is not None:
+            self._consuming.discard(queue)
             try:
-                view.collect(block=True)   # ours now: given back with the buffer
+                self.connection.inbox(queue).stop()
             except CONNECTION_ERRORS:
                 pass   # the session's end gives them back
-        while view.buffer and store is not None:
-            claimed = view.buffer.popleft()
-            store.requeue(claimed.owned_path, claimed.data)
-        while view.handed and store is not None:   # handed over, not yet delivered
-            _, name, _ = view.handed.popleft()
-            store.requeue(self.connection.layout.owned_message(queue, name))
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
-        view = self._view(queue)
-        view.consuming = queue in kombu_compat.consumed_queues(self)
-        while True:
-            view.collect()
-            if not view.buffer:
-                view.fill(self._claim_limit() - view.claiming, self._in_hand())
-            if not view.buffer:
+        transport = self.connection
+        inbox = transport.inbox(queue)
+        if queue not in self._consuming:
+            claimed = inbox.get_one()   # basic_get
+            if claimed is None:
                 raise Empty()
-            claimed = view.buffer.popleft()
+            payload = self._decode(claimed)
+            if payload is None:
+                raise Empty()
+            return payload
+        inbox.set_credit(self.qos.prefetch_count or 0)
+        while True:
+            claimed = inbox.take()
+            if claimed is None:
+                inbox.fill(self._claim_limit(), self._in_hand())
+                claimed = inbox.take()
+            if claimed is None:
+                raise Empty()
             payload = self._decode(claimed)
             if payload is not None:
                 if queue in self._no_ack_queues:
                     # No ack will come (event monitors): delivered means done.
-                    self.connection.store.discard(claimed.owned_path)
+                    transport.store.discard(claimed.owned_path)
+                    transport.settled(claimed.owned_path)
                 return payload
 
     def _in_hand(self) -> int:
@@ -223,6 +220,7 @@ class Channel(virtual.Channel):
         message = super().basic_get(queue, no_ack, **kwargs)
         if message is not None and no_ack:
             self.connection.store.discard(message.delivery_tag)
+            self.connection.settled(message.delivery_tag)
         return message
 
     def _decode(self, claimed: Claimed) -> dict[str, Any] | None:
@@ -240,6 +238,7 @@ class Channel(virtual.Channel):
             self.connection.store.remove(
                 claimed.owned_path, dead_letter=True,
                 reason=f"cannot decode message: {exc!r}; it is kept for inspection")
+            self.connection.settled(claimed.owned_path)
             return None
 
     def _claim_limit(self) -> int:
@@ -249,16 +248,12 @@ class Channel(virtual.Channel):
 
     def withdraw_offers_if_full(self) -> None:
         """A channel that cannot take more must not be handed any (idle workers can)."""
-        if self._views and not self.qos.can_consume():
-            for view in list(self._views.values()):
-                view.withdraw()
+        if self._consuming and not self.qos.can_consume():
+            for queue in list(self._consuming):
+                self.connection.inbox(queue).fill(0, 0)
 
     def requeue_owned(self, owned_path: str, message: Any = None) -> None:
-        # Our cached listing predates the requeued message, which sorts ahead of it.
-        queue = self.connection.layout.split_owned_path(owned_path)[0]
-        view = self._views.get(queue)
-        if view is not None:
-            view.invalidate()
+        # A message from before 0.2 goes back with its body as kombu decoded it.
         data = json.dumps(kombu_compat.raw(message)).encode() if message is not None else None
         self.connection.store.requeue(owned_path, data)
 
@@ -277,10 +272,9 @@ class Channel(virtual.Channel):
             transport.unconfirmed.put(queue, data, priority, affinity)
             return
         new = store.new_message(queue, data, priority, affinity)   # checks the size
-        # A message with an affinity key waits where every consumer can choose
-        # it by its key: it is never handed to whichever consumer is idle.
-        if (affinity is not None or transport.handoff is None
-                or not transport.handoff.give(queue, data, priority)):
+        # A message with an affinity key waits where the dispatcher chooses a
+        # consumer by its key: it is never handed to whichever consumer is idle.
+        if affinity is not None or transport.handoff is None or not transport.handoff.give(new):
             store.put_new(new)
         transport.store.deferred.flush()   # the write they waited for has been made
 
@@ -325,9 +319,6 @@ class Channel(virtual.Channel):
         return self.connection.store.size(queue)
 
     def _purge(self, queue: str) -> int:
-        view = self._views.get(queue)
-        if view is not None:
-            view.invalidate()
         return self.connection.store.purge(queue)
 
     def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
@@ -341,7 +332,7 @@ class Channel(virtual.Channel):
         transport.store.delete(queue)
         transport.declared_queues.discard(queue)
         transport.auto_delete.held.discard(queue)
-        self._drop_view(queue)
+        self._stop_consuming(queue)
 
     # -- exchanges and bindings ---------------------------------------------------
     def exchange_declare(self, exchange: str | None = None, type: str = "direct",
@@ -401,6 +392,6 @@ class Channel(virtual.Channel):
     # -- lifecycle ----------------------------------------------------------------
     def close(self) -> None:
         if not self.closed:
-            for queue in list(self._views):
-                self._drop_view(queue)
+            for queue in list(self._consuming):
+                self._stop_consuming(queue)
         super().close()

@@ -1,11 +1,21 @@
-"""Claiming: waiting messages moved into this consumer's name in one multi,
-sent pipelined, read ahead, and settled when a reply was lost."""
+"""Giving waiting messages to consumers: names moved from ``unowned/`` into
+inboxes, many messages for many consumers in one multi.
+
+The dispatcher (:mod:`celery_zk.broker.dispatcher`) is the one writer of
+assignments; a consumer claims for itself only for ``basic_get``. Each
+consumer's part of a multi is guarded by a check of its node under the
+queue's ``consumers/``, so nothing is ever given to a consumer that is gone
+or has stopped consuming; each name is moved by deleting it from its bucket
+in the same multi that creates it in the inbox, so a message is given once
+even when two dispatchers overlap (the second one's delete fails).
+"""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from kazoo.client import TransactionRequest
 from kazoo.exceptions import (
     BadVersionError,
     ConnectionLoss,
@@ -13,29 +23,30 @@ from kazoo.exceptions import (
     NoNodeError,
 )
 
-from ..zk.client import (
-    multi_failure,
-    reply_or_retry,
-)
-from ..zk.layout import (
-    owned_name,
-)
-from .store import OP_OVERHEAD, StoreBase
+from ..zk.client import multi_failure
+from ..zk.layout import parse_message_name
+from .store import ANY_VERSION, OP_OVERHEAD, StoreBase
 
 logger = logging.getLogger(__name__)
 
+#: Most operations in one assignment multi (each a path of ~150 bytes at most:
+#: far below jute.maxbuffer, unless messages from before 0.2 carry bodies).
+ASSIGN_OPS = 1000
+
+
 @dataclass
 class ClaimCounts:
-    """What this process's claims cost (for benchmarks and monitoring): the
-    price of consumers contending for one queue's head."""
+    """What this process's assignments cost (for benchmarks and monitoring)."""
 
-    transactions: int = 0   # claim multis sent
-    conflicts: int = 0      # of those, refused because another consumer was first
-    messages: int = 0       # messages claimed (hand-offs need no claim)
+    transactions: int = 0   # assignment and claim multis sent
+    conflicts: int = 0      # of those, refused (a consumer or a message gone meanwhile)
+    messages: int = 0       # messages given (hand-offs not counted)
+
 
 #: This process's counts (a forked child starts from its parent's: read the
 #: difference).
 CLAIMS = ClaimCounts()
+
 
 @dataclass(frozen=True)
 class Claimed:
@@ -46,159 +57,117 @@ class Claimed:
     owned_path: str    # where it lives while owned (the delivery tag)
     data: bytes
 
+
 @dataclass
-class PendingClaim:
-    """A claim sent without waiting (:meth:`QueueStore.claim_async`)."""
+class Assignment:
+    """One multi's worth of names for consumers, as built by :meth:`Claiming.assignment`."""
 
     queue: str
-    consumer_id: str
-    candidates: list[tuple[str, bytes, int]]   # (name, data, version), in order
-    result: Any                                # the multi's async result (None: no multi)
-    leftover: list[str]                        # not in this claim (did not fit, unread)
+    ops: list[tuple[str, str, str]] = field(default_factory=list)   # (kind, consumer, name)
+    size: int = 0
 
-    def ready(self) -> bool:
-        return self.result is None or bool(self.result.ready())
+    def given(self) -> dict[str, list[str]]:
+        """Consumer id -> the names given to it."""
+        given: dict[str, list[str]] = {}
+        for kind, consumer, name in self.ops:
+            if kind == "create":
+                given.setdefault(consumer, []).append(name)
+        return given
+
 
 class Claiming(StoreBase):
-    """claim, claim_async: the consuming side of :class:`QueueStore`."""
+    """Moving names into inboxes: the dispatcher's multis, ``basic_get``'s claim."""
 
-    def read_async(self, queue: str, name: str) -> Any:
-        """Start reading a waiting message (pipelined; not from a tree-watch callback,
-        which runs on kazoo's connection thread: see celery_zk.broker.queue_view)."""
-        return self.client.get_async(self.layout.unowned_message(queue, name))
+    def assignment(self, queue: str, plan: dict[str, list[str]],
+                   bodies: dict[str, tuple[bytes, int]]) -> tuple[TransactionRequest, Assignment]:
+        """The multi that gives each consumer of ``plan`` its names.
+
+        ``bodies``: for names from before 0.2 (``m``), whose body moves with
+        them, their data and version as read. Stops adding consumers before
+        :data:`ASSIGN_OPS` operations or ``max_message_size`` bytes.
+        """
+        layout = self.layout
+        txn = self.client.transaction()
+        done = Assignment(queue)
+        budget = self.options.max_message_size
+        for consumer, names in plan.items():
+            ops = 1 + 2 * len(names)
+            size = sum(len(bodies.get(name, (b"", 0))[0]) + OP_OVERHEAD for name in names)
+            if done.ops and (len(done.ops) + ops > ASSIGN_OPS or done.size + size > budget):
+                break
+            txn.check(layout.queue_consumer(queue, consumer), ANY_VERSION)
+            done.ops.append(("check", consumer, ""))
+            for name in names:
+                data, version = bodies.get(name, (b"", ANY_VERSION))
+                # Without the multi a crash between the two would lose the
+                # message (deleted, never given) or give it twice.
+                txn.delete(layout.unowned_message(queue, name), version=version)
+                txn.create(layout.inbox_message(queue, consumer, name), data)
+                done.ops += [("delete", consumer, name), ("create", consumer, name)]
+            done.size += size
+        CLAIMS.transactions += 1
+        return txn, done
+
+    def settle(self, done: Assignment, results: list[Any]) -> tuple[str, str, str] | None:
+        """None when the assignment committed, else the operation that refused it
+        (``(kind, consumer, name)``): its consumer or message is gone."""
+        failure = multi_failure(results)
+        if failure is None:
+            CLAIMS.messages += sum(1 for kind, _, _ in done.ops if kind == "create")
+            return None
+        index, error = failure
+        if not isinstance(error, (NoNodeError, NodeExistsError, BadVersionError)):
+            raise error
+        CLAIMS.conflicts += 1
+        return done.ops[index]
+
+    def read_inside(self, queue: str, names: list[str]) -> dict[str, tuple[bytes, int]]:
+        """Data and version of the ``m`` names among ``names`` (their body moves
+        with them); a name found gone is left out."""
+        client = self.client
+        reads = [(name, client.get_async(self.layout.unowned_message(queue, name)))
+                 for name in names if not _body_apart(name)]
+        found: dict[str, tuple[bytes, int]] = {}
+        for name, read in reads:
+            try:
+                data, stat = read.get()
+            except NoNodeError:
+                continue
+            found[name] = (data, stat.version)
+        return found
+
+    def claim_one(self, queue: str, name: str, consumer_id: str) -> str | None:
+        """Move one waiting message into our own inbox (``basic_get``); its owned
+        path, or None when another consumer (or the dispatcher) took it first."""
+        client = self.client
+        bodies = self.read_inside(queue, [name])
+        if not _body_apart(name) and name not in bodies:
+            return None
+        txn = client.transaction()
+        data, version = bodies.get(name, (b"", ANY_VERSION))
+        owned = self.layout.inbox_message(queue, consumer_id, name)
+        txn.delete(self.layout.unowned_message(queue, name), version=version)
+        txn.create(owned, data)
+        CLAIMS.transactions += 1
+        try:
+            results = txn.commit()
+        except ConnectionLoss:
+            # Did it commit? The create tells (the multi is all or nothing).
+            return owned if client.retry(client.exists, owned) is not None else None
+        failure = multi_failure(results)
+        if failure is None:
+            CLAIMS.messages += 1
+            return owned
+        if isinstance(failure[1], (NoNodeError, BadVersionError, NodeExistsError)):
+            CLAIMS.conflicts += 1
+            return None
+        raise failure[1]
 
     def read_owned(self, owned_path: str) -> tuple[bytes, Any]:
         client = self.client
         return client.retry(client.get, owned_path)
 
-    def claim(self, queue: str, names: list[str], consumer_id: str,
-              reads: dict[str, Any] | None = None) -> tuple[list[Claimed], set[str]]:
-        """Move ``names`` from unowned to owned in one transaction.
 
-        ``reads``: reads of some of them already under way (:meth:`read_async`).
-        Returns what was claimed and the names another consumer took first;
-        the others did not fit in one request (see :meth:`_fitting`).
-        """
-        layout, client = self.layout, self.client
-        gone: set[str] = set()
-        reads = reads or {}
-        pending = [(n, reads.pop(n, None) or client.get_async(layout.unowned_message(queue, n)))
-                   for n in names]
-        candidates: list[tuple[str, bytes, int]] = []
-        for name, result in pending:
-            try:
-                data, stat = reply_or_retry(client, result, client.get,
-                                            layout.unowned_message(queue, name))
-            except NoNodeError:
-                gone.add(name)
-            else:
-                candidates.append((name, data, stat.version))
-        candidates = self._fitting(queue, consumer_id, candidates)
-        while candidates:
-            claimed, lost = self._settle_claim(
-                queue, consumer_id, candidates, self._send_claim(queue, consumer_id, candidates))
-            if claimed is not None:
-                return claimed, gone
-            if lost is not None:
-                gone.add(candidates.pop(lost)[0])
-        return [], gone
-
-    def claim_async(self, queue: str, names: list[str], consumer_id: str,
-                    reads: dict[str, Any]) -> PendingClaim | None:
-        """Send the claim of ``names`` without waiting for it (see :meth:`claim`).
-
-        Only when every one of their reads (``reads``) has landed: the
-        transaction needs their data and versions, and this never blocks.
-        Otherwise nothing is sent and None returned. :meth:`finish_claim`
-        gives the outcome. A name found gone is simply not claimed.
-        """
-        if not names or any(name not in reads or not reads[name].ready() for name in names):
-            return None
-        candidates: list[tuple[str, bytes, int]] = []
-        unread: list[str] = []
-        for name in names:
-            try:
-                data, stat = reads.pop(name).get()
-            except NoNodeError:
-                continue   # gone: another consumer took it
-            except Exception:
-                unread.append(name)   # a lost reply: read again by a later claim
-            else:
-                candidates.append((name, data, stat.version))
-        fitting = self._fitting(queue, consumer_id, candidates)
-        leftover = [name for name, _, _ in candidates[len(fitting):]] + unread
-        result = self._send_claim(queue, consumer_id, fitting) if fitting else None
-        return PendingClaim(queue, consumer_id, fitting, result, leftover)
-
-    def finish_claim(self, pending: PendingClaim) -> tuple[list[Claimed], list[str]]:
-        """Wait for a claim :meth:`claim_async` sent: ``(claimed, not claimed)``.
-
-        The names not claimed are still waiting (the transaction is all or
-        nothing): they go back to the listing.
-        """
-        candidates = pending.candidates
-        if not candidates:
-            return [], pending.leftover
-        claimed, lost = self._settle_claim(pending.queue, pending.consumer_id, candidates,
-                                           pending.result)
-        if claimed is not None:
-            return claimed, pending.leftover
-        names = [name for index, (name, _, _) in enumerate(candidates) if index != lost]
-        return [], names + pending.leftover
-
-    def _send_claim(self, queue: str, consumer_id: str,
-                    candidates: list[tuple[str, bytes, int]]) -> Any:
-        """Send one claim transaction; its async result."""
-        layout, txn = self.layout, self.client.transaction()
-        for name, data, version in candidates:
-            # Without the transaction a crash between delete and create would
-            # lose the message; with it the message is unowned or owned, never neither.
-            txn.delete(layout.unowned_message(queue, name), version=version)
-            txn.create(layout.owned_message(queue, owned_name(consumer_id, name)), data)
-        CLAIMS.transactions += 1
-        return txn.commit_async()
-
-    def _settle_claim(self, queue: str, consumer_id: str,
-                      candidates: list[tuple[str, bytes, int]], result: Any
-                      ) -> tuple[list[Claimed] | None, int | None]:
-        """The outcome of a claim :meth:`_send_claim` sent: ``(claimed, None)``
-        when it committed, ``(None, index)`` when another consumer took the
-        candidate at ``index`` first, ``(None, None)`` when it did not commit."""
-        layout, client = self.layout, self.client
-        try:
-            results = result.get()
-        except ConnectionLoss:
-            # Did it commit? The first create tells (the multi is all or nothing).
-            first = layout.owned_message(queue, owned_name(consumer_id, candidates[0][0]))
-            if client.retry(client.exists, first) is None:
-                return None, None
-            results = []
-        failure = multi_failure(results)
-        if failure is None:
-            CLAIMS.messages += len(candidates)
-            return [Claimed(queue, name, layout.owned_message(
-                queue, owned_name(consumer_id, name)), data)
-                for name, data, _ in candidates], None
-        index, error = failure
-        if not isinstance(error, (NoNodeError, BadVersionError, NodeExistsError)):
-            raise error
-        CLAIMS.conflicts += 1
-        return None, index // 2   # two ops per candidate
-
-    def _fitting(self, queue: str, consumer_id: str,
-                 candidates: list[tuple[str, bytes, int]]) -> list[tuple[str, bytes, int]]:
-        """The first candidates whose claim fits in one request.
-
-        ZooKeeper closes the connection of a request larger than its
-        ``jute.maxbuffer``, so a multi carrying several big messages would
-        fail forever; what does not fit stays waiting for the next claim.
-        """
-        layout = self.layout
-        budget = self.options.max_message_size
-        for index, (name, data, _) in enumerate(candidates):
-            budget -= (len(data) + len(layout.unowned_message(queue, name))
-                       + len(layout.owned_message(queue, owned_name(consumer_id, name)))
-                       + OP_OVERHEAD)
-            if budget < 0 and index > 0:
-                return candidates[:index]
-        return candidates
+def _body_apart(name: str) -> bool:
+    message = parse_message_name(name)
+    return message is not None and message.body_apart

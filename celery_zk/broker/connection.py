@@ -1,7 +1,7 @@
 """The transport as its channels and queue views use it.
 
 :class:`~celery_zk.broker.transport.Transport` makes the channels
-(:mod:`.channel`), which make the queue views (:mod:`.queue_view`); they see
+(:mod:`.channel`), which consume through inboxes (:mod:`.inbox`); they see
 it through this protocol, so neither imports the module that imports them.
 """
 from __future__ import annotations
@@ -46,8 +46,11 @@ class ZKConnection(Protocol):
     def wake(self) -> None:
         """Something may be deliverable now."""
 
-    def watch_removed(self, queue: str, by: Any) -> None:
-        """A view (``by``) removed its watch on ``queue``."""
+    def inbox(self, queue: str) -> Any:
+        """This connection's inbox on ``queue`` (:class:`celery_zk.broker.inbox.Inbox`)."""
+
+    def settled(self, delivery_tag: str) -> None:
+        """A delivered message was acked, rejected or requeued."""
 
     def publishing_together(self) -> list[NewMessage] | None: ...
 

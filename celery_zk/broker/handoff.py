@@ -1,13 +1,13 @@
-"""Hand-off: a publisher gives a message straight to an idle consumer.
+"""Hand-off: a publisher gives a message straight to an idle consumer's inbox.
 
-Without it every delivery costs two durable writes in sequence: the publish
-(a create in ``unowned/``) and the consumer's claim (the multi that moves it
-to ``owned/``). With it, an idle consumer leaves an *offer*, an ephemeral
-node ``offers/{consumer}~{token}``, and a publisher that knows of the offer
-publishes with one multi that deletes the offer and creates the message
-directly in ``owned/``, under ``{consumer}~m{P}-{token}-0000000000``. The
-consumer learns that name from its persistent watch on ``owned/`` and has
-nothing left to claim.
+Without it a message that arrives while its queue is empty costs two durable
+writes in sequence before a consumer has it: the publish and the dispatcher's
+assignment (:mod:`celery_zk.broker.dispatcher`). With it, an idle consumer
+leaves an *offer*, an ephemeral node ``offers/{consumer}~{token}``, and a
+publisher that knows of the offer publishes with one multi that deletes the
+offer, writes the body where every body goes, and creates the message's name
+directly in that consumer's inbox. The consumer learns of it from the watch on
+its inbox, as it learns of everything given to it.
 
 Why it is safe:
 
@@ -16,14 +16,12 @@ Why it is safe:
   owner. If the session ends afterwards, the recovery leader requeues it like
   any other owned message.
 * When the offer is gone (taken by another publisher, withdrawn), the multi
-  changes nothing and the publisher puts the message in ``unowned/`` as usual.
-  A stale cache of offers costs a failed request, never a message.
-* A consumer withdraws its offer (deletes it) when it stops consuming the
-  queue, when the queue gets a backlog, when its prefetch fills and after a
-  reconnect. If the delete finds the offer gone, a publisher won the race:
-  the consumer finds the handed message in ``owned/`` by the token and keeps
-  it. A withdrawal that cannot reach ZooKeeper is redone in the background,
-  so no handed message is left behind under a live consumer.
+  changes nothing and the publisher publishes the message as usual. A stale
+  cache of offers costs a refused request, never a message.
+* A consumer withdraws its offer (deletes it) when it is given other work,
+  when it stops consuming the queue and when its prefetch fills. Whatever
+  was handed over before that is in its inbox and is delivered (or requeued
+  when it stops).
 
 The handed name's sequence is zero: the message was handed over while its
 queue was empty, so if it is requeued it goes back ahead of everything that
@@ -36,6 +34,7 @@ import random
 import threading
 import weakref
 from collections.abc import Callable
+from time import monotonic
 from typing import Any
 
 from kazoo.client import KazooClient, TransactionRequest
@@ -46,17 +45,19 @@ from ..zk.layout import (
     Layout,
     handed_name,
     offer_name,
-    owned_name,
-    parse_message_name,
     parse_offer_name,
-    split_owned_name,
 )
 from ..zk.session import ClientHandle
-from .queue import QueueStore, new_uid
+from .queue import NewMessage, QueueStore, new_uid
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HandOff", "Offer"]
+__all__ = ["HANDOFF_GAP", "HandOff", "Offer"]
+
+#: Seconds after a publish that went to wait in line during which this process
+#: hands no message of that queue over (see HandOff.give): longer than a
+#: dispatcher takes to give the waiting one to a consumer.
+HANDOFF_GAP = 0.25
 
 
 class HandOff:
@@ -72,6 +73,8 @@ class HandOff:
         self._offers: dict[str, tuple[str, ...]] = {}
         self._watchers: dict[str, Callable[[Any], None]] = {}
         self._directories: set[str] = set()   # queues whose offers/ exists
+        # queue -> when this process last published a message of it to wait in line
+        self._waited: dict[str, float] = {}
         self._lock = threading.Lock()
         self._withdrawals: RedoThread[tuple[str, str, str]] = RedoThread(
             "celery_zk-withdraw", self._withdraw_again)
@@ -88,30 +91,43 @@ class HandOff:
         return client
 
     # -- publishing -------------------------------------------------------------
-    def give(self, queue: str, data: bytes, priority: int | None) -> bool:
-        """Hand the message to an idle consumer of ``queue``; False when none took it."""
+    def give(self, message: NewMessage) -> bool:
+        """Hand ``message`` to an idle consumer of its queue; False when none took it
+        (the caller then publishes it to wait for the dispatcher)."""
+        queue = message.queue
+        if monotonic() - self._waited.get(queue, -HANDOFF_GAP) < HANDOFF_GAP:
+            # This process just put a message of the queue in line: one handed
+            # over now could reach a consumer before the dispatcher gives it
+            # that earlier one. One publisher's messages keep their order.
+            self._waited[queue] = monotonic()
+            return False
         offers = self._known_offers(queue)
         if not offers:
+            self._waited[queue] = monotonic()
             return False
         offer = random.choice(offers)   # publishers racing for one offer waste a request
-        taken = self._hand_off(queue, offer, data, priority)
+        taken = self._hand_off(message, offer)
         self._forget(queue, offer)   # gone either way: we took it, or it was gone already
+        if not taken:
+            self._waited[queue] = monotonic()
         return taken
 
-    def _hand_off(self, queue: str, offer: str, data: bytes, priority: int | None) -> bool:
+    def _hand_off(self, message: NewMessage, offer: str) -> bool:
         parsed = parse_offer_name(offer)
         if parsed is None:
             return False
-        consumer_id, token = parsed
-        layout, client = self.layout, self.client
-        owned = layout.owned_message(queue, owned_name(consumer_id, handed_name(priority, token)))
+        consumer_id, _ = parsed
+        layout, client, queue = self.layout, self.client, message.queue
+        name = handed_name(message.inverted_priority, message.generation, message.uid)
+        owned = layout.inbox_message(queue, consumer_id, name)
 
         def attempt() -> bool:
             txn = client.transaction()
             # The offer's delete both claims it (one publisher wins) and proves
             # its owner's session alive at this instant.
             txn.delete(layout.offer(queue, offer))
-            txn.create(owned, data)
+            txn.create(message.body_path, message.data)
+            txn.create(owned)
             try:
                 results = txn.commit()
             except ConnectionLoss:
@@ -122,7 +138,9 @@ class HandOff:
             if failure is None:
                 return True
             if isinstance(failure[1], (NoNodeError, NodeExistsError)):
-                return False   # the offer was taken or withdrawn
+                # The offer was taken or withdrawn, its consumer's inbox is gone,
+                # or the body's bucket is: publish it as usual.
+                return False
             raise failure[1]
 
         return bool(connected_retry(client, attempt))   # a publish: see connected_retry
@@ -208,7 +226,8 @@ class HandOff:
 
         When it is due, ``still_wanted(send)`` decides under the offer's lock
         whether to send it (a withdrawal meanwhile must not be overtaken by the
-        create). ``failed`` runs on kazoo's thread if it could not be made.
+        create). ``failed`` runs on kazoo's thread if it could not be made, and
+        when it is deleted (taken by a publisher, or withdrawn).
         """
         client = self.client
         if queue not in self._directories and not self._ensure_directory(client, queue):
@@ -229,6 +248,9 @@ class HandOff:
 
         def send() -> None:
             client.create_async(path, ephemeral=True).rawlink(done)
+            # Sent after the create, so it sees the offer: it fires when a
+            # publisher takes it (or we withdraw it, which the caller ignores).
+            client.exists_async(path, watch=failed)
 
         def due() -> None:
             still_wanted(send)
@@ -250,54 +272,40 @@ class HandOff:
         self._directories.add(queue)
         return True
 
-    def withdraw(self, queue: str, consumer_id: str, token: str) -> str | None:
-        """Delete an offer. Returns the owned path of the message handed over in
-        its place when a publisher took it first, else None."""
+    def withdraw(self, queue: str, consumer_id: str, token: str) -> None:
+        """Delete an offer (gone already: a publisher took it, and what it handed
+        over is in the consumer's inbox)."""
         client = self.client
         path = self.layout.offer(queue, offer_name(consumer_id, token))
         try:
             client.retry(client.delete, path)
-            taken = False
         except NoNodeError:
-            taken = True   # a publisher took it first
+            pass
         self.handle.disown(path)   # gone either way (a failure above keeps it ours)
-        if not taken:
-            return None
-        for name in self.store.owned_listing(queue):
-            parts = split_owned_name(name)
-            if parts is None or parts[0] != consumer_id:
-                continue
-            message = parse_message_name(parts[1])
-            if message is not None and message.uid == token:
-                return self.layout.owned_message(queue, name)
-        return None
 
     def taken(self, queue: str, consumer_id: str, token: str) -> None:
         """A publisher deleted our offer (kazoo's thread): it is no longer ours to delete."""
         self.handle.disown(self.layout.offer(queue, offer_name(consumer_id, token)))
 
     def withdraw_later(self, queue: str, consumer_id: str, token: str) -> None:
-        """Withdraw in the background (the connection is down now), requeueing a
-        message handed over meanwhile: nobody is left to deliver it."""
+        """Withdraw in the background (the connection is down now)."""
         self._withdrawals.submit((queue, consumer_id, token))
 
     def _withdraw_again(self, item: tuple[str, str, str]) -> None:
         try:
-            handed = self.withdraw(*item)
-            if handed is not None:
-                self.store.requeue(handed)
-        except Exception as exc:   # the session's end removes the offer and requeues
+            self.withdraw(*item)
+        except Exception as exc:   # the session's end removes the offer
             log_failure(logger, exc, "celery_zk: could not withdraw the offer %s on %s; "
                         "it goes when this worker's session ends", item[2], item[0])
 
 
 class Offer:
-    """One consumer view's offer: at most one outstanding at a time.
+    """One consumer's offer on one queue: at most one outstanding at a time.
 
     ``token`` is read and swapped under a lock by the consuming thread
-    (making, withdrawing) and by kazoo's thread (the watch that reports the
-    handed message), so exactly one of them ends up responsible for a handed
-    message.
+    (making, withdrawing) and by kazoo's thread (the exists watch that says a
+    publisher took it), so a taken offer is never deleted again (a failed
+    delete is still a logged transaction on the server).
     """
 
     def __init__(self, handoff: HandOff, queue: str) -> None:
@@ -325,34 +333,24 @@ class Offer:
                 send()
                 return True
 
-        def failed() -> None:   # kazoo's thread. No wake-up: retrying at once could
-            with self._lock:     # loop; the next idle moment offers again.
-                if self.token == token:
-                    self.token = None
+        def gone(event: Any = None) -> None:   # kazoo's thread: made and then deleted
+            with self._lock:
+                if self.token != token:
+                    return   # withdrawn by us
+                self.token = None
+            self.handoff.taken(self.queue, consumer_id, token)
 
-        self.handoff.make_offer(self.queue, consumer_id, token, still_wanted, failed)
+        self.handoff.make_offer(self.queue, consumer_id, token, still_wanted, gone)
 
-    def taken(self, consumer_id: str, token: str) -> bool:
-        """Kazoo's thread: a message was handed over under this name. True when
-        it answers our outstanding offer (and so is ours to deliver)."""
-        with self._lock:
-            if token != self.token or consumer_id != self.consumer_id:
-                return False
-            self.token = None
-        self.handoff.taken(self.queue, consumer_id, token)
-        return True
-
-    def withdraw(self) -> tuple[str, str] | None:
-        """Withdraw the outstanding offer. Returns ``(consumer id, owned path)`` of a
-        message handed over first, which the caller now holds."""
+    def withdraw(self) -> None:
+        """Withdraw the outstanding offer, unless a publisher took it."""
         with self._lock:
             token, consumer_id = self.token, self.consumer_id
             self.token = None
         if token is None or consumer_id is None:
-            return None
+            return
         try:
-            handed = self.handoff.withdraw(self.queue, consumer_id, token)
+            self.handoff.withdraw(self.queue, consumer_id, token)
         except Exception:
             self.handoff.withdraw_later(self.queue, consumer_id, token)
             raise
-        return None if handed is None else (consumer_id, handed)

@@ -26,7 +26,7 @@ import weakref
 from typing import Any
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import NoNodeError, NotEmptyError
 from kazoo.recipe.watchers import ChildrenWatch
 
 from ..zk.client import create_once, log_failure
@@ -232,24 +232,47 @@ class Recovery:
             self.sweeper.sweep()
 
     def recover_dead_owners(self) -> int:
-        """Requeue every owned message whose owner has no live session. Returns count."""
-        client = self.session.client
+        """Requeue every owned message whose owner has no live session. Returns count.
+
+        Every queue's ``owned/`` is listed before the live consumers are: an
+        inbox is made after its consumer's node, so an inbox whose consumer
+        is missing from the later listing is truly a dead one's.
+        """
+        client, store, layout = self.session.client, self.store, self.layout
+        owned = [(queue, store.owned_listing(queue)) for queue in store.queue_names()]
         try:
-            children = client.retry(client.get_children, self.layout.consumers)
+            children = client.retry(client.get_children, layout.consumers)
         except NoNodeError:
             children = []
         live = {p for p in map(parse_consumer_name, children) if p}
         moved = 0
-        for queue in self.store.queue_names():
-            for name in self.store.owned_listing(queue):
-                owner = split_owned_name(name)
-                if owner is None or owner[0] in live:
-                    continue
-                if self.store.requeue(self.layout.owned_message(queue, name)):
-                    moved += 1
+        for queue, names in owned:
+            for name in names:
+                flat = split_owned_name(name)   # claimed by celery_zk before 0.2
+                if flat is not None:
+                    if flat[0] not in live and store.requeue(layout.owned_message(queue, name)):
+                        moved += 1
+                elif parse_consumer_name(name) == name and name not in live:
+                    moved += self._empty_inbox(queue, name)
         if moved:
             logger.warning("celery_zk: requeued %d message(s) of consumers whose "
                            "ZooKeeper session ended", moved)
+        return moved
+
+    def _empty_inbox(self, queue: str, consumer_id: str) -> int:
+        """Requeue a dead consumer's inbox, each message to its place, then delete it."""
+        client, store, layout = self.session.client, self.store, self.layout
+        inbox = layout.inbox(queue, consumer_id)
+        try:
+            names = client.retry(client.get_children, inbox)
+        except NoNodeError:
+            return 0
+        moved = sum(1 for name in names
+                    if store.requeue(layout.inbox_message(queue, consumer_id, name)))
+        try:
+            client.retry(client.delete, inbox)
+        except (NoNodeError, NotEmptyError):
+            pass   # gone already; or refilled, which a dead owner's inbox cannot be
         return moved
 
     def stop(self) -> None:

@@ -1,11 +1,14 @@
-"""Publishing: a message's sequential node in its queue's newest bucket of its
-priority, created once even when a reply is lost; a group's in a few multis."""
+"""Publishing: a message is two nodes made in one multi, its body in
+``bodies/{bucket}/{uid}`` and its (empty) sequential name in the queue's newest
+bucket of its priority, so that from then on only the name moves; created
+once even when a reply is lost; a group's in a few multis."""
 from __future__ import annotations
 
 import logging
 import uuid
 from dataclasses import dataclass
 
+from kazoo.client import TransactionRequest
 from kazoo.exceptions import (
     NodeExistsError,
     NoNodeError,
@@ -14,7 +17,6 @@ from kazoo.exceptions import (
 from ..exceptions import MessageTooLarge
 from ..zk.client import (
     connected_retry,
-    create_once,
     multi_failure,
 )
 from ..zk.config import ZKOptions
@@ -38,11 +40,23 @@ class NewMessage:
 
     queue: str
     uid: str      # the unique part of its name: finds it after a lost reply
-    path: str     # the sequential node's prefix
+    path: str     # the sequential name's prefix
+    body_path: str   # where its body goes (bodies/{bucket}/{uid})
     data: bytes
     inverted_priority: int
     generation: int   # the bucket it goes to
     affinity: str | None = None   # its affinity key, as named (layout.affinity_token)
+
+    def add_to(self, txn: TransactionRequest) -> None:
+        """The two creates of a publish. One multi: a name never exists without
+        its body (a consumer given it could not run it) nor a body without a
+        name (nothing would ever delete it)."""
+        txn.create(self.body_path, self.data)
+        txn.create(self.path, b"", sequence=True)
+
+
+#: Operations :meth:`NewMessage.add_to` adds to a multi.
+OPS_PER_MESSAGE = 2
 
 def new_uid() -> str:
     return uuid.uuid4().hex[:16]
@@ -87,20 +101,19 @@ class Publishing(StoreBase):
                affinity: str | None) -> NewMessage:
         # ZooKeeper appends the sequence to this prefix.
         path = self.layout.new_message_prefix(queue, inv, generation, uid, affinity)
-        return NewMessage(queue, uid, path, data, inv, generation, affinity)
+        return NewMessage(queue, uid, path, self.layout.new_body(queue, inv, generation, uid),
+                          data, inv, generation, affinity)
+
+    def renamed(self, message: NewMessage, generation: int) -> NewMessage:
+        """``message`` bound for another bucket of its queue and priority."""
+        return self._named(message.queue, message.uid, message.data,
+                           message.inverted_priority, generation, message.affinity)
 
     def put_new(self, message: NewMessage, maybe_made: bool = False) -> str:
-        """Create ``message``'s node once (``maybe_made``: an earlier create lost its reply)."""
-        try:
-            name = self._create_once(message, maybe_made)
-        except NoNodeError:
-            # Its bucket was emptied and deleted (or the queue never declared): go
-            # to the queue's newest bucket of that priority.
-            message = self._named(message.queue, message.uid, message.data,
-                                  message.inverted_priority, self._newest_after(message),
-                                  message.affinity)
-            name = self._create_once(message, maybe_made)
-        self.created(message, name)
+        """Store ``message`` once (``maybe_made``: an earlier attempt lost its reply)."""
+        name = self._put_chunk([message], maybe_made)[0]
+        if name is None:   # cannot be: one message's multi either stored it or not
+            raise RuntimeError(f"celery_zk: the publish of {message.uid} left no trace")
         return name
 
     def created(self, message: NewMessage, name: str) -> None:
@@ -122,8 +135,9 @@ class Publishing(StoreBase):
         if self._tails.get(key, -1) >= following:
             return   # moved on already
         self._tails[key] = following
-        self.client.create_async(self.layout.bucket(
-            message.queue, bucket_name(message.inverted_priority, following)))
+        bucket = bucket_name(message.inverted_priority, following)
+        self.client.create_async(self.layout.bucket(message.queue, bucket))
+        self.client.create_async(self.layout.body_bucket(message.queue, bucket))
 
     def put_batch(self, messages: list[NewMessage]) -> list[str | None]:
         """Create the nodes of ``messages``, in order, up to :data:`PUBLISH_BATCH`
@@ -157,20 +171,20 @@ class Publishing(StoreBase):
                 room[key] = self.options.bucket_size - (filled if seen == generation else 0)
             else:
                 generation = self._tails[key]
-            budget -= len(message.data) + len(message.path) + OP_OVERHEAD
+            budget -= (len(message.data) + len(message.path) + len(message.body_path)
+                       + OPS_PER_MESSAGE * OP_OVERHEAD)
             if chunk and (budget < 0 or room[key] <= 0):
                 break   # the rest go in the next multi, after a roll to a new bucket
             room[key] -= 1
             chunk.append(message if message.generation == generation else
-                         self._named(message.queue, message.uid, message.data,
-                                     message.inverted_priority, generation,
-                                     message.affinity))
+                         self.renamed(message, generation))
         return chunk
 
-    def _put_chunk(self, chunk: list[NewMessage]) -> list[str | None]:
-        """One multi creating ``chunk``'s nodes, retried as :meth:`put_new` retries."""
+    def _put_chunk(self, chunk: list[NewMessage], maybe_made: bool = False
+                   ) -> list[str | None]:
+        """One multi storing ``chunk``'s messages, retried after a lost reply
+        without storing any twice (each is found again by its uid)."""
         client = self.client
-        maybe_made = False
 
         def attempt() -> list[str | None] | None:
             nonlocal maybe_made
@@ -180,15 +194,18 @@ class Publishing(StoreBase):
                     return found
             txn = client.transaction()
             for message in chunk:
-                txn.create(message.path, message.data, sequence=True)
+                message.add_to(txn)
             maybe_made = True
             results = txn.commit()
             maybe_made = False
             failure = multi_failure(results)
             if failure is None:
-                return [path.rpartition("/")[2] for path in results]
+                return [path.rpartition("/")[2]
+                        for path in results[OPS_PER_MESSAGE - 1::OPS_PER_MESSAGE]]
             if isinstance(failure[1], NoNodeError):
-                self._rename_to_tail(chunk, chunk[failure[0]])   # its bucket is gone
+                # Its bucket (or the bodies' twin) is gone: deleted when empty,
+                # or never made (a queue declared by an earlier release).
+                self._rename_to_tail(chunk, chunk[failure[0] // OPS_PER_MESSAGE])
                 return None
             raise failure[1]
 
@@ -209,9 +226,7 @@ class Publishing(StoreBase):
         generation = self._newest_after(gone)
         for index, message in enumerate(chunk):
             if (message.queue, message.inverted_priority) == key:
-                chunk[index] = self._named(message.queue, message.uid, message.data,
-                                           message.inverted_priority, generation,
-                                           message.affinity)
+                chunk[index] = self.renamed(message, generation)
 
     def _newest_after(self, gone: NewMessage) -> int:
         """The newest bucket of ``gone``'s queue and priority, looked up again now
@@ -234,7 +249,8 @@ class Publishing(StoreBase):
         return [found.get(message.uid) for message in chunk]
 
     def _find_tail(self, queue: str, inv: int) -> int:
-        """The newest bucket of a priority, made if there is none (or it is full)."""
+        """The newest bucket of a priority, made if there is none (or it is full),
+        and its twin under ``bodies/``."""
         layout, client = self.layout, self.client
         try:
             names = client.retry(client.get_children, layout.unowned(queue))
@@ -249,24 +265,28 @@ class Publishing(StoreBase):
         if stat is not None and creates(stat) >= self.options.bucket_size:
             generation += 1
             stat = None
-        if stat is None:
-            try:
-                client.retry(client.create, layout.bucket(queue, bucket_name(inv, generation)))
-            except NodeExistsError:
-                pass
-            except NoNodeError:   # the queue was deleted meanwhile: declare it again
-                self.declare(queue)
-                return self._find_tail(queue, inv)
+        bucket = bucket_name(inv, generation)
+        try:
+            if stat is None:
+                self._create_if_missing(layout.bucket(queue, bucket))
+            self._create_if_missing(layout.body_bucket(queue, bucket), parent=True)
+        except NoNodeError:   # the queue was deleted meanwhile: declare it again
+            self.declare(queue)
+            return self._find_tail(queue, inv)
         self._tails[(queue, inv)] = generation
         self._filled[(queue, inv)] = (generation, creates(stat) if stat is not None else 0)
         return generation
 
-    def _create_once(self, message: NewMessage, maybe_made: bool) -> str:
+    def _create_if_missing(self, path: str, parent: bool = False) -> None:
+        """Create a directory (``parent``: its parent too, which a queue declared
+        by an earlier release lacks); NoNode when the queue itself is gone."""
         client = self.client
-        return create_once(
-            client, lambda: client.create(message.path, message.data,
-                                          sequence=True).rpartition("/")[2],
-            lambda: self._find_uid(message), maybe_made)
-
-    def _find_uid(self, message: NewMessage) -> str | None:
-        return self._find_uids([message])[0]
+        try:
+            client.retry(client.create, path)
+        except NodeExistsError:
+            pass
+        except NoNodeError:
+            if not parent:
+                raise
+            self._create_if_missing(self.layout.parent(path))   # NoNode: no queue either
+            self._create_if_missing(path)

@@ -14,24 +14,26 @@ from kazoo.exceptions import (
     NoNodeError,
     NotEmptyError,
 )
-from kazoo.protocol.paths import join
 
 from ..zk.client import (
     log_failure,
+    multi_failure,
     reply_or_retry,
 )
 from ..zk.layout import (
+    parse_bucket_name,
+    parse_message_name,
     same_priority,
     sort_messages,
     unescape,
 )
 from .acks import ACK_BATCH, Acking
-from .claims import CLAIMS, ClaimCounts, Claimed, Claiming, PendingClaim
+from .claims import CLAIMS, Assignment, ClaimCounts, Claimed, Claiming
 from .publish import PUBLISH_BATCH, NewMessage, Publishing, new_uid
 from .store import ANY_VERSION, OP_OVERHEAD, ClientSource, StoreBase, _in_place, creates
 
 __all__ = ["ACK_BATCH", "ANY_VERSION", "CLAIMS", "OP_OVERHEAD", "PUBLISH_BATCH", "ClaimCounts",
-           "Claimed", "ClientSource", "Listing", "NewMessage", "PendingClaim", "QueueStore",
+           "Assignment", "Claimed", "ClientSource", "Listing", "NewMessage", "QueueStore",
            "StoreBase", "creates", "new_uid"]
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class Listing:
 
     names: list[str]     # ours, in delivery order
     foreign: list[str]   # names celery_zk did not write (to dead-letter)
+    complete: bool = True   # every bucket was listed (else only the first ``want`` or so)
 
 class QueueStore(Publishing, Claiming, Acking):
     """Queue operations for one kazoo client under one root."""
@@ -82,8 +85,10 @@ class QueueStore(Publishing, Claiming, Acking):
                 continue  # created meanwhile: list it
             break
         names, foreign = _in_place(None, flat)
+        complete = True
         for index, bucket in enumerate(buckets):
             if len(names) >= want:
+                complete = False
                 break
             try:
                 children = client.retry(client.get_children, self.layout.bucket(queue, bucket),
@@ -97,10 +102,12 @@ class QueueStore(Publishing, Claiming, Acking):
             ours, theirs = _in_place(bucket, children)
             names += ours
             foreign += theirs
-        return Listing(sort_messages(names)[0], foreign)
+        return Listing(sort_messages(names)[0], foreign, complete)
 
     def _delete_bucket(self, queue: str, bucket: str) -> None:
-        """Delete an empty bucket in the background (refused if a message came)."""
+        """Delete an empty bucket, and its bodies' twin if that is empty too, in
+        the background (each refused if something came meanwhile; a twin that
+        still holds bodies of owned messages is left to :meth:`sweep_bodies`)."""
         def done(result: Any) -> None:   # kazoo's thread: never block
             try:
                 result.get()
@@ -109,25 +116,67 @@ class QueueStore(Publishing, Claiming, Acking):
             except Exception as exc:
                 log_failure(logger, exc, "celery_zk: could not delete the empty bucket "
                             "%s of queue %r; the next listing tries again", bucket, queue)
-        self.client.delete_async(self.layout.bucket(queue, bucket)).rawlink(done)
+        client = self.client
+        client.delete_async(self.layout.bucket(queue, bucket)).rawlink(done)
+        client.delete_async(self.layout.body_bucket(queue, bucket)).rawlink(done)
+
+    def sweep_bodies(self, queue: str, buckets: list[str]) -> None:
+        """Delete the bodies' buckets whose bucket is gone (``buckets``: those of
+        ``unowned/`` now) once their last body was acked; refused while not empty."""
+        client = self.client
+        try:
+            twins = client.retry(client.get_children, self.layout.bodies(queue))
+        except NoNodeError:
+            return
+        present = set(buckets)
+        for twin in twins:
+            if twin not in present and parse_bucket_name(twin) is not None:
+                self._delete_bucket(queue, twin)
 
     # -- maintenance --------------------------------------------------------------
     def purge(self, queue: str) -> int:
         """Delete every waiting (unowned) message; owned ones are being worked on.
-        One bucket at a time, so a huge backlog is never listed at once."""
+        One bucket at a time, so a huge backlog is never listed at once, and a
+        few hundred messages (names and bodies) per multi."""
         client, layout = self.client, self.layout
         try:
             buckets, flat = self.buckets(queue)
         except NoNodeError:
             return 0
-        removed = self.delete_all([layout.unowned_message(queue, name) for name in flat])
+        removed = self._delete_waiting(queue, flat)
         for bucket in buckets:
-            path = layout.bucket(queue, bucket)
             try:
-                names = client.retry(client.get_children, path)
+                names = client.retry(client.get_children, layout.bucket(queue, bucket))
             except NoNodeError:
                 continue
-            removed += self.delete_all([join(path, name) for name in names])
+            removed += self._delete_waiting(queue, names)
+        return removed
+
+    def _delete_waiting(self, queue: str, names: list[str]) -> int:
+        """Delete waiting messages (each name with its body), :data:`ACK_BATCH`
+        per multi; how many this call deleted."""
+        layout = self.layout
+
+        def deletes(batch: list[str]) -> Callable[[Any], None]:
+            def build(txn: Any) -> None:
+                for name in batch:
+                    txn.delete(layout.unowned_message(queue, name))
+                    message = parse_message_name(name)
+                    body = layout.body(queue, message) if message is not None else None
+                    if body is not None:
+                        txn.delete(body)
+            return build
+
+        removed = 0
+        for start in range(0, len(names), ACK_BATCH):
+            batch = names[start:start + ACK_BATCH]
+            if multi_failure(self.commit(deletes(batch))) is None:
+                removed += len(batch)
+                continue
+            # One was given to a consumer meanwhile (or purged by someone else),
+            # which refused the multi: the rest one by one.
+            removed += sum(1 for name in batch
+                           if multi_failure(self.commit(deletes([name]))) is None)
         return removed
 
     def delete_all(self, paths: list[str]) -> int:
@@ -139,7 +188,7 @@ class QueueStore(Publishing, Claiming, Acking):
                 result.get()
                 removed += 1
             except NoNodeError:
-                pass  # claimed or purged by someone else meanwhile
+                pass  # requeued or purged by someone else meanwhile
         return removed
 
     def delete(self, queue: str) -> None:

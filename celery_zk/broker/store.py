@@ -87,7 +87,7 @@ class StoreBase:
         One per session, so a publish flushes what any user of it held back."""
         return self.source.deferred
 
-    def commit(self, build: Callable[[TransactionRequest], None]) -> list[Any]:
+    def commit(self, build: Callable[[TransactionRequest], object]) -> list[Any]:
         """Build and commit a transaction, rebuilt per retry (kazoo commits one once)."""
         client = self.client
 

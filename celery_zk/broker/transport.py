@@ -8,10 +8,13 @@ Features
 * Supports Fanout: Yes (bindings are stored in ZooKeeper, shared by all processes)
 * Supports Priority: Yes, 0-9, higher first (AMQP semantics); FIFO within a priority
 * Supports TTL: No
-* Delivery: at-least-once. A claimed message is *owned* by a live ZooKeeper
-  session; it goes back to its queue when acked-never and the session ends.
-  There is no visibility timeout.
-* Waiting: watch-driven; an idle consumer sends ZooKeeper no requests.
+* Delivery: at-least-once. One dispatcher per queue, elected among its
+  consumers, moves waiting messages' names into consumers' inboxes; a
+  message in an inbox is *owned* by a live ZooKeeper session and goes back to
+  its queue when never acked and the session ends. There is no visibility
+  timeout.
+* Waiting: watch-driven; an idle consumer sends ZooKeeper no requests, and
+  watches only its own inbox.
 * Event loop: yes (``implements.asynchronous``): a Celery worker runs it in its
   event loop, where a busy prefork pool does not block remote control.
 
@@ -37,23 +40,25 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   host the connection fails at once.
 * ``bucket_size`` (int, 4096): waiting messages go in buckets of one priority;
   a publisher starts the next after this many creates (bounds every listing).
-* ``claim_batch`` (int, 64): most messages claimed in one transaction (also
-  bounded by the consumer's prefetch).
-* ``listing_max_age`` (float, 1.0): seconds a consumer may reuse its cached,
-  sorted listing of a busy queue before re-reading it.
-* ``persistent_watches`` (bool, True): wake an idle consumer with a
-  persistent recursive watch that names the new message, so it claims
-  without listing the queue (ZooKeeper 3.6+; older servers fall back by
-  themselves). False: one-shot child watches only (see
-  :mod:`celery_zk.broker.queue_view`).
+* ``claim_batch`` (int, 64): most messages a consumer takes out of its inbox
+  at a time, and its inbox's credit when its prefetch is unlimited.
+* ``listing_max_age`` (float, 1.0): seconds a queue's dispatcher goes on with
+  the head of a busy queue it knows before listing it again (a safety net:
+  its watch keeps that head current).
+* ``persistent_watches`` (bool, True): consumers follow their inbox, and
+  dispatchers ``unowned/`` and ``owned/``, with persistent recursive watches
+  that name each new node, so nothing is listed per delivery (ZooKeeper
+  3.6+; older servers fall back by themselves). False: one-shot child
+  watches and a listing on every change (see :mod:`celery_zk.broker.inbox`,
+  :mod:`celery_zk.broker.dispatcher`).
 * ``handoff`` (bool, True): an idle consumer leaves an offer, and a
-  publisher that sees it creates the message directly in that consumer's
-  name: one durable write per delivery instead of two (see
+  publisher that sees it puts the message straight into that consumer's
+  inbox: one durable write per delivery instead of two (see
   :mod:`celery_zk.broker.handoff`). Needs persistent watches.
-* ``locality_wait`` (float, 3.0): seconds a consumer leaves a message whose
-  affinity key another live worker holds for that worker before taking it
-  itself (see :mod:`celery_zk.features.affinity`); the oldest waiting message is
-  taken first once it has been the oldest this long. 0: never wait.
+* ``locality_wait`` (float, 3.0): seconds the dispatcher keeps a message whose
+  affinity key a live worker holds for that worker before giving it to
+  another (see :mod:`celery_zk.features.affinity`); the oldest waiting message
+  is given first once it has been the oldest this long. 0: never wait.
 * ``dead_letter_rejected`` (bool, False): keep messages rejected with
   ``requeue=False`` under the queue's ``dead/`` directory.
 * ``confirm_publish`` (bool, True): wait for ZooKeeper to store each message
@@ -112,9 +117,9 @@ from .channel import Channel
 from .eventloop import Waker
 from .groups import held_by_this_thread, install_when_imported
 from .handoff import HandOff
+from .inbox import Inbox
 from .liveness import ConsumerSession
 from .queue import NewMessage, QueueStore
-from .queue_view import QueueView
 from .unconfirmed import UnconfirmedPublisher
 
 logger = logging.getLogger(__name__)
@@ -184,6 +189,7 @@ class Transport(virtual.Transport):
                         and self.settings.options.persistent_watches else None)
         self._watches: TreeWatches | None = None
         self.declared_queues: set[str] = set()
+        self.inboxes: dict[str, Inbox] = {}
         self.unconfirmed = (None if self.settings.options.confirm_publish
                             else UnconfirmedPublisher(self.store))
         self._wake = Waker()
@@ -254,24 +260,27 @@ class Transport(virtual.Transport):
         """Something may be deliverable now (new message, free prefetch slot)."""
         self._wake.set()
 
-    def watch_removed(self, queue: str, by: QueueView) -> None:
-        """A view removed its watch on ``queue``, taking the session's one-shot
-        watches there with it: every other view of the queue on this session (in
-        any connection of the process) must look again."""
-        for transport in self.handle.peers():
-            if not isinstance(transport, Transport) or transport.layout != self.layout:
-                continue
-            channels: list[Channel] = list(transport.channels or ())
-            for channel in channels:
-                view = channel._views.get(queue)
-                if view is not None and view is not by:
-                    view.reset()
+    def inbox(self, queue: str) -> Inbox:
+        """This connection's inbox on ``queue`` (its channels share it)."""
+        inbox = self.inboxes.get(queue)
+        if inbox is None:
+            inbox = self.inboxes[queue] = Inbox(self, queue)
+        return inbox
+
+    def settled(self, delivery_tag: str) -> None:
+        """A delivered message was acked, rejected or requeued."""
+        try:
+            queue, _, name = self.layout.split_owned_path(delivery_tag)
+        except ValueError:
+            return
+        inbox = self.inboxes.get(queue)
+        if inbox is not None:
+            inbox.settled(name)
 
     def _on_state(self, state: KazooState) -> None:
         # kazoo's event thread. After a session change the watches are gone.
-        channels: list[Channel] = list(self.channels or ())
-        for channel in channels:
-            channel.reset_watches()
+        for inbox in list(self.inboxes.values()):
+            inbox.reset()
         self._wake.set()
 
     def establish_connection(self) -> Any:
@@ -287,6 +296,9 @@ class Transport(virtual.Transport):
                 logger.error("celery_zk: closing with %d unconfirmed publish(es) in flight",
                              self.unconfirmed.in_flight)
             super().close_connection(connection)
+            for inbox in list(self.inboxes.values()):   # channels closed: their inboxes too
+                if inbox.consuming:
+                    inbox.close()
             if self.handle.started:
                 self.auto_delete.release_all()
         finally:

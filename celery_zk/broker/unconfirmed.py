@@ -27,7 +27,7 @@ from typing import Any
 
 from celery.signals import worker_process_shutdown
 
-from ..zk.client import CONNECTION_ERRORS, RedoThread
+from ..zk.client import CONNECTION_ERRORS, RedoThread, multi_failure
 from .queue import NewMessage, QueueStore
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,9 @@ class UnconfirmedPublisher:
                 self._cond.wait()
             self._in_flight += 1
         try:
-            result = self.store.client.create_async(message.path, message.data, sequence=True)
+            txn = self.store.client.transaction()
+            message.add_to(txn)
+            result = txn.commit_async()
         except BaseException:
             self._finished()
             raise
@@ -76,11 +78,13 @@ class UnconfirmedPublisher:
     def _on_reply(self, result: Any, message: NewMessage) -> None:
         # kazoo's event thread: never block here; anything but success goes to the thread.
         try:
-            path = result.get()
+            results = result.get()
+            if multi_failure(results) is not None:
+                raise RuntimeError("refused")   # e.g. its bucket is gone: redone properly
         except Exception:
             self._redo.submit(message)
             return
-        self.store.created(message, path.rpartition("/")[2])
+        self.store.created(message, results[-1].rpartition("/")[2])
         self._finished()
 
     def _redo_one(self, message: NewMessage) -> None:

@@ -263,6 +263,11 @@ class Board:
             return Where.MINE   # one of this worker's pool processes
         return Where.ELSEWHERE
 
+    def seen_by(self, worker: str | None) -> SeenBy:
+        """Where keys are held as the worker ``worker`` sees it (a dispatcher
+        chooses for consumers of other workers)."""
+        return SeenBy(self, worker)
+
     def refresh(self) -> None:
         """Load the holdings if this session has not got them watched."""
         watches = self.watches
@@ -352,6 +357,22 @@ class Board:
                 client.retry(client.create, path, ephemeral=True, makepath=True)
             except NodeExistsError:
                 pass
+
+
+class SeenBy:
+    """:meth:`Board.where` for another worker than this process's."""
+
+    def __init__(self, board: Board, worker: str | None) -> None:
+        self.board = board
+        self.worker = worker
+
+    def where(self, token: str) -> Where:
+        holders = self.board._holders.get(token)
+        if not holders:
+            return Where.NOWHERE
+        if self.worker is not None and any(w == self.worker for w, _ in list(holders)):
+            return Where.MINE
+        return Where.ELSEWHERE
 
 
 def board_for(session: SharedSession, layout: Layout, watches: TreeWatches | None) -> Board:

@@ -94,14 +94,21 @@ class DeadLetters:
         _, message = unwrap(data)
         new_name = requeued_name(parsed)
         target = self.layout.unowned_message(self.queue, new_name)
-        bucket = self.layout.parent(target)
-        needs_bucket = self.client.retry(self.client.exists, bucket) is None
+        # An "n" message's body goes back to bodies/, its name to its bucket.
+        body = self.layout.body(self.queue, parsed)
+        missing = ([] if body is None else
+                   [self.layout.bodies(self.queue), self.layout.parent(body)])
+        missing.append(self.layout.parent(target))
+        replies = [self.client.exists_async(path) for path in missing]
+        missing = [path for path, reply in zip(missing, replies) if reply.get() is None]
 
         def build(txn: TransactionRequest) -> None:
             txn.delete(source, version=stat.version)
-            if needs_bucket:   # emptied and deleted since: it sorts where the message belongs
-                txn.create(bucket)
-            txn.create(target, message)
+            for directory in missing:   # emptied and deleted since: made where it belongs
+                txn.create(directory)
+            if body is not None:
+                txn.create(body, message)
+            txn.create(target, b"" if body is not None else message)
 
         failure = multi_failure(self.store.commit(build))
         if failure is not None:

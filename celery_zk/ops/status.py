@@ -8,8 +8,9 @@ report costs a few pipelined round trips per queue, whatever its backlog.
 * The oldest waiting message: the first name in line of each priority (one
   listing of its first non-empty bucket, at most ``bucket_size`` names) and
   that node's ``ctime``.
-* Owned messages per consumer: the names in ``owned/``, which start with the
-  consumer's id; dead letters: ``dead/``'s ``numChildren``.
+* Owned messages per consumer: the ``numChildren`` of each inbox
+  (``owned/{consumer}/``; flat names of celery_zk before 0.2 start with the
+  consumer's id); dead letters: ``dead/``'s ``numChildren``.
 * Consumers: the ephemeral ``consumers/`` nodes (host, pid, queues).
 * Results, groups and chords: the shards' ``numChildren``; how many are past
   their expiry: the expiry index's hours older than ``result_expires``.
@@ -35,6 +36,7 @@ from ..zk.layout import (
     MAX_PRIORITY,
     Layout,
     parse_bucket_name,
+    parse_consumer_name,
     parse_message_name,
     parse_offer_name,
     sort_messages,
@@ -174,8 +176,15 @@ def _queue(client: KazooClient, layout: Layout, queue: str, now: float) -> Queue
     for parsed in filter(None, map(parse_message_name, ordered_flat)):
         # celery_zk before buckets: flat in unowned/
         status.waiting[parsed.priority] = status.waiting.get(parsed.priority, 0) + 1
-    status.owned = dict(Counter(
-        parts[0] for parts in map(split_owned_name, _reply_or_empty(owned)) if parts))
+    owners = _reply_or_empty(owned)
+    counts = Counter(parts[0] for parts in map(split_owned_name, owners) if parts)
+    inboxes = [name for name in owners if parse_consumer_name(name) == name]
+    for consumer_id, reply in [(c, client.exists_async(layout.inbox(queue, c)))
+                               for c in inboxes]:
+        stat = _reply_or_none(reply)
+        if stat is not None and stat.numChildren:
+            counts[consumer_id] += stat.numChildren
+    status.owned = dict(counts)
     dead_stat = _reply_or_none(dead)
     status.dead = dead_stat.numChildren if dead_stat is not None else 0
     status.offers = sum(1 for n in _reply_or_empty(offers) if parse_offer_name(n))

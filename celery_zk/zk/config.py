@@ -63,27 +63,30 @@ class ZKOptions:
                                   "worker's messages are requeued this long after it dies.")
     connect_timeout: float = _opt(10.0, "Seconds to wait for the first connection "
                                   "before failing with a clear error.")
-    claim_batch: int = _opt(64, "Most messages claimed in one multi transaction "
-                            "(also bounded by the consumer's prefetch).")
+    claim_batch: int = _opt(64, "Most messages a consumer takes out of its inbox at a "
+                            "time, and its inbox's credit when its prefetch is "
+                            "unlimited (also the least the dispatcher lists at once).")
     bucket_size: int = _opt(4096, "Waiting messages are created in buckets of one "
                             "priority; a publisher starts the next bucket after this "
                             "many creates in one. Bounds every listing (about 45 bytes "
                             "a name) and keeps ZooKeeper's 32-bit sequence counters far "
                             "from their end. 2 to 10,000.")
-    listing_max_age: float = _opt(1.0, "Seconds a consumer may reuse its cached, sorted "
-                                  "listing of a busy queue before re-reading it.")
-    persistent_watches: bool = _opt(True, "Wake an idle consumer with a persistent "
-                                    "recursive watch, which names the new message (no "
-                                    "listing per delivery; ZooKeeper 3.6+, falls back "
-                                    "by itself on older servers). False: one-shot child "
-                                    "watches only.")
-    handoff: bool = _opt(True, "Let a publisher hand a message straight to an idle "
-                         "consumer (one durable write per delivery instead of two: "
+    listing_max_age: float = _opt(1.0, "Seconds a queue's dispatcher goes on with the "
+                                  "head of a busy queue it knows (kept current by its "
+                                  "watch) before listing it again, as a safety net.")
+    persistent_watches: bool = _opt(True, "Consumers and dispatchers follow their "
+                                    "directories with persistent recursive watches, "
+                                    "which name each new node (no listing per delivery; "
+                                    "ZooKeeper 3.6+, falls back by itself on older "
+                                    "servers). False: one-shot child watches and a "
+                                    "listing on every change.")
+    handoff: bool = _opt(True, "Let a publisher hand a message straight into an idle "
+                         "consumer's inbox (one durable write per delivery instead of two: "
                          "see celery_zk.broker.handoff). Needs persistent watches; set it "
                          "on the consumers' side, publishers follow the offers they see.")
-    locality_wait: float = _opt(3.0, "Seconds a consumer leaves a message whose "
-                                "affinity key another live worker holds for that worker, "
-                                "before it takes the message itself (delay scheduling; "
+    locality_wait: float = _opt(3.0, "Seconds the dispatcher keeps a message whose "
+                                "affinity key a live worker holds for that worker, "
+                                "before it gives it to another (delay scheduling; "
                                 "see celery_zk.affinity); the oldest waiting message is "
                                 "taken first once it has been the oldest this long. "
                                 "0: never wait.")

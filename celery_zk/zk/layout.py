@@ -6,11 +6,19 @@
       queues/{queue}/                 data: queue meta (JSON)
         unowned/p{P}-{gen}/           a bucket: waiting messages of one priority,
                                       at most ``bucket_size`` sequential creates each
-          m{P}-{gen}-{uid}-{seq}      waiting message; P = 9 - priority
-          m{P}-{gen}-{uid}-r{first}   requeued message, keeps its first seq
-          m{P}-{gen}-{uid}@{key}-{seq}  one with a data-affinity key (celery_zk.features.affinity)
-        owned/{consumer}~{unowned name}   claimed by a live consumer
-        owned/{consumer}~m{P}-0000000000-{token}-0000000000   handed straight to it
+          n{P}-{gen}-{uid}-{seq}      a waiting message's name (empty); P = 9 - priority
+          n{P}-{gen}-{uid}-r{first}   requeued message, keeps its first seq
+          n{P}-{gen}-{uid}@{key}-{seq}  one with a data-affinity key (celery_zk.features.affinity)
+          m{P}-{gen}-{uid}-{seq}      stored by celery_zk before 0.2: the body in the node
+        bodies/p{P}-{gen}/{uid}       an ``n`` message's body, written once by its publisher
+                                      and deleted by its ack: only names move
+        consumers/{consumer}          ephemeral: a connection consumes this queue; data:
+                                      {"credit", "worker", "host", "pid"}; the oldest is
+                                      the queue's dispatcher (celery_zk.broker.dispatcher)
+        owned/{consumer}/             the consumer's inbox: what it was given
+          {unowned name}              given by the dispatcher, or handed over by a
+                                      publisher (celery_zk.broker.handoff)
+        owned/{consumer}~{name}       claimed by celery_zk before 0.2 (recovered as before)
         offers/{consumer}~{token}     ephemeral: an idle consumer offers to take the
                                       next message (celery_zk.broker.handoff)
         dead/{unowned name}           dead-lettered (rejected / undecodable); data: a
@@ -78,7 +86,10 @@ CHORD_ADDED = OWNER_SEP + "added"
 CHORD_LAZY = OWNER_SEP + "lazy"
 REVOKED_TASK, REVOKED_STAMP = "t" + OWNER_SEP, "s" + OWNER_SEP   # kinds under revoked/
 
-_MESSAGE_RE = re.compile(r"^m(\d)-(\d{10})-([0-9a-f]{1,32})(?:@([^/~]+?))?-(r?)(\d{10})$")
+#: The first letter of a message name: where its body is.
+BODY_APART = "n"    # in bodies/, written once; the name alone moves (celery_zk 0.2)
+BODY_INSIDE = "m"   # in the name's own node (celery_zk before 0.2)
+_MESSAGE_RE = re.compile(r"^([mn])(\d)-(\d{10})-([0-9a-f]{1,32})(?:@([^/~]+?))?-(r?)(\d{10})$")
 # Before buckets: flat in unowned/, the requeue sequential too.
 _FLAT_MESSAGE_RE = re.compile(r"^m(\d)-([0-9a-f]{1,32})-(?:r(\d{10})-)?(\d{10})$")
 _BUCKET_RE = re.compile(r"^p(\d)-(\d{10})$")
@@ -123,6 +134,7 @@ class MessageName(NamedTuple):
     requeued: bool      # back from owned/ (a reject, a shutdown or a dead owner)
     seq: int            # this node's own sequence (a requeue's is its order)
     affinity: str | None = None   # its affinity key as named (affinity_token)
+    body_apart: bool = False   # its body is in bodies/ (an "n" name), not in its node
 
     @property
     def priority(self) -> int:
@@ -171,11 +183,13 @@ def same_priority(bucket: str, other: str) -> bool:
 
 
 def message_prefix(inverted_priority: int, generation: int, uid: str,
-                   affinity: str | None = None) -> str:
+                   affinity: str | None = None, body_apart: bool = True) -> str:
     """Name prefix of a new message; ZooKeeper appends the sequence.
-    ``affinity``: an :func:`affinity_token`."""
+    ``affinity``: an :func:`affinity_token`. ``body_apart``: the body is stored
+    in ``bodies/`` (every message celery_zk 0.2 publishes), not in the node."""
     key = f"@{affinity}" if affinity else ""
-    return f"m{inverted_priority}-{generation:0{SEQ_DIGITS}d}-{uid}{key}-"
+    kind = BODY_APART if body_apart else BODY_INSIDE
+    return f"{kind}{inverted_priority}-{generation:0{SEQ_DIGITS}d}-{uid}{key}-"
 
 
 def affinity_token(key: object) -> str:
@@ -213,7 +227,7 @@ def requeued_name(message: MessageName) -> str:
     marked requeued, with the sequence that keeps its place."""
     generation = message.generation or 0
     return (message_prefix(message.inverted_priority, generation, message.uid,
-                           message.affinity)
+                           message.affinity, message.body_apart)
             + f"r{message.order:0{SEQ_DIGITS}d}")
 
 
@@ -221,9 +235,9 @@ def parse_message_name(name: str) -> MessageName | None:
     """Parse a waiting-message name; ``None`` for nodes celery_zk did not write."""
     match = _MESSAGE_RE.match(name)
     if match:
-        inv, generation, uid, affinity, requeued, seq = match.groups()
+        kind, inv, generation, uid, affinity, requeued, seq = match.groups()
         return MessageName(int(inv), int(generation), uid, int(seq), bool(requeued), int(seq),
-                           affinity)
+                           affinity, kind == BODY_APART)
     match = _FLAT_MESSAGE_RE.match(name)
     if not match:
         return None
@@ -245,15 +259,15 @@ def sort_messages(names: list[str]) -> tuple[list[str], list[str]]:
     return [name for _, name in parsed], foreign
 
 
-def handed_name(priority: int | None, token: str) -> str:
-    """The name a message handed over in place of offer ``token`` gets.
+def handed_name(inverted_priority: int, generation: int, uid: str) -> str:
+    """The name a message handed straight to an idle consumer gets.
 
-    The consumer knows all of it but the priority, so the creation its watch
-    reports is recognisably its own. Generation and sequence are zero: the
-    message was handed over while its queue was empty, so a requeue puts it
-    back ahead of its priority's later arrivals, where it belongs.
+    It never waited in a bucket, so it has no sequence: zero. Its body is in
+    the bucket of ``generation`` like any other's, and a requeue puts it at
+    the front of that bucket: it was handed over while the queue was empty,
+    ahead of its priority's later arrivals, where it belongs.
     """
-    return message_prefix(inverted(priority), 0, token) + "0" * SEQ_DIGITS
+    return message_prefix(inverted_priority, generation, uid) + "0" * SEQ_DIGITS
 
 
 def offer_name(consumer_id: str, token: str) -> str:
@@ -271,7 +285,8 @@ def owned_name(consumer_id: str, message_name: str) -> str:
 
 
 def split_owned_name(name: str) -> tuple[str, str] | None:
-    """``(consumer id, unowned name)`` of an owned node, or ``None`` if foreign."""
+    """``(consumer id, unowned name)`` of a flat owned node (celery_zk before
+    0.2: ``owned/{consumer}~{name}``), or ``None`` if it is not one."""
     consumer, sep, message = name.partition(OWNER_SEP)
     if not sep or not consumer or parse_message_name(message) is None:
         return None
@@ -382,8 +397,10 @@ class Layout:
         return join(self.holders(queue), holder_name(session_id, lease))
 
     def queue_directories(self, queue: str) -> tuple[str, ...]:
-        """The directories every queue has (queues made before offers/ existed lack it)."""
-        return (self.unowned(queue), self.owned(queue), self.dead(queue), self.offers(queue))
+        """The directories every queue has (queues made by an earlier release
+        lack those that came later: they are made when first needed)."""
+        return (self.unowned(queue), self.bodies(queue), self.owned(queue), self.dead(queue),
+                self.offers(queue), self.queue_consumers(queue))
 
     def bucket(self, queue: str, name: str) -> str:
         """A bucket of ``unowned/`` by its name (see :func:`bucket_name`)."""
@@ -404,7 +421,44 @@ class Layout:
         return join(self.bucket(queue, bucket_name(inverted_priority, generation)),
                     message_prefix(inverted_priority, generation, uid, affinity))
 
+    # -- bodies: written once, deleted by the ack ------------------------------
+    def bodies(self, queue: str) -> str:
+        return join(self.queue(queue), "bodies")
+
+    def body_bucket(self, queue: str, bucket: str) -> str:
+        """Where the bodies of a bucket's messages live (the bucket's twin)."""
+        return join(self.bodies(queue), bucket)
+
+    def body(self, queue: str, message: MessageName) -> str | None:
+        """Where a message's body lives; None when it is in the message's own
+        node (an ``m`` name, from before 0.2)."""
+        if not message.body_apart or message.bucket is None:
+            return None
+        return join(self.body_bucket(queue, message.bucket), message.uid)
+
+    def new_body(self, queue: str, inverted_priority: int, generation: int, uid: str) -> str:
+        return join(self.body_bucket(queue, bucket_name(inverted_priority, generation)), uid)
+
+    # -- consumers of a queue and their inboxes ------------------------------
+    def queue_consumers(self, queue: str) -> str:
+        """Ephemeral nodes of the connections consuming ``queue``; the oldest
+        one's process dispatches the queue (celery_zk.broker.dispatcher)."""
+        return join(self.queue(queue), "consumers")
+
+    def queue_consumer(self, queue: str, consumer_id: str) -> str:
+        return join(self.queue_consumers(queue), consumer_id)
+
+    def inbox(self, queue: str, consumer_id: str) -> str:
+        """A consumer's inbox: ``owned/{consumer}/``; only what is given to it
+        lands there, and only it deletes from it (acks)."""
+        return join(self.owned(queue), consumer_id)
+
+    def inbox_message(self, queue: str, consumer_id: str, name: str) -> str:
+        return join(self.inbox(queue, consumer_id), name)
+
     def owned_message(self, queue: str, name: str) -> str:
+        """An owned node directly in ``owned/``, as celery_zk before 0.2 made
+        them (``{consumer}~{name}``)."""
         return join(self.owned(queue), name)
 
     def dead_message(self, queue: str, name: str) -> str:
@@ -413,8 +467,16 @@ class Layout:
         return join(self.dead(queue), name.replace("/", OWNER_SEP))
 
     def split_owned_path(self, path: str) -> tuple[str, str, str]:
-        """Inverse of :meth:`owned_message`: ``(queue, consumer id, unowned name)``."""
+        """``(queue, consumer id, unowned name)`` of an owned message: in an
+        inbox (``owned/{consumer}/{name}``) or flat, from before 0.2
+        (``owned/{consumer}~{name}``)."""
         head, _, name = path.rpartition("/")
+        parent, _, owner = head.rpartition("/")
+        if (owner and parent.endswith("/owned") and parse_message_name(name) is not None
+                and parse_consumer_name(owner) == owner):
+            queue_path = parent[:-len("/owned")]
+            if queue_path.startswith(self.queues + "/"):
+                return unescape(queue_path[len(self.queues) + 1:]), owner, name
         queue_path, _, owned = head.rpartition("/")
         parts = split_owned_name(name)
         if owned != "owned" or not queue_path.startswith(self.queues + "/") or parts is None:

@@ -58,6 +58,8 @@ _ANY_WATCHER = 3            # WatcherType: removes every watch of ours on the pa
 TreeCallback = Callable[[int, str], None]
 
 
+#: Why persistent watches are off, as already logged by this process.
+_told: set[str] = set()
 #: Hosts -> whether their servers know addWatch (see TreeWatches._server_knows_add_watch).
 _probed: dict[str, bool] = {}
 #: Where the probe sets its watch: a node no one makes (a missing node has no ACL
@@ -124,25 +126,27 @@ class TreeWatches:
             self._generation += 1   # the server dropped our watches with the connection
 
     def _dispatch(self, event_type: int, path: str) -> bool:
-        """Hand an event to the callbacks of the watched path it falls under,
-        with its path below that one ("" for the watched node itself)."""
-        callbacks = self._callbacks.get(path)
-        name = ""
-        watched = path
-        for _ in range(DEPTH):   # a queue's messages are two levels down (bucket/message)
-            if callbacks is not None:
-                break
+        """Hand an event to the callbacks of every watched path it falls under
+        (up to :data:`DEPTH` levels up: a dispatcher watches ``owned/`` while a
+        consumer of the same process watches its inbox below it), each with
+        the path below its own ("" for the watched node itself)."""
+        table = self._callbacks
+        found = False
+        watched, name = path, ""
+        for _ in range(DEPTH + 1):
+            callbacks = table.get(watched)
+            if callbacks:
+                found = True
+                for callback in callbacks:
+                    try:
+                        callback(event_type, name)
+                    except Exception:  # it would break kazoo's connection loop
+                        logger.exception("celery_zk: watch callback for %s failed", path)
             watched, _, below = watched.rpartition("/")
+            if not watched:
+                break
             name = f"{below}/{name}" if name else below
-            callbacks = self._callbacks.get(watched)
-        if not callbacks:
-            return False
-        for callback in callbacks:
-            try:
-                callback(event_type, name)
-            except Exception:  # an exception here would break kazoo's connection loop
-                logger.exception("celery_zk: watch callback for %s failed", path)
-        return True
+        return found
 
     # -- the owner's thread ---------------------------------------------------
     def _bind(self) -> KazooClient:
@@ -266,5 +270,9 @@ class TreeWatches:
 
     def _unsupported(self, why: str) -> None:
         self.supported = False
-        logger.warning("celery_zk: persistent watches are off: %s. Idle consumers use "
-                       "one-shot child watches, one more request per delivery.", why)
+        if why in _told:   # once per process, whatever the number of sessions
+            return
+        _told.add(why)
+        logger.warning("celery_zk: persistent watches are off: %s. Consumers and "
+                       "dispatchers use one-shot child watches, one more request per "
+                       "delivery.", why)

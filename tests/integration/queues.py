@@ -4,9 +4,16 @@ from __future__ import annotations
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 from kazoo.protocol.paths import join
+from kazoo.protocol.states import ZnodeStat
 
 from celery_zk.broker.queue import creates
-from celery_zk.zk.layout import Layout, parse_bucket_name, sort_messages
+from celery_zk.zk.layout import (
+    OWNER_SEP,
+    Layout,
+    parse_bucket_name,
+    parse_message_name,
+    sort_messages,
+)
 
 
 def buckets(zk_client: KazooClient, layout: Layout, queue: str) -> list[str]:
@@ -38,9 +45,47 @@ def waiting_paths(zk_client: KazooClient, layout: Layout, queue: str) -> list[st
     return [layout.unowned_message(queue, n) for n in waiting(zk_client, layout, queue)]
 
 
+def body_path(layout: Layout, queue: str, name: str) -> str:
+    """Where a waiting message's body is: in bodies/ (an ``n`` name), else in
+    its own node (an ``m`` name from before 0.2, or a foreign node)."""
+    message = parse_message_name(name)
+    return (message and layout.body(queue, message)) or layout.unowned_message(queue, name)
+
+
+def stored_body(zk_client: KazooClient, layout: Layout, queue: str,
+                name: str) -> tuple[bytes, ZnodeStat]:
+    """``(data, stat)`` of a waiting message's body."""
+    return zk_client.get(body_path(layout, queue, name))
+
+
 def unowned_creations(zk_client: KazooClient, layout: Layout, queue: str) -> int:
     """How many messages were ever created in the queue's buckets."""
     return sum(creates(zk_client.exists(b)) for b in buckets(zk_client, layout, queue))
+
+
+def owned(zk_client: KazooClient, layout: Layout, queue: str) -> list[str]:
+    """Paths of every owned message of a queue: in its consumers' inboxes, and
+    flat ones stored by celery_zk before 0.2."""
+    try:
+        names = zk_client.get_children(layout.owned(queue))
+    except NoNodeError:
+        return []
+    found = []
+    for name in names:
+        if OWNER_SEP in name:
+            found.append(layout.owned_message(queue, name))
+            continue
+        try:
+            found += [layout.inbox_message(queue, name, entry)
+                      for entry in zk_client.get_children(layout.inbox(queue, name))]
+        except NoNodeError:
+            pass
+    return found
+
+
+def owners(zk_client: KazooClient, layout: Layout, queue: str) -> list[str]:
+    """The consumer id of each owned message of a queue."""
+    return [layout.split_owned_path(path)[1] for path in owned(zk_client, layout, queue)]
 
 
 def first_bucket_path(zk_client: KazooClient, layout: Layout, queue: str) -> str:
@@ -49,5 +94,5 @@ def first_bucket_path(zk_client: KazooClient, layout: Layout, queue: str) -> str
     return found[0]
 
 
-__all__ = ["buckets", "first_bucket_path", "join", "unowned_creations", "waiting",
-           "waiting_paths"]
+__all__ = ["body_path", "buckets", "first_bucket_path", "join", "owned", "owners",
+           "stored_body", "unowned_creations", "waiting", "waiting_paths"]

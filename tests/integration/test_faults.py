@@ -23,8 +23,9 @@ from kazoo.client import KazooClient
 
 from celery_zk.server import ZooKeeperServer, free_ports
 from celery_zk.server.ensemble import ZooKeeperEnsemble
-from celery_zk.zk.layout import Layout, parse_consumer_name, split_owned_name
+from celery_zk.zk.layout import Layout, parse_consumer_name, parse_message_name
 
+from .queues import owned as owned_paths
 from .tcpproxy import TCPProxy
 from .workers import Worker, celery_cli, executed_values, read_log, wait_until
 
@@ -119,21 +120,18 @@ def consumers_of(client: KazooClient, pid: int) -> set[str]:
 
 
 def owned(client: KazooClient, queue: str = "celery") -> dict[str, str]:
-    """{owned node name: owner consumer id}."""
-    result = {}
-    for name in client.get_children(LAYOUT.owned(queue)):
-        parsed = split_owned_name(name)
-        if parsed:
-            result[name] = parsed[0]
-    return result
+    """{owned message path: owner consumer id}."""
+    return {path: LAYOUT.split_owned_path(path)[1]
+            for path in owned_paths(client, LAYOUT, queue)}
 
 
-def owned_values(client: KazooClient, names: list[str], queue: str = "celery") -> set[Any]:
+def owned_values(client: KazooClient, paths: list[str], queue: str = "celery") -> set[Any]:
     """The first task argument of each owned message still there."""
     values = set()
-    for name in names:
+    for path in paths:
+        message = parse_message_name(path.rpartition("/")[2])
         try:
-            data, _ = client.get(f"{LAYOUT.owned(queue)}/{name}")
+            data, _ = client.get((message and LAYOUT.body(queue, message)) or path)
         except Exception:
             continue
         body = json.loads(base64.b64decode(json.loads(data)["body"]))

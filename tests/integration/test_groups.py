@@ -22,7 +22,7 @@ from kombu import Connection
 from celery_zk.exceptions import MessageTooLarge
 from celery_zk.zk.layout import Layout
 
-from .queues import buckets, waiting
+from .queues import buckets, stored_body, waiting
 from .test_unconfirmed import decode
 
 #: In every cell of the version matrix (tox.ini).
@@ -49,7 +49,7 @@ def stored(zk_client: KazooClient, queue: str) -> list[tuple[Any, int]]:
     """(first argument, czxid) of each waiting message, in delivery order."""
     out = []
     for name in waiting(zk_client, LAYOUT, queue):
-        data, stat = zk_client.get(LAYOUT.unowned_message(queue, name))
+        data, stat = stored_body(zk_client, LAYOUT, queue, name)
         out.append((decode(data)[0][0], stat.czxid))
     return out
 

@@ -13,10 +13,10 @@ from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk.broker.handoff import Offer
-from celery_zk.zk.layout import Layout, parse_message_name, split_owned_name
+from celery_zk.zk.layout import Layout, parse_message_name
 
+from .queues import owned, stored_body, waiting
 from .queues import unowned_creations as creations
-from .queues import waiting
 from .sessions import apart
 from .workers import wait_until
 
@@ -75,13 +75,13 @@ def test_an_idle_consumer_is_handed_each_message_without_a_claim(
             # Straight into owned/: unowned/ never had the message.
             assert unowned_creations(zk_client, "hand") == before
             tag = got[-1][1].delivery_tag
-            consumer_id, name = split_owned_name(tag.rpartition("/")[2])
+            _, consumer_id, name = conn.transport.layout.split_owned_path(tag)
             assert consumer_id == conn.transport.session.consumer_id
             assert parse_message_name(name).seq == 0   # the handed name
             assert not got[-1][1].delivery_info.get("redelivered")
     assert [body for body, _ in got] == [0, 1, 2]
     wait_until(lambda: not offers(zk_client, "hand"), 5, 0.05, "offer left behind")
-    wait_until(lambda: zk_client.get_children(LAYOUT.owned("hand")) == [], 5, 0.02,
+    wait_until(lambda: owned(zk_client, LAYOUT, "hand") == [], 5, 0.02,
                "not all acked")   # acks are held back a moment (Deferred)
 
 
@@ -125,35 +125,31 @@ def test_a_full_prefetch_withdraws_the_offers_of_the_other_queues(
         expect_idle(conn)
         assert offers(zk_client, "pf-b") == []
         publish(zk_url, second, "b")
-        assert waiting(zk_client, LAYOUT, "pf-b") != []   # waits for anyone
+        # Not handed over; the dispatcher gives it to pf-b's inbox (credit is per
+        # queue, as RabbitMQ's prefetch is per consumer), where it waits for
+        # the channel's prefetch to free.
+        wait_until(lambda: owned(zk_client, LAYOUT, "pf-b"), 5, 0.02)
+        assert unowned_creations(zk_client, "pf-b") == 1
         expect_idle(conn)
         got[0][1].ack()
         conn.drain_events(timeout=5)
     assert [body for body, _ in got] == ["a", "b"]
 
 
-@pytest.mark.parametrize("seen_by", ["watch", "withdrawal"])
 def test_a_message_handed_to_a_consumer_that_stops_goes_back_to_its_queue(
-        conn: Connection, zk_url: str, zk_client: KazooClient, seen_by: str) -> None:
-    """The consumer stops between the hand-off and its delivery. Whether the
-    watch reported the hand-off first or the withdrawal found the offer gone,
-    the message goes back to unowned/, for the next consumer."""
+        conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
+    """The consumer stops between the hand-off and its delivery: the message
+    goes back to unowned/, ahead of later arrivals, for the next consumer."""
     queue = Queue("stop", Exchange("stop", "direct"), "stop")
     got: list[Any] = []
     with consumer(conn, queue, got) as cons:
         expect_idle(conn)
         wait_until(lambda: offers(zk_client, "stop"), 5, 0.02, "no offer was made")
-        view = conn.default_channel._views["stop"]
-        if seen_by == "withdrawal":   # the watch's report comes too late to count
-            view.offer.taken = lambda consumer_id, token: False
         publish(zk_url, queue, "orphan?")
-        if seen_by == "watch":
-            wait_until(lambda: view.handed, 5, 0.02, "the watch did not report it")
-        else:
-            wait_until(lambda: zk_client.get_children(LAYOUT.owned("stop")), 5, 0.02)
-        cons.cancel()
+        wait_until(lambda: owned(zk_client, LAYOUT, "stop"), 5, 0.02)
+        cons.cancel()   # without a drain: never delivered
     assert got == []
-    assert zk_client.get_children(LAYOUT.owned("stop")) == []
+    assert owned(zk_client, LAYOUT, "stop") == []
     assert offers(zk_client, "stop") == []
     back = waiting(zk_client, LAYOUT, "stop")
     assert len(back) == 1
@@ -166,45 +162,47 @@ def test_a_message_handed_to_a_consumer_that_stops_goes_back_to_its_queue(
     assert again[0][1].delivery_info.get("redelivered")
 
 
-def test_withdrawing_a_taken_offer_finds_the_handed_message(
+def test_an_offer_is_used_once_and_withdrawing_it_then_changes_nothing(
         conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
     queue = Queue("race", Exchange("race", "direct"), "race")
     queue(conn.channel()).declare()
     transport = conn.transport
     consumer_id, _ = transport.session.ensure_registered()
+    transport.inbox("race").fill(0, 0)   # makes the inbox, as consuming would
     offer = Offer(transport.handoff, "race")
     offer.make(consumer_id)
     wait_until(lambda: offers(zk_client, "race"), 5, 0.02, "no offer was made")
-    with Connection(zk_url) as other:
-        assert other.transport.handoff.give("race", b"body", 5)
-        assert not other.transport.handoff.give("race", b"second", 5)   # offer used up
+    with Connection(apart(zk_url, "publisher")) as other:
+        store = other.transport.store
+        assert other.transport.handoff.give(store.new_message("race", b"body", 5))
+        assert not other.transport.handoff.give(store.new_message("race", b"second", 5))
         assert waiting(zk_client, LAYOUT, "race") == []   # give() only hands over
-    found = offer.withdraw()
-    assert found is not None and found[0] == consumer_id
-    assert zk_client.get(found[1].replace(transport.layout.root, "", 1) or "/")[0] == b"body"
-    assert offer.withdraw() is None   # nothing outstanding any more
+    wait_until(lambda: not offer.outstanding, 5, 0.02, "the take was not noticed")
+    offer.withdraw()   # nothing outstanding: no request
+    (path,) = owned(zk_client, LAYOUT, "race")
+    assert LAYOUT.split_owned_path(path)[1] == consumer_id
+    assert stored_body(zk_client, LAYOUT, "race", path.rpartition("/")[2])[0] == b"body"
 
 
-def test_arrivals_and_hand_offs_are_delivered_in_the_order_they_happened(
+def test_a_message_after_one_that_waited_is_not_handed_over_ahead_of_it(
         conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
-    """One publisher: the first message went to unowned/ (its view of the offers was
-    behind), the second was handed over. The consumer must still deliver 1, 2."""
+    """One publisher: the first message went to wait in line (its view of the
+    offers was behind). Handing the second over at once could reach the
+    consumer before the dispatcher gives it the first: it waits in line too."""
     queue = Queue("order", Exchange("order", "direct"), "order")
     got: list[Any] = []
     with consumer(conn, queue, got):
         expect_idle(conn)
         wait_until(lambda: offers(zk_client, "order"), 5, 0.02, "no offer was made")
-        view = conn.default_channel._views["order"]
-        with Connection(zk_url) as other:
+        with Connection(apart(zk_url, "publisher")) as other:
             producer = Producer(other.channel())
             handoff = other.transport.handoff
             handoff._known_offers("order")
             handoff._store("order", ())   # behind: no offer known yet
             producer.publish(1, exchange=queue.exchange, routing_key="order")
-            wait_until(lambda: view.arrivals, 5, 0.01, "the arrival was not reported")
             handoff._list(other.transport.handle.client, "order")   # caught up
             producer.publish(2, exchange=queue.exchange, routing_key="order")
-        wait_until(lambda: view.handed, 5, 0.01, "the second was not handed over")
+            assert unowned_creations(zk_client, "order") == 2   # neither handed over
         while len(got) < 2:
             conn.drain_events(timeout=5)
     assert [body for body, _ in got] == [1, 2]
@@ -258,10 +256,8 @@ def test_a_handed_message_of_a_killed_consumer_is_requeued(
     cons.consume()
     expect_idle(doomed)
     wait_until(lambda: offers(zk_client, "dies"), 5, 0.02, "no offer was made")
-    view = doomed.default_channel._views["dies"]
-    view.offer.taken = lambda consumer_id, token: False   # never sees it
-    publish(zk_url, queue, "survives")
-    wait_until(lambda: zk_client.get_children(LAYOUT.owned("dies")), 5, 0.02)
+    publish(zk_url, queue, "survives")   # handed over; doomed never drains again
+    wait_until(lambda: owned(zk_client, LAYOUT, "dies"), 5, 0.02)
     # End its session without the transport's close: no withdrawal, no requeue
     # by the owner, as when a worker is killed.
     doomed.transport.handle.client.stop()
@@ -328,7 +324,7 @@ def test_offers_of_every_consumer_are_used_by_concurrent_publishers(
         for c in conns:
             c.close()
     assert sorted(got) == list(range(80))
-    assert zk_client.get_children(LAYOUT.owned("many")) == []
+    assert owned(zk_client, LAYOUT, "many") == []
     assert waiting(zk_client, LAYOUT, "many") == []
 
 
@@ -351,7 +347,7 @@ def test_handed_payload_is_the_published_message(
     body, message = got[0]
     assert body == {"k": [1, 2]} and message.headers == {"h": "v"}
     assert message.properties.get("priority") == 7
-    name = split_owned_name(message.delivery_tag.rpartition("/")[2])[1]
+    name = message.delivery_tag.rpartition("/")[2]
     assert parse_message_name(name).priority == 7
     assert json.loads(message.body) == body
 
@@ -367,7 +363,7 @@ def test_an_offer_withdrawn_before_it_was_sent_is_never_made(
     for _ in range(5):
         offer = Offer(transport.handoff, "early-out")
         offer.make(consumer_id)
-        assert offer.withdraw() is None
+        offer.withdraw()
     time.sleep(0.2)   # well past the delay: anything still due has been sent
     assert offers(zk_client, "early-out") == []
 
@@ -383,5 +379,5 @@ def test_an_ack_held_back_is_sent_before_the_connection_closes(
         assert message is not None and message.payload == "x"
         message.ack()
     # Neither still owned nor requeued by the close: the ack landed first.
-    assert zk_client.get_children(LAYOUT.owned("late-ack")) == []
+    assert owned(zk_client, LAYOUT, "late-ack") == []
     assert waiting(zk_client, LAYOUT, "late-ack") == []

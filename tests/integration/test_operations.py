@@ -21,7 +21,7 @@ from celery_zk.broker.dead import MAGIC, unwrap
 from celery_zk.server import four_letter_word
 from celery_zk.zk.layout import Layout
 
-from .queues import waiting
+from .queues import owned, stored_body, waiting
 from .workers import HERE, Worker, celery_cli, wait_until
 
 #: In every cell of the version matrix (tox.ini).
@@ -94,7 +94,7 @@ def test_status_shows_queues_by_priority_owners_dead_consumers_and_server(
                             prefetch_count=4)
         with consumer:
             drain_until(holder, lambda: len(held) >= 1)
-            wait_until(lambda: len(zk_client.get_children(LAYOUT.owned("ops"))) == 4, 30)
+            wait_until(lambda: len(owned(zk_client, LAYOUT, "ops")) == 4, 30)
             report = status_json(zk_url)
             by_name = {q["name"]: q for q in report["queues"]}
             assert by_name["ops"]["waiting"] == 21
@@ -200,7 +200,7 @@ def test_dead_letters_are_listed_with_their_reason_requeued_and_purged(
     assert one.returncode == 0, one.stderr
     assert f"requeued {name}" in one.stdout
     assert len(waiting(zk_client, LAYOUT, "dl")) == 1
-    stored = zk_client.get(LAYOUT.unowned_message("dl", waiting(zk_client, LAYOUT, "dl")[0]))
+    stored = stored_body(zk_client, LAYOUT, "dl", waiting(zk_client, LAYOUT, "dl")[0])
     assert not stored[0].startswith(MAGIC) and stored[0] == message   # as it was
 
     err = one_line_error(celery_cli(["zk", "dead", "requeue", "dl", name], zk_url))
@@ -252,8 +252,9 @@ def test_tree_exports_acls_and_data_only_when_asked_and_never_a_password(
     assert "hello" not in plain.stdout and '"data"' not in plain.stdout
     with_data = celery_cli(["zk", "tree", "queues/t", "--data"], url)
     assert with_data.returncode == 0, with_data.stderr
+    # The message's body, stored apart from its (empty) name.
     messages = [node for node in _walk(json.loads(with_data.stdout))
-                if node["path"].rsplit("/", 1)[1].startswith("m")]
+                if "/bodies/p" in node["path"] and node.get("data")]
     [message] = messages
     assert json.loads(message["data"])["body"]   # the stored kombu message
     assert SECRET not in with_data.stdout + plain.stdout + with_data.stderr

@@ -28,7 +28,7 @@ from celery_zk.zk.client import make_client
 from celery_zk.zk.config import parse_url
 from celery_zk.zk.layout import Layout
 
-from .queues import first_bucket_path, waiting_paths
+from .queues import body_path, first_bucket_path, waiting_paths
 from .workers import Worker, celery_cli, read_log, run_example
 
 TASK = "proj.app."
@@ -91,13 +91,14 @@ def test_acl_protects_every_node(open_chroot: str, start_worker: Callable[..., W
     with kazoo(hosts, f"alice:{ALICE_PW}") as alice:
         nodes = walk(alice, root)
         messages = waiting_paths(alice, layout, "parked")
+        messages += [body_path(layout, "parked", path.rpartition("/")[2]) for path in messages]
         parked_bucket = first_bucket_path(alice, layout, "parked")
         bindings = [join(layout.bindings(e), b)
                     for e in alice.get_children(layout.exchanges)
                     for b in alice.get_children(layout.bindings(e))]
         result = layout.result(result_id)
         consumers = [join(layout.consumers, n) for n in alice.get_children(layout.consumers)]
-        assert len(messages) == 1 and result in nodes
+        assert len(messages) == 2 and result in nodes   # its name and its body
         assert bindings and consumers  # the worker's bindings and session node are live
         expected = [make_digest_acl("alice", ALICE_PW, all=True),
                     make_digest_acl("bob", BOB_PW, read=True)]
@@ -126,22 +127,24 @@ def test_acl_protects_every_node(open_chroot: str, start_worker: Callable[..., W
 
     # bob (read_only_users) reads everything but changes nothing.
     with kazoo(hosts, f"bob:{BOB_PW}") as bob:
-        assert b"parked" in bob.get(messages[0])[0]
+        assert b"parked" in bob.get(messages[1])[0]
         assert json.loads(bob.get(result)[0])["result"] == 9
         for node in (*bindings, root):
             bob.get(node)
         assert bob.get_children(parked_bucket)
         with pytest.raises(NoAuthError):
             bob.create(join(parked_bucket, "m0-ffff-0000000000"), b"{}")
-        with pytest.raises(NoAuthError):
-            bob.set(messages[0], b"tampered")
-        with pytest.raises(NoAuthError):
-            bob.delete(messages[0])
+        for message in messages:
+            with pytest.raises(NoAuthError):
+                bob.set(message, b"tampered")
+            with pytest.raises(NoAuthError):
+                bob.delete(message)
         with pytest.raises(NoAuthError):
             bob.delete(result)
     # And the messages bob could not touch are intact.
     with kazoo(hosts, f"alice:{ALICE_PW}") as alice:
-        assert b"parked" in alice.get(messages[0])[0]
+        assert b"parked" in alice.get(messages[1])[0]
+        assert alice.exists(messages[0]) is not None
     worker.stop()
     assert ALICE_PW not in worker.output() and BOB_PW not in worker.output()
 

@@ -86,6 +86,9 @@ def use(url, i):
     consumer.consume()
     conn.drain_events(timeout=10)
     assert got == [{{"i": i}}], got
+    # Done with the queue (a consumer left there would be given the next
+    # connection's message, as RabbitMQ would prefetch it to it)
+    consumer.cancel()
     # what a client's reply queue is: auto-delete, bound ephemerally
     reply = Queue(f"reply{{i}}", Exchange("reply", type="direct"), routing_key=f"r{{i}}",
                   auto_delete=True)

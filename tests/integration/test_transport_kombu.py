@@ -15,9 +15,9 @@ from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk.exceptions import MessageTooLarge, ZKConfigurationError, ZKConnectionError
-from celery_zk.zk.layout import Layout, parse_bucket_name
+from celery_zk.zk.layout import Layout, parse_bucket_name, parse_message_name
 
-from .queues import first_bucket_path, waiting
+from .queues import first_bucket_path, owned, waiting
 from .spies import CONSUMER_REQUESTS, count_calls
 from .workers import wait_until
 
@@ -93,7 +93,7 @@ def test_reject_removes_or_dead_letters(zk_url: str, zk_client: KazooClient) -> 
             message.reject(requeue=False)
             name = queue.name
             assert waiting(zk_client, layout, name) == []
-            assert zk_client.get_children(layout.owned(name)) == []
+            assert owned(zk_client, layout, name) == []
             assert len(zk_client.get_children(layout.dead(name))) == (1 if dead_letter else 0)
 
 
@@ -172,11 +172,11 @@ def test_cancelling_a_consumer_gives_back_what_it_claimed_but_did_not_deliver(
                             prefetch_count=3)
         consumer.consume()
         other.drain_events(timeout=5)   # claims all three, delivers one
-        assert len(got) == 1 and len(zk_client.get_children(layout.owned("cc"))) == 3
+        assert len(got) == 1 and len(owned(zk_client, layout, "cc")) == 3
         consumer.cancel()
         # The two claimed but undelivered are waiting again; the delivered one stays owned.
         assert len(waiting(zk_client, layout, "cc")) == 2
-        assert len(zk_client.get_children(layout.owned("cc"))) == 1
+        assert len(owned(zk_client, layout, "cc")) == 1
         got[0][1].ack()
     assert sorted(b["n"] for b, _ in drain(conn, queue, 2)) == sorted(
         {0, 1, 2} - {got[0][0]["n"]})
@@ -206,7 +206,7 @@ with Consumer(c, [q], callbacks=[on_message]):
         try:
             assert doomed.stdout is not None
             tag, dead_node = json.loads(doomed.stdout.readline())
-            assert len(zk_client.get_children(layout.owned("dead"))) == 1
+            assert len(owned(zk_client, layout, "dead")) == 1
             got: list[Any] = []
             consumer = Consumer(survivor, [queue], callbacks=[lambda b, m: got.append((b, m))])
             consumer.consume()
@@ -224,12 +224,12 @@ with Consumer(c, [q], callbacks=[on_message]):
             assert got[0][1].delivery_info["redelivered"] is True
             # The dead owner's late ack must not touch the survivor's claim.
             assert survivor.transport.store.ack(tag, dead_node) is False
-            assert len(zk_client.get_children(layout.owned("dead"))) == 1
+            assert len(owned(zk_client, layout, "dead")) == 1
             got[0][1].ack()  # asynchronous, as AMQP's basic.ack: it lands shortly
             deadline = time.monotonic() + 5
-            while zk_client.get_children(layout.owned("dead")) and time.monotonic() < deadline:
+            while owned(zk_client, layout, "dead") and time.monotonic() < deadline:
                 time.sleep(0.02)
-            assert zk_client.get_children(layout.owned("dead")) == []
+            assert owned(zk_client, layout, "dead") == []
             consumer.cancel()
         finally:
             doomed.kill()
@@ -350,58 +350,83 @@ def test_stored_message_is_plain_json(conn: Connection, zk_url: str,
                                      declare=[queue], priority=4)
     layout = layout_of(zk_url)
     (name,) = waiting(zk_client, layout, "plain")
-    assert name.startswith("m5-")
-    data, _ = zk_client.get(layout.unowned_message("plain", name))
+    assert name.startswith("n5-")   # the name, empty; the body is stored apart, once
+    message = parse_message_name(name)
+    assert message is not None and message.body_apart
+    assert zk_client.get(layout.unowned_message("plain", name))[0] == b""
+    body = layout.body("plain", message)
+    assert body is not None
+    data, _ = zk_client.get(body)
     assert json.loads(data)["properties"]["priority"] == 4
 
 
 def test_creates_whose_reply_was_lost_are_not_repeated(
         conn: Connection, zk_client: KazooClient, zk_url: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A create that happened but lost its reply is found on the retry, not made twice."""
+    """A publish or a registration that happened but lost its reply is found on
+    the retry, not made twice."""
     from kazoo.exceptions import ConnectionLoss
 
     transport = conn.transport
     client = transport.handle.client
-    real_create = client.create
+    real_create, real_transaction = client.create, client.transaction
     lost: list[str] = []
 
     def create_then_lose_reply(path: str, *args: Any, **kwargs: Any) -> str:
         made = real_create(path, *args, **kwargs)
         if len(lost) < 2 and parse_bucket_name(path.rpartition("/")[2]) is None:
-            # the first publish's and the registration's first attempt
-            lost.append(made)
+            lost.append(made)   # the registration's first attempt
             raise ConnectionLoss()
         return made
 
+    def transaction_losing_a_reply() -> Any:
+        txn = real_transaction()
+        real_commit = txn.commit
+
+        def commit() -> Any:
+            results = real_commit()
+            if not lost and "/unowned/p" in str(results[-1]):
+                # the first publish's multi: committed, its reply lost
+                lost.append(results[-1])
+                raise ConnectionLoss()
+            return results
+        txn.commit = commit
+        return txn
+
     monkeypatch.setattr(client, "create", create_then_lose_reply)
+    monkeypatch.setattr(client, "transaction", transaction_losing_a_reply)
     layout = layout_of(zk_url)
     transport.store.declare("lossy")
     name = transport.store.put("lossy", b"{}", None)
     assert waiting(zk_client, layout, "lossy") == [name]
+    message = parse_message_name(name)
+    assert message is not None and zk_client.get_children(
+        layout.parent(layout.body("lossy", message) or "")) == [message.uid]   # one body
     consumer_id, node = transport.session.ensure_registered()
     assert zk_client.get_children(layout.consumers) == [node.rpartition("/")[2]]
     assert len(lost) == 2 and lost[0].endswith(name) and lost[1] == node
     assert consumer_id in node
 
 
-def test_a_claim_repeats_a_read_whose_reply_was_lost(
+def test_a_read_of_a_body_whose_reply_was_lost_is_repeated(
         conn: Connection, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A lost reply to a claim's pipelined read is read again, not a consumer restart."""
+    """A lost reply to a consumer's pipelined read of a body is read again, not a
+    consumer restart."""
     from kazoo.exceptions import ConnectionLoss
 
     transport = conn.transport
     client = transport.handle.client
+    queue = Queue("lost-read", Exchange("lost-read", "direct"), "lost-read")
+    producer = Producer(conn.channel())
     for i in range(3):
-        transport.store.put("lost-read", json.dumps({"i": i}).encode(), None)
-    consumer_id, _ = transport.session.ensure_registered()
-    names = transport.store.listing("lost-read", 3).names
+        producer.publish({"i": i}, exchange=queue.exchange, routing_key="lost-read",
+                         declare=[queue])
     real_get_async = client.get_async
     lost: list[str] = []
 
     def get_then_lose_reply(path: str, *args: Any, **kwargs: Any) -> Any:
         result = real_get_async(path, *args, **kwargs)
-        if not lost:
+        if not lost and "/bodies/" in path:
             lost.append(path)
             result.get()  # it was answered; the reply goes missing on the way back
             broken = client.handler.async_result()
@@ -410,9 +435,8 @@ def test_a_claim_repeats_a_read_whose_reply_was_lost(
         return result
 
     monkeypatch.setattr(client, "get_async", get_then_lose_reply)
-    claimed, gone = transport.store.claim("lost-read", names, consumer_id)
-    assert lost and [json.loads(c.data)["i"] for c in claimed] == [0, 1, 2]
-    assert gone == set()
+    got = drain(conn, queue, 3)
+    assert lost and [body["i"] for body, _ in got] == [0, 1, 2]
 
 
 def test_a_worker_shutdown_stops_drain_events_waiting(
@@ -520,10 +544,11 @@ def test_acks_of_one_moment_go_in_one_multi(conn: Connection, zk_url: str,
     assert len(got) == 12
     client = conn.transport.store.client
     multis = count_calls(monkeypatch, client, "transaction")
-    zk_client.delete(layout.owned("acks") + "/" + got[0][1].delivery_tag.rpartition("/")[2])
+    _, owner, name = conn.transport.layout.split_owned_path(got[0][1].delivery_tag)
+    zk_client.delete(layout.inbox_message("acks", owner, name))   # its body stays
     for _, message in got:
         message.ack()
-    wait_until(lambda: zk_client.get_children(layout.owned("acks")) == [], timeout=5,
+    wait_until(lambda: owned(zk_client, layout, "acks") == [], timeout=5,
                interval=0.02, message="the acks did not land")
     # The batch (refused: one message was gone), then the other 11 one by one.
     assert multis.count("transaction") == 1 + 11
@@ -533,15 +558,14 @@ def test_acks_of_one_moment_go_in_one_multi(conn: Connection, zk_url: str,
     multis.clear()
     for _, message in got:
         message.ack()
-    wait_until(lambda: zk_client.get_children(layout.owned("acks")) == [], timeout=5,
+    wait_until(lambda: owned(zk_client, layout, "acks") == [], timeout=5,
                interval=0.02, message="the acks did not land")
     assert multis.count("transaction") == 1
 
 
-def test_a_draining_consumer_reads_its_next_batches_ahead(conn: Connection) -> None:
-    """Reads of the next two batches are under way while one is delivered (a
-    session's requests are answered in order: sent with the claim, they waited
-    behind its acks); what they read is delivered once and in order."""
+def test_a_draining_consumer_gets_every_message_once_and_in_order(conn: Connection) -> None:
+    """With a prefetch of 4, the dispatcher keeps 4 in the inbox; what is read
+    from there is delivered once and in order."""
     queue = Queue("ahead", Exchange("ahead", "direct"), "ahead")
     producer = Producer(conn.channel())
     for i in range(40):
@@ -549,19 +573,18 @@ def test_a_draining_consumer_reads_its_next_batches_ahead(conn: Connection) -> N
                          declare=[queue])
     got: list[Any] = []
     with Consumer(conn, [queue], callbacks=[lambda body, message: got.append((body, message))],
-                  prefetch_count=4):   # claims of 4
+                  prefetch_count=4):
         deadline = time.monotonic() + 10
         while len(got) < 4 and time.monotonic() < deadline:
             conn.drain_events(timeout=1)
-        view = conn.default_channel._views["ahead"]
-        assert set(view.reads) == set(list(view.listing)[:8])
+        inbox = conn.transport.inbox("ahead")
+        assert len(inbox.taken) <= 4
         for _, message in got:
             message.ack()
         while len(got) < 40 and time.monotonic() < deadline:
             conn.drain_events(timeout=1)
             got[-1][1].ack()
     assert [body["i"] for body, _ in got] == list(range(40))
-
 
 def test_two_consumers_claiming_without_waiting_deliver_each_message_once(
         zk_url: str) -> None:

@@ -13,9 +13,9 @@ import pytest
 from celery import Celery
 from kazoo.client import KazooClient
 
-from celery_zk.zk.layout import Layout, parse_consumer_name, split_owned_name, unescape
+from celery_zk.zk.layout import Layout, parse_consumer_name, unescape
 
-from .queues import waiting
+from .queues import owned, owners, waiting
 from .workers import HERE, celery_cli, executed_values, read_log, wait_until
 
 LAYOUT = Layout("/")  # the zk_client fixture is chrooted at the test's root
@@ -34,8 +34,7 @@ def send(app: Celery, name: str, *args: Any, **options: Any) -> Any:
 
 
 def owned_by(zk_client: KazooClient, queue: str = "celery") -> list[str]:
-    return [split_owned_name(n)[0] for n in zk_client.get_children(LAYOUT.owned(queue))
-            if split_owned_name(n)]
+    return owners(zk_client, LAYOUT, queue)
 
 
 @pytest.mark.matrix
@@ -53,7 +52,7 @@ def test_thousand_tasks(pool: str, zk_url: str, client_app: Celery, start_worker
     assert {v for v in counts if isinstance(v, int)} == set(range(1000))
     assert {v for v in counts if isinstance(v, str)} == {f"sub-{i}" for i in range(20)}
     assert max(counts.values()) == 1  # nobody died: no duplicates either
-    wait_until(lambda: zk_client.get_children(LAYOUT.owned("celery")) == [], 10)
+    wait_until(lambda: owned(zk_client, LAYOUT, "celery") == [], 10)
 
 
 @pytest.mark.slow
@@ -115,7 +114,7 @@ def test_countdown_task_held_by_live_worker_runs_once(zk_url: str, client_app: C
     start_worker(url, log=task_log, name="a")
     start_worker(url, log=task_log, name="b")
     send(client_app, "record", "later", countdown=30)
-    wait_until(lambda: len(zk_client.get_children(LAYOUT.owned("celery"))) == 1, 10)
+    wait_until(lambda: len(owned(zk_client, LAYOUT, "celery")) == 1, 10)
     wait_until(lambda: read_log(task_log), 40, message="the countdown task never ran")
     time.sleep(3)  # room for a second delivery, were there any
     assert executed_values(task_log) == {"later": 1}
@@ -160,7 +159,7 @@ def test_control_and_inspect_with_two_workers(zk_url: str, client_app: Celery,
             monitor.kill()
     wait_until(lambda: "active" in executed_values(task_log), 20)
     # the monitor consumed no_ack: nothing of its stays owned
-    assert all(not zk_client.get_children(LAYOUT.owned(q))
+    assert all(not owned(zk_client, LAYOUT, q)
                for q in zk_client.get_children(LAYOUT.queues))
 
     celery_cli(["control", "shutdown", "--timeout", "2"], zk_url)
@@ -185,9 +184,9 @@ def test_warm_shutdown_requeues_unacked(zk_url: str, client_app: Celery, start_w
         send(client_app, "slow_record", i, 0.3)
     first = start_worker(zk_url, log=task_log, name="first", concurrency=2)
     wait_until(lambda: read_log(task_log), 30)
-    assert len(zk_client.get_children(LAYOUT.owned("celery"))) > 2  # prefetched, unacked
+    assert len(owned(zk_client, LAYOUT, "celery")) > 2  # prefetched, unacked
     assert first.stop(signal.SIGTERM) == 0, first.output()
-    assert zk_client.get_children(LAYOUT.owned("celery")) == []
+    assert owned(zk_client, LAYOUT, "celery") == []
     assert "Restoring" in first.output() or waiting(zk_client, LAYOUT, "celery")
     start_worker(zk_url, log=task_log, name="second", concurrency=4)
     wait_until(lambda: set(executed_values(task_log)) == set(range(20)), 60,

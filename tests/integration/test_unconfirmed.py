@@ -16,7 +16,7 @@ from kombu import Connection, Exchange, Producer, Queue
 
 from celery_zk.zk.layout import Layout, parse_message_name
 
-from .queues import waiting
+from .queues import stored_body, waiting
 from .workers import HERE, executed_values, wait_until
 
 LAYOUT = Layout("/")  # zk_client is chrooted at the URL's path
@@ -34,7 +34,7 @@ def decode(raw: bytes) -> Any:
 def stored_bodies(zk_client: KazooClient, queue: str) -> list[Any]:
     names = waiting(zk_client, LAYOUT, queue)
     assert all(parse_message_name(n) for n in names)
-    return [decode(zk_client.get(LAYOUT.unowned_message(queue, n))[0]) for n in names]
+    return [decode(stored_body(zk_client, LAYOUT, queue, n)[0]) for n in names]
 
 
 def test_pipelined_publishes_all_arrive_in_order(zk_url: str, zk_client: KazooClient) -> None:

@@ -17,7 +17,6 @@ from celery_zk.zk.session import ClientHandle
 from celery_zk.zk.watches import NODE_CREATED, NODE_DELETED, AddWatch, TreeWatches
 
 from .sessions import apart
-from .spies import CONSUMER_REQUESTS, count_calls
 from .workers import wait_until
 
 
@@ -148,53 +147,40 @@ def _publish(zk_url: str, queue: Queue, *bodies: Any) -> None:
 
 
 @pytest.mark.parametrize("persistent", [True, False])
-def test_idle_consumer_claims_a_new_message_without_listing(
+def test_a_consumer_learns_of_a_message_from_its_inbox_alone(
         zk_url: str, persistent: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It never lists the queue: with a persistent watch on its inbox it lists
+    nothing at all once watching; without, it lists its inbox (a few names)."""
     queue = Queue("wake", Exchange("wake", "direct"), "wake")
     flag = "true" if persistent else "false"
     with Connection(f"{zk_url}?persistent_watches={flag}") as conn:
         queue(conn.channel()).declare()
-        calls = count_calls(monkeypatch, conn.transport.handle.client, *CONSUMER_REQUESTS)
+        transport = conn.transport
+        listed: list[str] = []
+        client = transport.handle.client
+        original = client.get_children
+
+        def get_children(path: str, *args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is threading.main_thread():   # the consumer's
+                listed.append(path)
+            return original(path, *args, **kwargs)
+
+        monkeypatch.setattr(client, "get_children", get_children)
         got: list[Any] = []
         with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())]):
             for expected in (1, 2, 3):
                 _expect_idle(conn)
-                calls.clear()
+                listed.clear()
                 _publish(zk_url, queue, {"n": expected})
                 conn.drain_events(timeout=5)
                 assert got[-1] == {"n": expected}
-                if persistent and expected > 1:   # the first wake-up adds the watch
-                    assert "get_children" not in calls, calls
+                unowned = transport.layout.unowned("wake")
+                assert not any(path.startswith(unowned) for path in listed), listed
+                inbox = transport.layout.owned("wake")
+                if persistent and expected > 1:   # the first look lists once, to start
+                    assert listed == [], listed
                 elif not persistent:
-                    assert "get_children" in calls, calls
-
-
-@pytest.mark.parametrize("handoff", ["true", "false"])
-def test_a_backlog_drops_the_tree_watch_and_an_empty_queue_takes_it_back(
-        zk_url: str, handoff: str) -> None:
-    queue = Queue("busy", Exchange("busy", "direct"), "busy")
-    with Connection(f"{zk_url}?claim_batch=4&handoff={handoff}") as conn:
-        queue(conn.channel()).declare()
-        transport = conn.transport
-        path = transport.layout.unowned("busy")
-        got: list[Any] = []
-        with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())],
-                      prefetch_count=2):
-            _expect_idle(conn)
-            assert transport.watches.active(path)   # idle: held
-            _publish(zk_url, queue, *range(12))       # more than claim_batch
-            conn.drain_events(timeout=5)
-            if handoff == "true":   # the first was handed over; the rest is a backlog
-                conn.drain_events(timeout=5)
-            assert not transport.watches.active(path)   # busy: dropped
-            while len(got) < 12:
-                conn.drain_events(timeout=5)
-            _expect_idle(conn)
-            _expect_idle(conn)
-            _publish(zk_url, queue, "again")   # the empty listing armed a child watch
-            conn.drain_events(timeout=5)
-            assert transport.watches.active(path)   # idle again: held again
-        assert sorted(got[:12]) == list(range(12)) and got[12] == "again"
+                    assert listed and all(p.startswith(inbox) for p in listed), listed
 
 
 def test_consumer_gets_messages_published_across_a_connection_drop(zk_url: str) -> None:
@@ -208,27 +194,28 @@ def test_consumer_gets_messages_published_across_a_connection_drop(zk_url: str) 
                 _expect_idle(conn)
                 _publish(zk_url, queue, n)
                 conn.drain_events(timeout=5)
-            assert transport.watches.active(transport.layout.unowned("blip"))
+            inbox = transport.inbox("blip")._inbox_path()
+            assert transport.watches.active(inbox)
             drop_connection(transport.handle.client)
             _publish(zk_url, queue, "during")
             conn.drain_events(timeout=5)
             _publish(zk_url, queue, "after")
             conn.drain_events(timeout=5)
-            assert transport.watches.active(transport.layout.unowned("blip"))   # re-added
+            assert transport.watches.active(inbox)   # re-added
         assert got == [0, 1, "during", "after"]
 
 
 @pytest.mark.parametrize("handoff", ["false", "true"])
-def test_an_idle_consumer_reads_a_new_message_once_and_never_on_kazoos_thread(
+def test_a_new_message_is_read_once_and_never_on_kazoos_thread(
         zk_url: str, handoff: str) -> None:
-    """Claimed (handoff off) or handed over (on), the message is read once, by the
-    consuming thread. The tree watch that reports it runs on kazoo's connection
-    thread, which must make no request: a request there writes to kazoo's
-    wake-up socket, which only that thread drains, and with the socket full of
-    other threads' wake-ups it blocks for good (seen as a worker that stopped
-    consuming after a 1,000-task chord header)."""
+    """Given by the dispatcher (handoff off) or handed over (on), the message is
+    read once, by the consuming thread. The tree watches that report it (the
+    consumer's on its inbox, the dispatcher's on unowned/ and owned/) run on
+    kazoo's connection thread, which must make no request: a request there
+    writes to kazoo's wake-up socket, which only that thread drains, and with
+    the socket full of other threads' wake-ups it blocks for good (seen as a
+    worker that stopped consuming after a 1,000-task chord header)."""
     queue = Queue("early", Exchange("early", "direct"), "early")
-    where = "/owned/" if handoff == "true" else "/unowned/"
     with Connection(f"{zk_url}?handoff={handoff}") as conn:
         queue(conn.channel()).declare()
         client = conn.transport.handle.client
@@ -237,7 +224,7 @@ def test_an_idle_consumer_reads_a_new_message_once_and_never_on_kazoos_thread(
         original_get, original_call = client.get_async, client._call
 
         def get_async(path: str, *args: Any, **kwargs: Any) -> Any:
-            if where in path:
+            if "/bodies/" in path:
                 readers.append(threading.current_thread().name)
             return original_get(path, *args, **kwargs)
 
@@ -260,63 +247,33 @@ def test_an_idle_consumer_reads_a_new_message_once_and_never_on_kazoos_thread(
         assert on_loop == []
 
 
-def test_removing_the_tree_watch_makes_the_connections_other_views_look_again(
-        zk_url: str) -> None:
-    """ZooKeeper removes watches by path: a view that drops its persistent watch
-    also drops the one-shot child watch another channel of the same connection
-    holds on that queue. That channel must list again, or it would wait forever."""
-    queue = Queue("pair", Exchange("pair", "direct"), "pair")
-    with Connection(zk_url) as conn:
-        queue(conn.channel()).declare()
-        got: list[Any] = []
-        ch_a, ch_b = conn.channel(), conn.channel()
-        callbacks = [lambda b, m: (got.append(b), m.ack())]
-        with Consumer(ch_a, [queue], callbacks=callbacks), \
-                Consumer(ch_b, [queue], callbacks=callbacks):
-            view_a, view_b = ch_a._view("pair"), ch_b._view("pair")
-            view_a.idle = False   # as after a backlog: its next listing sets a child watch
-            view_a.fill(1)
-            view_b.fill(1)        # idle: holds the persistent watch
-            assert view_a.armed and not view_a._tree_held
-            assert view_b.armed and view_b._tree_held
-            view_b._stop_tree()   # b goes busy; the server forgets a's child watch too
-            assert not view_a.armed
-            _publish(zk_url, queue, "after")
-            conn.drain_events(timeout=5)
-    assert got == ["after"]
-
-
-def test_a_session_event_leaves_the_listing_to_the_consuming_thread(zk_url: str) -> None:
-    """reset() runs on kazoo's thread: clearing the listing there raced the
-    consuming thread's iteration of it ("deque mutated during iteration").
-    It only flags; the consumer lists again before its next pick."""
+def test_a_session_event_leaves_the_inbox_to_the_consuming_thread(zk_url: str) -> None:
+    """reset() runs on kazoo's thread: it only flags, the consuming thread lists
+    its inbox again before its next look, and nothing is delivered twice."""
     queue = Queue("reset", Exchange("reset", "direct"), "reset")
-    with Connection(f"{zk_url}?claim_batch=4&handoff=false") as conn:
+    with Connection(f"{zk_url}?handoff=false") as conn:
         queue(conn.channel()).declare()
         _publish(zk_url, queue, *range(30))
         got: list[Any] = []
         with Consumer(conn, [queue], callbacks=[lambda b, m: (got.append(b), m.ack())],
-                      prefetch_count=1):
+                      prefetch_count=4):
             conn.drain_events(timeout=5)
-            view = next(iter(conn.default_channel._views.values()))
-            before = list(view.listing)
-            assert before   # a backlog: the listing holds more than was claimed
-            resetter = threading.Thread(target=view.reset)   # as kazoo's thread calls it
+            inbox = conn.transport.inbox("reset")
+            before = (list(inbox.buffer), set(inbox.taken))
+            resetter = threading.Thread(target=inbox.reset)   # as kazoo's thread calls it
             resetter.start()
             resetter.join()
-            assert list(view.listing) == before and view.stale
+            assert (list(inbox.buffer), set(inbox.taken)) == before and inbox.stale
             while len(got) < 30:
                 conn.drain_events(timeout=5)
         assert sorted(got) == list(range(30))
 
 
-def test_a_requeue_from_a_pool_thread_leaves_the_listing_to_the_consuming_thread(
-        zk_url: str) -> None:
-    """A threads worker rejects on a pool thread: the requeue used to clear the
-    consuming thread's listing there (the race reset() had). It flags; the
-    next look lists again and delivers the requeued message first."""
+def test_a_requeue_from_a_pool_thread_goes_back_ahead_of_the_rest(zk_url: str) -> None:
+    """A threads worker rejects on a pool thread: the message goes back to its
+    place, and the dispatcher gives it again before everything after it."""
     queue = Queue("invalidate", Exchange("invalidate", "direct"), "invalidate")
-    with Connection(f"{zk_url}?claim_batch=4&handoff=false") as conn:
+    with Connection(f"{zk_url}?handoff=false") as conn:
         queue(conn.channel()).declare()
         _publish(zk_url, queue, *range(30))
         got: list[Any] = []
@@ -331,13 +288,10 @@ def test_a_requeue_from_a_pool_thread_leaves_the_listing_to_the_consuming_thread
 
         with Consumer(conn, [queue], callbacks=[on_message], prefetch_count=1):
             conn.drain_events(timeout=5)
-            view = next(iter(conn.default_channel._views.values()))
-            before = list(view.listing)
-            assert before and held
+            assert held
             rejecter = threading.Thread(target=held[0].reject, kwargs={"requeue": True})
             rejecter.start()
             rejecter.join()
-            assert list(view.listing) == before and view.stale
             conn.drain_events(timeout=5)
             assert got[-1] == 0   # requeued: back ahead of everything after it
             while len(got) < 31:

@@ -137,12 +137,30 @@ def test_binding_name_round_trip() -> None:
 def test_paths_are_under_root_and_owned_path_inverts() -> None:
     layout = Layout("/app")
     assert layout.unowned("a/b") == "/app/queues/a%2Fb/unowned"
+    path = layout.inbox_message("a/b", "c1", new(0, "ab", 1))
+    assert path == "/app/queues/a%2Fb/owned/c1/" + new(0, "ab", 1)
+    assert layout.split_owned_path(path) == ("a/b", "c1", new(0, "ab", 1))
+    # Flat, as celery_zk before 0.2 owned them.
     path = layout.owned_message("a/b", owned_name("c1", new(0, "ab", 1)))
     assert layout.split_owned_path(path) == ("a/b", "c1", new(0, "ab", 1))
     with pytest.raises(ValueError):
         layout.split_owned_path("/app/queues/x/unowned/" + new(0, "ab", 1))
     with pytest.raises(ValueError):
         layout.split_owned_path("/app/queues/x/owned/not-ours")
+
+
+def test_a_message_names_where_its_body_is() -> None:
+    """``n`` names (celery_zk 0.2) keep their body in bodies/, by bucket and uid;
+    ``m`` names (before) in their own node. Both sort together."""
+    layout = Layout("/app")
+    apart = parse_message_name(new(2, "ab", 5, generation=3))
+    assert apart is not None and apart.body_apart
+    assert layout.body("q", apart) == "/app/queues/q/bodies/p7-" + seq(3) + "/ab"
+    inside = parse_message_name("m7-" + seq(3) + "-cd-" + seq(4))
+    assert inside is not None and not inside.body_apart and layout.body("q", inside) is None
+    assert requeued_name(inside).startswith("m7-") and requeued_name(apart).startswith("n7-")
+    assert sort_messages([new(2, "ab", 5, 3), "m7-" + seq(3) + "-cd-" + seq(4)])[0] == [
+        "m7-" + seq(3) + "-cd-" + seq(4), new(2, "ab", 5, 3)]
 
 
 def test_result_shards_bound_directory_size() -> None:
@@ -162,17 +180,17 @@ def test_offer_and_handed_names() -> None:
     offer = offer_name("c0123456789ab", "abcdef0123456789")
     assert parse_offer_name(offer) == ("c0123456789ab", "abcdef0123456789")
     assert parse_offer_name("x~y") is None and parse_offer_name("c01") is None
-    handed = parse_message_name(handed_name(7, "abcdef0123456789"))
+    handed = parse_message_name(handed_name(inverted(7), 3, "abcdef0123456789"))
     assert handed is not None
-    assert (handed.priority, handed.uid, handed.generation, handed.requeued, handed.seq) == (
-        7, "abcdef0123456789", 0, False, 0)
+    assert (handed.priority, handed.uid, handed.generation, handed.requeued, handed.seq,
+            handed.body_apart) == (7, "abcdef0123456789", 3, False, 0, True)
 
 
 def test_a_requeued_handed_message_sorts_ahead_of_the_first_arrival() -> None:
     """Both have order 0 (the handed one from its name, the other as unowned/'s
     first node): the requeued one was there first."""
     first_arrival = new(0, "b" * 16, 0)
-    back = requeued(handed_name(0, "a" * 16))
+    back = requeued(handed_name(inverted(0), 0, "a" * 16))
     later = new(0, "c" * 16, 2)
     ordered, _ = sort_messages([later, first_arrival, back])
     assert ordered == [back, first_arrival, later]

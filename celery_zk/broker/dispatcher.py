@@ -1,0 +1,524 @@
+"""One dispatcher per queue: the one process that lists a queue's waiting
+messages and gives them to its consumers' inboxes.
+
+Consumers of a queue register ephemeral nodes under its ``consumers/``, with
+their credit (how many messages their inbox may hold: the channel's prefetch)
+in the data. The process of the oldest one runs the queue's dispatcher, a
+thread of its own: an election that needs no node beyond those (each
+consumer process watches that directory, which changes only when consumers
+come and go). When that process dies its nodes go with its session, and the
+next oldest takes over.
+
+The dispatcher alone lists ``unowned/``, in priority-then-FIFO order, and
+moves names into the inboxes of consumers with free credit, many names for
+many consumers in one multi (:mod:`celery_zk.broker.claims`). It learns of
+new messages and of acks from persistent recursive watches on ``unowned/``
+and ``owned/`` (:mod:`celery_zk.zk.watches`), so it lists only when it
+starts, after a reconnect, or when the head it knows runs out; without
+persistent watches it lists on every change instead. Consumers watch only
+their own inbox (:mod:`celery_zk.broker.inbox`): no consumer lists the
+queue, no two consumers race for one message, and a publish wakes one
+process, not every idle one.
+
+Nothing depends on there being exactly one dispatcher: two overlapping
+(a leadership change) cost one refused multi, because each assignment deletes
+the name it gives. Messages with affinity keys are given by
+:func:`celery_zk.features.locality.choose`, for each consumer as its worker
+holds keys.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import islice
+from time import monotonic
+from typing import Any
+
+from kazoo.exceptions import ConnectionLoss, NoNodeError
+
+from ..features.affinity import Board, board_for
+from ..features.locality import Waiting, choose
+from ..zk.client import CONNECTION_ERRORS, log_failure
+from ..zk.config import ZKOptions
+from ..zk.layout import (
+    Layout,
+    MessageName,
+    parse_consumer_name,
+    parse_message_name,
+)
+from ..zk.session import SharedSession, weak_callback
+from ..zk.watches import NODE_CREATED, NODE_DELETED, TreeWatches
+from .queue import QueueStore
+
+__all__ = ["Dispatcher"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between sweeps of empty bodies' buckets.
+SWEEP_EVERY = 60.0
+
+
+@dataclass
+class _Consumer:
+    """What the dispatcher knows of one consumer of its queue."""
+
+    id: str
+    credit: int = 0
+    worker: str | None = None
+    entries: set[str] = field(default_factory=set)   # names in its inbox
+    given: set[str] = field(default_factory=set)     # given by us, not yet seen there
+    listed: bool = False    # its inbox was listed since we (re)started watching
+    waiting: Waiting = field(default_factory=Waiting)   # its affinity memory
+
+    @property
+    def free(self) -> int:
+        return self.credit - len(self.entries | self.given)
+
+
+class _Head:
+    """The first waiting messages of the queue in delivery order, as listed and
+    then kept up to date by the watch on ``unowned/``."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[Any, ...]] = []
+        self.names: list[str] = []
+        self.complete = False   # every waiting message is here (the listing ended)
+
+    def reset(self, names: list[str], complete: bool) -> None:
+        parsed = [(parse_message_name(name), name) for name in names]
+        self.keys = [message.sort_key for message, _ in parsed if message is not None]
+        self.names = [name for message, name in parsed if message is not None]
+        self.complete = complete
+
+    def add(self, name: str, message: MessageName) -> None:
+        key = message.sort_key
+        if not self.complete and (not self.keys or key > self.keys[-1]):
+            return   # beyond what we listed: the next listing finds it
+        index = bisect.bisect_left(self.keys, key)
+        if index < len(self.names) and self.names[index] == name:
+            return
+        self.keys.insert(index, key)
+        self.names.insert(index, name)
+
+    def discard(self, names: set[str]) -> None:
+        kept = [(key, name) for key, name in zip(self.keys, self.names) if name not in names]
+        self.keys = [key for key, _ in kept]
+        self.names = [name for _, name in kept]
+
+
+class Dispatcher:
+    """The dispatch duty for one queue in this process (see module docstring)."""
+
+    def __init__(self, session: SharedSession, layout: Layout, options: ZKOptions,
+                 queue: str) -> None:
+        self.session = session
+        self.layout = layout
+        self.options = options
+        self.queue = queue
+        self.store = QueueStore(session, layout, options)
+        # Consumer ids of this process on the queue, and how to wake each one's thread.
+        self.members: dict[str, Callable[[], None]] = {}
+        self.live: list[str] = []        # every consumer id on the queue, oldest first
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stale_election = True
+        self._stopped = False
+        # Recorded by watch callbacks (kazoo's threads), applied by our thread.
+        self._arrivals: deque[tuple[int, str]] = deque()
+        self._inbox_events: deque[tuple[int, str]] = deque()
+        self._stale_listing = True
+        self._stale_consumers = True
+        self._stale_inboxes: set[str] = set()
+        # Our thread's alone.
+        self.consumers: dict[str, _Consumer] = {}
+        self.head = _Head()
+        self._listed_at = 0.0
+        self._swept_at = 0.0
+        self._generation = -1   # TreeWatches' connection generation our watches belong to
+        self._tree = False
+        self._rotation = 0
+        self._unowned_cb = weak_callback(self._on_unowned)
+        self._owned_cb = weak_callback(self._on_owned)
+        self._child_cb = weak_callback(self._on_child_event)
+        self._election_cb = weak_callback(self._on_election_event)
+        session.add_listener(self._election_cb)   # a new connection: look again
+        session.on_close(self.stop)
+
+    @classmethod
+    def of(cls, session: SharedSession, layout: Layout, options: ZKOptions,
+           queue: str) -> Dispatcher:
+        """The one dispatch duty of ``queue`` under ``layout``'s root in this session."""
+        return session.singleton(("dispatcher", layout.root, queue),
+                                 lambda: cls(session, layout, options, queue))
+
+    # -- membership and election ----------------------------------------------------
+    def join(self, consumer_id: str, wake: Callable[[], None]) -> None:
+        """A consumer of this process registered on the queue; ``wake`` wakes its
+        consuming thread, which keeps the election's watch set (:meth:`watch`)."""
+        with self._lock:
+            self.members[consumer_id] = wake
+        self._stale_election = True
+        self.watch()
+
+    def leave(self, consumer_id: str) -> None:
+        with self._lock:
+            self.members.pop(consumer_id, None)
+        self._elect()
+
+    def watch(self) -> None:
+        """Keep the watch on the queue's consumers/ set, and elect (a member's
+        consuming thread calls this on every look: a flag check, unless the
+        watch fired, the connection changed, or the directory was deleted)."""
+        if not self._stale_election:
+            return
+        self._stale_election = False
+        client = self.session.client
+        path = self.layout.queue_consumers(self.queue)
+        try:
+            children = client.retry(client.get_children, path, watch=self._election_cb)
+        except NoNodeError:
+            # The queue was deleted (an auto-delete queue swept while its owner was
+            # away): watch for it to come back, when its consumers register again.
+            if client.retry(client.exists, path, watch=self._election_cb) is not None:
+                self._stale_election = True
+            children = []
+        except CONNECTION_ERRORS:
+            self._stale_election = True   # the next look, once connected
+            raise
+        self.live = sorted(p for p in map(parse_consumer_name, children) if p)
+        self._stale_consumers = True
+        self._elect()
+
+    def _on_election_event(self, _event: Any) -> None:
+        # kazoo's event thread (a fired watch, or a connection change): flag and wake.
+        self._stale_election = True
+        for wake in list(self.members.values()):
+            wake()
+
+    @property
+    def leading(self) -> bool:
+        live = self.live
+        return bool(live) and live[0] in self.members and not self._stopped
+
+    def _elect(self) -> None:
+        with self._lock:
+            if self.leading and (self._thread is None or not self._thread.is_alive()):
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name=f"celery_zk-dispatch-{self.queue}")
+                self._thread.start()
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    # -- watch callbacks: kazoo's threads, record and wake -------------------------
+    def _on_unowned(self, event_type: int, path: str) -> None:
+        if event_type in (NODE_CREATED, NODE_DELETED) and "/" in path:
+            self._arrivals.append((event_type, path))
+        else:
+            self._stale_listing = True   # a bucket, or unowned/ itself: list again
+        self._wake.set()
+
+    def _on_owned(self, event_type: int, path: str) -> None:
+        if event_type in (NODE_CREATED, NODE_DELETED) and path.count("/") == 1:
+            self._inbox_events.append((event_type, path))
+            self._wake.set()
+
+    def _on_child_event(self, event: Any) -> None:
+        # One-shot watches, without persistent ones: a bucket or an inbox changed.
+        path = getattr(event, "path", None) or ""
+        inboxes = self.layout.owned(self.queue) + "/"
+        if path.startswith(inboxes):
+            self._stale_inboxes.add(path[len(inboxes):])
+        else:
+            self._stale_listing = True
+        self._wake.set()
+
+    # -- the dispatcher thread ------------------------------------------------------
+    def _run(self) -> None:
+        logger.debug("celery_zk: dispatching queue %r", self.queue)
+        timeout: float | None = None
+        while self.leading:
+            self._wake.wait(timeout)
+            self._wake.clear()
+            if not self.leading:
+                break
+            try:
+                timeout = self._round()
+            except CONNECTION_ERRORS as exc:
+                log_failure(logger, exc, "celery_zk: dispatching %r paused: ZooKeeper is "
+                            "away; going on when it answers", self.queue, level=logging.INFO)
+                self._restart()
+                timeout = 0.5
+            except Exception as exc:
+                log_failure(logger, exc, "celery_zk: a dispatch round of %r failed; "
+                            "retrying in 1 s", self.queue, level=logging.ERROR)
+                self._restart()
+                timeout = 1.0
+        self._stop_watches()
+        logger.debug("celery_zk: no longer dispatching queue %r", self.queue)
+
+    def _stop_watches(self) -> None:
+        """No longer the dispatcher: the watches would only pile up events."""
+        if self._tree:
+            self._tree = False
+            watches = self._watches()
+            if watches is not None:
+                try:
+                    watches.unwatch(self.layout.unowned(self.queue), self._unowned_cb)
+                    watches.unwatch(self.layout.owned(self.queue), self._owned_cb)
+                except CONNECTION_ERRORS:
+                    pass   # they went with the connection
+        self._arrivals.clear()
+        self._inbox_events.clear()
+
+    def _watches(self) -> TreeWatches | None:
+        if not self.options.persistent_watches:
+            return None
+        session = self.session
+        return session.singleton(TreeWatches, lambda: TreeWatches(session))
+
+    def _restart(self) -> None:
+        """Forget what the watches told: list everything again next round."""
+        self._stale_listing = self._stale_consumers = True
+        self._generation = -1
+        for consumer in self.consumers.values():
+            consumer.listed = False
+
+    def _round(self) -> float | None:
+        """Give what can be given; seconds until a look is due by itself (None: none)."""
+        self._ensure_watches()
+        if any(event == NODE_DELETED for event, _ in list(self._inbox_events)):
+            # A name left an inbox: acked, or requeued, in which case the same
+            # multi made it wait again, and that event may still be on its way.
+            # A round trip first: ZooKeeper sends a transaction's events ahead
+            # of the reply to any later request, so then we have them all and
+            # a requeued message is given before what it went back ahead of.
+            self.session.client.exists(self.layout.unowned(self.queue))
+        self._apply_events()
+        if self._stale_consumers:
+            self._read_consumers()
+        self._list_inboxes()
+        retry_in: float | None = None
+        while True:
+            hungry = [c for c in self.consumers.values() if c.free > 0]
+            if not hungry:
+                break
+            if (self._stale_listing or not self.head.names
+                    or monotonic() - self._listed_at > self.options.listing_max_age):
+                if not self._list():
+                    break
+            plan, retry_in = self._plan(hungry)
+            if not plan:
+                break
+            self._give(plan)
+        return retry_in
+
+    def _ensure_watches(self) -> None:
+        """Persistent watches on unowned/ and owned/, (re)added on a new connection."""
+        watches = self._watches()
+        if watches is None or not watches.supported:
+            self._tree = False
+            return
+        unowned, owned = self.layout.unowned(self.queue), self.layout.owned(self.queue)
+        if self._tree and watches.active(unowned) and watches.active(owned):
+            return
+        self._restart()
+        # Added before the listings they keep current: nothing falls between.
+        self._arrivals.clear()
+        self._inbox_events.clear()
+        self._tree = watches.watch(unowned, self._unowned_cb) and watches.watch(
+            owned, self._owned_cb)
+
+    def _apply_events(self) -> None:
+        head = self.head
+        gone: set[str] = set()
+        while self._arrivals:
+            event_type, path = self._arrivals.popleft()
+            name = path.rpartition("/")[2]
+            if event_type == NODE_DELETED:
+                gone.add(name)
+                continue
+            message = parse_message_name(name)
+            if message is None or message.bucket != path.partition("/")[0]:
+                self._stale_listing = True   # foreign: the listing dead-letters it
+            else:
+                gone.discard(name)
+                head.add(name, message)
+        if gone:
+            head.discard(gone)
+        while self._inbox_events:
+            event_type, path = self._inbox_events.popleft()
+            owner, _, name = path.partition("/")
+            consumer = self.consumers.get(owner)
+            if consumer is None or not consumer.listed:
+                continue
+            if event_type == NODE_CREATED:
+                consumer.entries.add(name)
+                consumer.given.discard(name)
+            else:
+                consumer.entries.discard(name)
+
+    def _read_consumers(self) -> None:
+        """Read each live consumer's credit and worker (pipelined)."""
+        self._stale_consumers = False
+        client = self.session.client
+        live = list(self.live)
+        reads = [(cid, client.get_async(self.layout.queue_consumer(self.queue, cid),
+                                        watch=self._child_cb_for_consumers))
+                 for cid in live]
+        found: dict[str, _Consumer] = {}
+        for cid, read in reads:
+            try:
+                data, _ = read.get()
+            except NoNodeError:
+                continue
+            consumer = self.consumers.get(cid) or _Consumer(cid)
+            meta = _meta(data)
+            credit = meta.get("credit")
+            # No prefetch limit: what it takes out of its inbox at a time.
+            consumer.credit = (self.options.claim_batch
+                               if not isinstance(credit, int) or credit <= 0 else credit)
+            worker = meta.get("worker")
+            consumer.worker = worker if isinstance(worker, str) else None
+            found[cid] = consumer
+        self.consumers = found
+
+    def _child_cb_for_consumers(self, event: Any) -> None:
+        self._stale_consumers = True   # a credit changed (a data watch)
+        self._wake.set()
+
+    def _list_inboxes(self) -> None:
+        """List the inboxes we do not know yet, or whose one-shot watch fired."""
+        client = self.session.client
+        stale, self._stale_inboxes = self._stale_inboxes, set()
+        todo = [c for c in self.consumers.values() if not c.listed or c.id in stale]
+        watch = None if self._tree else self._child_cb
+        reads = [(c, client.get_children_async(self.layout.inbox(self.queue, c.id),
+                                               watch=watch)) for c in todo]
+        for consumer, read in reads:
+            try:
+                names = set(read.get())
+            except NoNodeError:
+                names = set()   # not made yet (it makes it before registering), or gone
+            # Sent after our last multi came back: it shows everything we gave.
+            consumer.entries = names
+            consumer.given.clear()
+            consumer.listed = True
+
+    def _list(self) -> bool:
+        """List the head of the queue; False when nothing waits."""
+        self._stale_listing = False
+        want = max(self.options.claim_batch,
+                   2 * sum(max(0, c.free) for c in self.consumers.values()))
+        found = self.store.listing(self.queue, want, watch=None if self._tree else self._child_cb)
+        for name in found.foreign:
+            self.store.dead_letter_unowned(self.queue, name,
+                                           "node name was not written by celery_zk")
+        self.head.reset(found.names, found.complete)
+        now = monotonic()
+        self._listed_at = now
+        if now - self._swept_at > SWEEP_EVERY:
+            self._swept_at = now
+            buckets, _ = self.store.buckets(self.queue)
+            self.store.sweep_bodies(self.queue, buckets)
+        return bool(self.head.names)
+
+    def _plan(self, hungry: list[_Consumer]) -> tuple[dict[str, list[str]], float | None]:
+        """Which names go to which consumer, in delivery order."""
+        names = self.head.names
+        if any("@" in name for name in islice(names, 0, 1024)):
+            return self._plan_keyed(hungry)
+        # One at a time, round the consumers: the first messages go to as many
+        # consumers as there are, not all to the first.
+        self._rotation = (self._rotation + 1) % len(hungry)
+        order = hungry[self._rotation:] + hungry[:self._rotation]
+        room = {c.id: c.free for c in order}
+        plan: dict[str, list[str]] = {}
+        taken = 0
+        while taken < len(names) and any(room.values()):
+            for consumer in order:
+                if taken >= len(names):
+                    break
+                if room[consumer.id] > 0:
+                    plan.setdefault(consumer.id, []).append(names[taken])
+                    room[consumer.id] -= 1
+                    taken += 1
+        return plan, None
+
+    def _plan_keyed(self, hungry: list[_Consumer]) -> tuple[dict[str, list[str]], float | None]:
+        board = self._board()
+        left = list(self.head.names)
+        plan: dict[str, list[str]] = {}
+        retry_in: float | None = None
+        for consumer in hungry:
+            view = board.seen_by(consumer.worker)
+            index = self.live.index(consumer.id) if consumer.id in self.live else 0
+            idle = not (consumer.entries or consumer.given)
+            batch, due = choose(left, consumer.free, view, consumer.waiting,
+                                self.options.locality_wait, index=index, idle=idle)
+            if due is not None and (retry_in is None or due < retry_in):
+                retry_in = due
+            if batch:
+                plan[consumer.id] = batch
+                chosen = set(batch)
+                left = [name for name in left if name not in chosen]
+        return plan, retry_in
+
+    def _board(self) -> Board:
+        board = board_for(self.session, self.layout, self._watches())
+        board.refresh()
+        return board
+
+    def _give(self, plan: dict[str, list[str]]) -> None:
+        """One multi; on a refusal, forget what refused it (the next pass plans again)."""
+        store = self.store
+        inside = store.read_inside(self.queue, [n for names in plan.values() for n in names])
+        txn, done = store.assignment(self.queue, plan, inside)
+        client = self.session.client
+        try:
+            results = txn.commit()
+        except ConnectionLoss:
+            # Whether it committed is unknown: look at everything again.
+            self._restart()
+            raise
+        refused = store.settle(done, results)
+        if refused is None:
+            given = done.given()
+            for cid, names in given.items():
+                self.consumers[cid].given.update(names)
+            self.head.discard({name for names in given.values() for name in names})
+            return
+        kind, cid, name = refused
+        if kind == "check":   # gone, or stopped consuming the queue
+            self.consumers.pop(cid, None)
+            self._stale_consumers = True
+        elif kind == "delete":   # taken by basic_get, purged, or moved by another dispatcher
+            self.head.discard({name})
+        else:   # its inbox is gone (a consumer leaving) or has it already
+            consumer = self.consumers.get(cid)
+            if consumer is not None:
+                consumer.listed = False
+                self._list_inboxes()
+            if client.retry(client.exists, self.layout.unowned_message(self.queue, name)) is None:
+                self.head.discard({name})
+
+
+def _meta(data: bytes) -> dict[str, Any]:
+    try:
+        meta = json.loads(data or b"{}")
+    except ValueError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+

@@ -1,0 +1,423 @@
+"""One connection's consumption of one queue: its inbox.
+
+A consumer never lists its queue. It registers a node under the queue's
+``consumers/`` (ephemeral; its data says the consumer's *credit*, how many
+messages its inbox may hold, which is the channel's prefetch) and the queue's
+dispatcher (:mod:`celery_zk.broker.dispatcher`) moves waiting names into its
+inbox, ``owned/{consumer}/``, as its credit allows; an idle consumer also
+leaves an offer, and a publisher may hand a message straight into the inbox
+(:mod:`celery_zk.broker.handoff`). The consumer watches only its inbox: a
+persistent watch that names each new entry, or, without persistent watches,
+a one-shot child watch and a listing of the inbox (a handful of names).
+
+For each new entry it reads the body (from ``bodies/``, or from the entry
+itself for a message from before 0.2), pipelined, and delivers in the
+queue's order. Only it deletes from its inbox (acks, in
+:mod:`celery_zk.broker.acks`), so nothing it does can conflict.
+
+Watch callbacks only record what happened and wake the transport; every
+request is made from the consuming thread (see ``docs/design.md``: a request
+made on kazoo's connection thread can block it for good).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from kazoo.exceptions import NodeExistsError, NoNodeError
+
+from ..features import affinity
+from ..zk.client import CONNECTION_ERRORS, log_failure, reply_or_retry
+from ..zk.layout import parse_message_name, sort_messages
+from ..zk.session import weak_callback
+from ..zk.watches import NODE_CREATED, NODE_DELETED
+from .claims import Claimed
+from .dispatcher import Dispatcher
+from .handoff import Offer
+
+if TYPE_CHECKING:   # the protocol's module imports nothing of ours that imports this one
+    from .connection import ZKConnection
+
+__all__ = ["Inbox"]
+
+logger = logging.getLogger(__name__)
+
+
+class Inbox:
+    """One connection's inbox on one queue, shared by its channels."""
+
+    def __init__(self, transport: ZKConnection, queue: str) -> None:
+        self.transport = transport
+        self.queue = queue
+        self.options = transport.settings.options
+        self.consumer_id: str | None = None   # the registration the inbox belongs to
+        self.node: str | None = None          # our node under the queue's consumers/
+        self.credit = 0                       # what the node says
+        self.consuming = 0                    # channels consuming it
+        self.taken: set[str] = set()          # entries read or being read (not to take twice)
+        self.delivered: set[str] = set()      # entries handed to kombu, not yet settled
+        self.pending: deque[tuple[str, Any]] = deque()   # (name, read) in delivery order
+        self.buffer: deque[Claimed] = deque()  # read, not delivered yet
+        self.arrivals: deque[str] = deque()   # names the tree watch reported
+        self.departures: deque[str] = deque()   # and those it saw go
+        self.stale = True   # list the inbox before trusting the watch
+        self._tree_held = False
+        self._waiting_credit = False
+        self.offer = Offer(transport.handoff, queue) if transport.handoff is not None else None
+        self._lock = threading.Lock()
+        self._tree_cb = weak_callback(self._on_tree)
+        self._one_shot_cb = weak_callback(self._on_one_shot)
+
+    # -- kazoo's threads: record and wake -------------------------------------
+    def _on_tree(self, event_type: int, name: str) -> None:
+        if not name or "/" in name:
+            return
+        if event_type == NODE_CREATED:
+            self.arrivals.append(name)
+            self.transport.wake()
+        elif event_type == NODE_DELETED:
+            self.departures.append(name)   # acked or given back: forget it
+
+    def _on_one_shot(self, _event: Any) -> None:
+        self.stale = True
+        self.transport.wake()
+
+    def reset(self) -> None:
+        """After a connection or session change: the watch may be gone; list again."""
+        self.stale = True
+        self.transport.wake()
+
+    # -- registration -----------------------------------------------------------
+    def _registered(self) -> str | None:
+        """Our consumer id, registered on the queue (again after a session expiry);
+        None while the queue does not exist (an auto-delete queue swept while we
+        were away, until the transport declares it again)."""
+        transport = self.transport
+        consumer_id, _ = transport.session.ensure_registered()
+        if consumer_id != self.consumer_id and not self._new_identity(consumer_id):
+            return None
+        if self.consuming:
+            if self.node is None:
+                self._join()
+            self._dispatcher().watch()   # a flag check, unless the election needs a look
+        return consumer_id
+
+    def _new_identity(self, consumer_id: str) -> bool:
+        """A new registration (first use, or after the session expired): what the
+        old inbox held is the recovery leader's now. False when there is no
+        queue to make our inbox in (yet)."""
+        if not self._make_inbox(consumer_id):
+            return False
+        old = self.consumer_id
+        self.consumer_id = consumer_id
+        self.node = None
+        self.taken.clear()
+        self.delivered.clear()
+        self.pending.clear()
+        self.buffer.clear()
+        self.arrivals.clear()
+        self.stale = True
+        self._stop_watch()
+        if old is not None:
+            self._dispatcher().leave(old)
+        return True
+
+    def _make_inbox(self, consumer_id: str) -> bool:
+        """Made after our consumer node (see Recovery.recover_dead_owners); False
+        when the queue does not exist."""
+        client = self.transport.handle.client
+        try:
+            client.retry(client.create, self.transport.layout.inbox(self.queue, consumer_id))
+        except NodeExistsError:
+            pass
+        except NoNodeError:
+            return False
+        return True
+
+    def _dispatcher(self) -> Dispatcher:
+        transport = self.transport
+        return Dispatcher.of(transport.handle.session, transport.layout, self.options,
+                             self.queue)
+
+    def _join(self) -> None:
+        """Register under the queue's consumers/ with our credit; the dispatcher
+        gives us work from then on."""
+        transport, consumer_id = self.transport, self.consumer_id
+        assert consumer_id is not None
+        client = transport.handle.client
+        path = transport.layout.queue_consumer(self.queue, consumer_id)
+        try:
+            client.retry(client.create, path, self._data(), ephemeral=True)
+        except NodeExistsError:
+            client.retry(client.set, path, self._data())
+        except NoNodeError:
+            if client.retry(client.exists, transport.layout.unowned(self.queue)) is None:
+                return   # no queue (deleted meanwhile): the next look, once re-declared
+            try:   # a queue declared by an earlier release: no consumers/ yet
+                client.retry(client.create, transport.layout.queue_consumers(self.queue))
+            except NodeExistsError:
+                pass
+            client.retry(client.create, path, self._data(), ephemeral=True)
+        transport.handle.own(path)   # deleted when this connection goes, however
+        self.node = path
+        self._dispatcher().join(consumer_id, transport.wake)
+
+    def _data(self) -> bytes:
+        return json.dumps({"credit": self.credit, "worker": affinity.WORKER,
+                           "host": socket.gethostname(), "pid": os.getpid()}).encode()
+
+    def set_credit(self, credit: int) -> None:
+        """The consuming channels' prefetch: what the dispatcher may put in our
+        inbox. Written without waiting: it changes rarely (Celery raises it for
+        ETA tasks, autoscaling changes it)."""
+        if credit == self.credit:
+            return
+        self.credit = credit
+        if self.node is None or not self.transport.handle.started:
+            return
+        path = self.node
+
+        def done(result: Any) -> None:   # kazoo's thread: never block
+            try:
+                result.get()
+            except NoNodeError:
+                pass   # gone with the session: registering again writes it
+            except Exception as exc:
+                log_failure(logger, exc, "celery_zk: could not update %s", path)
+        self.transport.handle.client.set_async(path, self._data()).rawlink(done)
+
+    def start(self) -> None:
+        """A channel starts consuming the queue."""
+        self.consuming += 1
+        if self.consuming == 1 and self.consumer_id is not None:
+            self._join()
+
+    def stop(self, channel_closing: bool = False) -> None:
+        """A channel stops consuming the queue; the last one out leaves the
+        queue's consumers/ and gives back what it was given and did not deliver."""
+        self.consuming = max(0, self.consuming - 1)
+        if self.consuming:
+            return
+        self.close()
+
+    # -- the consuming thread -------------------------------------------------------
+    def fill(self, limit: int, in_hand: int) -> None:
+        """Make up to ``limit`` messages ready in :attr:`buffer` (``in_hand``:
+        delivered and not done with)."""
+        consumer_id = self._registered()
+        if consumer_id is None:
+            return
+        if limit <= 0:
+            self._withdraw()
+            return
+        self._learn(consumer_id)
+        self._read(limit)
+        if self.buffer:
+            return
+        if self.pending:
+            # The first read has not landed: wait for it (the others were sent with it).
+            self._read(limit, block=True)
+            return
+        if (self.consuming and not in_hand and not self.delivered and self.offer is not None
+                and not self.offer.outstanding and self._tree_held):
+            self.offer.make(consumer_id)   # idle: let a publisher hand us the next one
+
+    def _learn(self, consumer_id: str) -> None:
+        """Start reading what came into the inbox since we last looked."""
+        names: list[str] = []
+        while self.departures:
+            self.taken.discard(self.departures.popleft())
+        if self.stale or not self._tree_active():
+            self._ensure_watch()
+            self.stale = False
+            self.arrivals.clear()   # the listing has them
+            client = self.transport.handle.client
+            path = self.transport.layout.inbox(self.queue, consumer_id)
+            try:
+                names = client.retry(client.get_children, path,
+                                     watch=None if self._tree_held else self._one_shot_cb)
+            except NoNodeError:   # deleted (by hand, or with its queue): make it again
+                self._make_inbox(consumer_id)
+                self.stale = True
+                return
+            # What is not there any more was acked or given back.
+            self.taken &= set(names)
+        while self.arrivals:
+            names.append(self.arrivals.popleft())
+        new = [name for name in names if name not in self.taken]
+        if not new:
+            return
+        if self.offer is not None and self.offer.outstanding:
+            self._withdraw()   # given work: no more hand-offs until idle again
+        store = self.transport.store
+        layout = self.transport.layout
+        client = store.client
+        ordered, foreign = sort_messages(new)
+        for name in foreign:
+            self.taken.add(name)
+            logger.error("celery_zk: %r in the inbox of %s is not a message name; "
+                         "left there", name, consumer_id)
+        for name in ordered:
+            self.taken.add(name)
+            message = parse_message_name(name)
+            assert message is not None
+            body = layout.body(self.queue, message)
+            path = body or layout.inbox_message(self.queue, consumer_id, name)
+            self.pending.append((name, client.get_async(path)))
+
+    def _read(self, limit: int, block: bool = False) -> None:
+        """Move landed reads into the buffer, in order."""
+        store = self.transport.store
+        client = store.client
+        layout = self.transport.layout
+        consumer_id = self.consumer_id
+        assert consumer_id is not None
+        while self.pending and (block or self.pending[0][1].ready()):
+            name, read = self.pending.popleft()
+            block = False
+            owned = layout.inbox_message(self.queue, consumer_id, name)
+            message = parse_message_name(name)
+            assert message is not None
+            path = layout.body(self.queue, message) or owned
+            try:
+                data, _ = reply_or_retry(client, read, client.get, path)
+            except NoNodeError:
+                self._lost(owned, name)
+                continue
+            self.buffer.append(Claimed(self.queue, name, owned, data))
+
+    def _lost(self, owned: str, name: str) -> None:
+        """An entry whose body is gone: acked already (a redelivery of our own
+        ack's retry), or removed by hand. Nothing to deliver; the entry goes."""
+        self.taken.discard(name)
+        client = self.transport.store.client
+        if client.retry(client.exists, owned) is not None:
+            logger.error("celery_zk: the body of %s is missing; the message cannot be "
+                         "delivered and is removed", owned)
+            try:
+                client.retry(client.delete, owned)
+            except NoNodeError:
+                pass
+
+    def get_one(self) -> Claimed | None:
+        """``basic_get``: what is in our inbox already, else the head of the queue,
+        claimed by us (racing the dispatcher is harmless: one of us is refused)."""
+        consumer_id = self._registered()
+        if consumer_id is None:
+            return None
+        self._learn(consumer_id)
+        self._read(1, block=bool(self.pending))
+        if self.buffer:
+            return self.take()
+        store = self.transport.store
+        layout = self.transport.layout
+        found = store.listing(self.queue, 1)
+        for name in found.names[:8]:
+            owned = store.claim_one(self.queue, name, consumer_id)
+            if owned is None:
+                continue   # taken meanwhile: try the next
+            self.taken.add(name)
+            message = parse_message_name(name)
+            assert message is not None
+            try:
+                data, _ = store.read_owned(layout.body(self.queue, message) or owned)
+            except NoNodeError:
+                self._lost(owned, name)
+                continue
+            self.delivered.add(name)
+            return Claimed(self.queue, name, owned, data)
+        return None
+
+    def take(self) -> Claimed | None:
+        """The next message to deliver (from :attr:`buffer`)."""
+        if not self.buffer:
+            return None
+        claimed = self.buffer.popleft()
+        self.delivered.add(claimed.name)
+        return claimed
+
+    def settled(self, name: str) -> None:
+        """A delivered message was acked, rejected or requeued. It stays in
+        :attr:`taken` until a listing or the watch shows it gone from the
+        inbox: an ack is sent a moment later, and a listing meanwhile must not
+        deliver it again."""
+        self.delivered.discard(name)
+
+    def _tree_active(self) -> bool:
+        watches = self.transport.watches
+        return (self._tree_held and watches is not None
+                and watches.active(self._inbox_path()))
+
+    def _inbox_path(self) -> str:
+        assert self.consumer_id is not None
+        return self.transport.layout.inbox(self.queue, self.consumer_id)
+
+    def _ensure_watch(self) -> None:
+        """Hold the persistent watch on the inbox (added before the listing it covers)."""
+        watches = self.transport.watches
+        if watches is None or not watches.supported:
+            self._tree_held = False
+            return
+        self._tree_held = watches.watch(self._inbox_path(), self._tree_cb)
+
+    def _stop_watch(self) -> None:
+        held, self._tree_held = self._tree_held, False
+        watches = self.transport.watches
+        if held and watches is not None and self.consumer_id is not None:
+            watches.unwatch(self._inbox_path(), self._tree_cb)
+
+    def _withdraw(self) -> None:
+        if self.offer is None or not self.offer.outstanding:
+            return
+        try:
+            self.offer.withdraw()
+        except CONNECTION_ERRORS as exc:   # redone in the background (see Offer.withdraw)
+            log_failure(logger, exc, "celery_zk: could not withdraw the offer on %s now; "
+                        "retrying in the background", self.queue)
+
+    def close(self) -> None:
+        """Stop being given work, and give back what was given and not delivered
+        (what was delivered is settled by the channel's QoS)."""
+        transport = self.transport
+        consumer_id, node = self.consumer_id, self.node
+        self.node = None
+        self._withdraw()
+        self._stop_watch()
+        if consumer_id is not None:
+            self._dispatcher().leave(consumer_id)
+        if consumer_id is None or not transport.handle.started:
+            return
+        store, client = transport.store, transport.handle.client
+        try:
+            if node is not None:
+                try:   # first: the dispatcher gives nothing after this
+                    client.retry(client.delete, node)
+                except NoNodeError:
+                    pass
+                transport.handle.disown(node)
+            names = client.retry(client.get_children, self._inbox_path())
+        except NoNodeError:
+            return
+        except CONNECTION_ERRORS as exc:   # the session's end gives them back
+            log_failure(logger, exc, "celery_zk: could not give back the undelivered "
+                        "messages of %s; recovery will when this session ends", self.queue)
+            return
+        # Not given to kombu: never read, or read and not delivered. What was
+        # delivered is the channel's to settle (acked, or restored by its QoS).
+        undelivered = {c.name for c in self.buffer} | {name for name, _ in self.pending}
+        for name in names:
+            if name not in self.taken or name in undelivered:
+                store.requeue(transport.layout.inbox_message(self.queue, consumer_id, name))
+        self.pending.clear()
+        self.buffer.clear()
+        self.taken = set(self.delivered)
+        if not self.delivered:
+            try:   # refused while a delivered message waits for its ack
+                client.retry(client.delete, self._inbox_path())
+            except Exception:
+                pass

@@ -1,0 +1,295 @@
+"""One dispatcher per queue, consumers with inboxes (issue 26), on a real server.
+
+Several kombu connections with sessions of their own play several consumer
+processes; real ``celery worker`` processes are in test_faults.py and
+test_transport_workers.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kazoo.client import KazooClient
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+
+from celery_zk.broker.dispatcher import Dispatcher
+from celery_zk.broker.queue import CLAIMS
+from celery_zk.zk.layout import Layout, message_prefix, owned_name, parse_message_name
+
+from .queues import owned, owners, waiting
+from .workers import wait_until
+
+
+def layout_of(zk_url: str) -> Layout:
+    """Paths as the ``zk_client`` fixture sees them: it is chrooted at the URL's path."""
+    return Layout("/")
+
+
+def queue_of(name: str) -> Queue:
+    return Queue(name, Exchange(name, "direct"), name)
+
+
+def publish(conn: Connection, queue: Queue, values: list[Any],
+            priorities: list[int | None] | None = None) -> None:
+    producer = Producer(conn.channel())
+    for i, value in enumerate(values):
+        priority = priorities[i] if priorities else None
+        extra = {} if priority is None else {"priority": priority}
+        producer.publish({"v": value}, exchange=queue.exchange, routing_key=queue.name,
+                         declare=[queue], **extra)
+
+
+class Drainer(threading.Thread):
+    """One consumer connection with a session of its own, acking what it gets."""
+
+    def __init__(self, url: str, queue: Queue, name: str, prefetch: int = 2,
+                 hold: float = 0.0) -> None:
+        super().__init__(daemon=True, name=f"drainer-{name}")
+        self.conn = Connection(f"{url}{'&' if '?' in url else '?'}session_name={name}")
+        self.queue, self.prefetch, self.hold = queue, prefetch, hold
+        self.got: list[Any] = []
+        self.stop = threading.Event()
+        self.ready = threading.Event()
+
+    def run(self) -> None:
+        def on_message(body: Any, message: Any) -> None:
+            self.got.append(body["v"])
+            if self.hold:
+                time.sleep(self.hold)
+            message.ack()
+
+        with self.conn, Consumer(self.conn, [self.queue], callbacks=[on_message],
+                                 prefetch_count=self.prefetch):
+            self.ready.set()
+            while not self.stop.is_set():
+                try:
+                    self.conn.drain_events(timeout=0.2)
+                except TimeoutError:
+                    pass
+                except OSError:   # socket.timeout
+                    pass
+
+
+@pytest.fixture
+def drainers(zk_url: str) -> Iterator[list[Drainer]]:
+    started: list[Drainer] = []
+    yield started
+    for drainer in started:
+        drainer.stop.set()
+    for drainer in started:
+        drainer.join(10)
+
+
+def leaders(queue: str) -> list[Dispatcher]:
+    import gc
+
+    return [d for d in gc.get_objects() if isinstance(d, Dispatcher)
+            and d.queue == queue and d.leading and d._thread is not None
+            and d._thread.is_alive()]
+
+
+def test_one_dispatcher_feeds_every_consumer_without_a_conflict(
+        zk_url: str, zk_client: KazooClient, drainers: list[Drainer]) -> None:
+    """Four consumers with sessions of their own: one of them dispatches; each
+    message runs once; no assignment is ever refused; work is spread."""
+    queue = queue_of("spread")
+    for i in range(4):
+        drainer = Drainer(zk_url, queue, f"c{i}", prefetch=2, hold=0.01)
+        drainers.append(drainer)
+        drainer.start()
+        assert drainer.ready.wait(10)
+    wait_until(lambda: len(leaders("spread")) == 1, 10, message="no single dispatcher")
+    before = dataclasses.replace(CLAIMS)
+    with Connection(zk_url) as conn:
+        publish(conn, queue, list(range(200)))
+    wait_until(lambda: sum(len(d.got) for d in drainers) >= 200, 60,
+               message="not every message was delivered")
+    time.sleep(0.3)
+    counts = Counter(v for d in drainers for v in d.got)
+    assert sorted(counts) == list(range(200)) and set(counts.values()) == {1}
+    assert CLAIMS.conflicts == before.conflicts   # no refused assignment
+    assert all(d.got for d in drainers), [len(d.got) for d in drainers]
+    # Every consumer's credit is in its node, under the queue's consumers/.
+    layout = layout_of(zk_url)
+    nodes = zk_client.get_children(layout.queue_consumers("spread"))
+    assert len(nodes) == 4
+    credits = [json.loads(zk_client.get(layout.queue_consumer("spread", n))[0])["credit"]
+               for n in nodes]
+    assert credits == [2, 2, 2, 2]
+
+
+def test_an_inbox_never_holds_more_than_its_credit(
+        zk_url: str, zk_client: KazooClient, drainers: list[Drainer]) -> None:
+    queue = queue_of("credit")
+    with Connection(zk_url) as conn:
+        publish(conn, queue, list(range(30)))
+    drainer = Drainer(zk_url, queue, "slow", prefetch=3, hold=0.1)
+    drainers.append(drainer)
+    drainer.start()
+    layout = layout_of(zk_url)
+    most = 0
+    deadline = time.monotonic() + 30
+    while len(drainer.got) < 30 and time.monotonic() < deadline:
+        most = max(most, len(owned(zk_client, layout, "credit")))
+        time.sleep(0.01)
+    assert len(drainer.got) == 30
+    assert 1 <= most <= 3 + 1   # its credit, and one handed over at most
+
+
+def recovery_leader(conn: Connection) -> Consumer:
+    """Make ``conn``'s process a consumer (of a queue of its own), and so the
+    recovery leader when it is the oldest one."""
+    consumer = Consumer(conn, [queue_of("lead")])
+    consumer.consume()
+    return consumer
+
+
+def test_a_dead_consumers_inbox_goes_back_each_message_to_its_place(
+        zk_url: str, zk_client: KazooClient) -> None:
+    """A consumer whose session ends holds messages in its inbox: the recovery
+    leader puts each back where it was, ahead of everything published later."""
+    queue = queue_of("dies")
+    layout = layout_of(zk_url)
+    with Connection(zk_url) as survivor:
+        recovery_leader(survivor)
+        publish(survivor, queue, list(range(6)))
+        doomed = Connection(f"{zk_url}?session_name=doomed")
+        got: list[Any] = []
+        consumer = Consumer(doomed, [queue], prefetch_count=4,
+                            callbacks=[lambda body, message: got.append(body["v"])])
+        consumer.consume()
+        deadline = time.monotonic() + 10
+        while len(got) < 4 and time.monotonic() < deadline:
+            doomed.drain_events(timeout=1)
+        wait_until(lambda: len(owned(zk_client, layout, "dies")) == 4, 10)
+        assert len(set(owners(zk_client, layout, "dies"))) == 1
+        # The process dies: its session ends, without kombu closing anything.
+        doomed.transport.handle.client.stop()
+        wait_until(lambda: owned(zk_client, layout, "dies") == [], 15,
+                   message="the dead consumer's inbox was not recovered")
+        publish(survivor, queue, ["late"])
+        rest: list[Any] = []
+        with Consumer(survivor, [queue], prefetch_count=1,
+                      callbacks=[lambda body, message: (rest.append(body["v"]),
+                                                        message.ack())]):
+            deadline = time.monotonic() + 30
+            while len(rest) < 7 and time.monotonic() < deadline:
+                try:
+                    survivor.drain_events(timeout=1)
+                except OSError:
+                    pass
+    assert rest == [0, 1, 2, 3, 4, 5, "late"]
+    assert owned(zk_client, layout, "dies") == []
+    # Its inbox directory went with it.
+    assert len(zk_client.get_children(layout.owned("dies"))) == 0 or all(
+        not zk_client.get_children(f"{layout.owned('dies')}/{c}")
+        for c in zk_client.get_children(layout.owned("dies")))
+
+
+def test_messages_stored_by_the_previous_release_are_delivered(
+        zk_url: str, zk_client: KazooClient) -> None:
+    """Upgrading loses nothing: a waiting message of celery_zk before 0.2 (its
+    body in its node, in a bucket) and one owned by a consumer stopped for
+    the upgrade (flat in owned/) both run on the new release, in order."""
+    layout = layout_of(zk_url)
+    queue = queue_of("upgrade")
+    with Connection(zk_url) as conn:
+        queue(conn.channel()).declare()
+        for directory in ("bodies", "consumers"):   # an earlier release had neither
+            zk_client.delete(f"{layout.queue('upgrade')}/{directory}")
+        bucket = layout.bucket("upgrade", "p9-0000000000")
+        zk_client.ensure_path(bucket)
+
+        def stored(value: Any) -> bytes:
+            with Connection(zk_url) as other:   # a message as kombu encodes it
+                captured: list[bytes] = []
+                channel = other.channel()
+                original = channel._put
+
+                def capture(queue_name: str, message: dict[str, Any], **kwargs: Any) -> None:
+                    captured.append(json.dumps(message).encode())
+                channel._put = capture   # type: ignore[method-assign]
+                Producer(channel).publish({"v": value}, exchange=queue.exchange,
+                                          routing_key="upgrade")
+                channel._put = original   # type: ignore[method-assign]
+                return captured[0]
+
+        zk_client.create(f"{bucket}/" + message_prefix(9, 0, "a" * 16, body_apart=False),
+                         stored("waiting-old"), sequence=True)
+        held = message_prefix(9, 0, "b" * 16, body_apart=False) + "0" * 9 + "0"
+        zk_client.create(layout.owned_message("upgrade", owned_name("c00dead", held)),
+                         stored("owned-old"))
+        recovery_leader(conn)   # puts the dead owner's message back
+        wait_until(lambda: owned(zk_client, layout, "upgrade") == [], 15,
+                   message="the message owned by the stopped worker was not recovered")
+        publish(conn, queue, ["new"])
+        got: list[Any] = []
+        with Consumer(conn, [queue], prefetch_count=1,
+                      callbacks=[lambda body, message: (got.append(body["v"]), message.ack())]):
+            deadline = time.monotonic() + 30
+            while len(got) < 3 and time.monotonic() < deadline:
+                try:
+                    conn.drain_events(timeout=1)
+                except OSError:
+                    pass
+    # The owned one goes back ahead of the waiting one (an older sequence).
+    assert got == ["owned-old", "waiting-old", "new"]
+    assert owned(zk_client, layout, "upgrade") == [] and waiting(zk_client, layout,
+                                                                 "upgrade") == []
+
+
+def test_purge_deletes_names_and_bodies_a_few_hundred_per_multi(
+        zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = layout_of(zk_url)
+    with Connection(zk_url) as conn:
+        store = conn.transport.store
+        store.put_batch([store.new_message("purged", b'{"v": 1}', None) for _ in range(1000)])
+        transactions = 0
+        client = store.client
+        real = client.transaction
+
+        def counting() -> Any:
+            nonlocal transactions
+            transactions += 1
+            return real()
+        monkeypatch.setattr(client, "transaction", counting)
+        assert conn.default_channel.queue_purge("purged") == 1000
+    assert transactions <= 1000 // 256 + 1
+    assert waiting(zk_client, layout, "purged") == []
+    for twin in zk_client.get_children(layout.bodies("purged")):
+        assert zk_client.get_children(f"{layout.bodies('purged')}/{twin}") == []
+
+
+def test_bodies_are_written_once_and_only_names_move(
+        zk_url: str, zk_client: KazooClient) -> None:
+    """The body's node is made by the publish and deleted by the ack: giving a
+    message to a consumer moves only its (empty) name."""
+    layout = layout_of(zk_url)
+    queue = queue_of("names")
+    with Connection(zk_url) as conn:
+        publish(conn, queue, ["x"])
+        (name,) = waiting(zk_client, layout, "names")
+        message = parse_message_name(name)
+        assert message is not None
+        body = layout.body("names", message)
+        assert body is not None
+        _, before = zk_client.get(body)
+        got: list[Any] = []
+        with Consumer(conn, [queue], prefetch_count=1,
+                      callbacks=[lambda body, message: got.append(message)]):
+            deadline = time.monotonic() + 10
+            while not got and time.monotonic() < deadline:
+                conn.drain_events(timeout=1)
+            (path,) = owned(zk_client, layout, "names")
+            assert zk_client.get(path)[0] == b""
+            _, after = zk_client.get(body)
+            assert (after.czxid, after.mzxid) == (before.czxid, before.mzxid)
+            got[0].ack()
+            wait_until(lambda: zk_client.exists(body) is None, 5)
+    assert owned(zk_client, layout, "names") == []

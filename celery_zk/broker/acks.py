@@ -189,10 +189,14 @@ class Acking(StoreBase):
         def move() -> bool:
             nonlocal make_bucket
             txn = client.transaction()
-            txn.delete(owned_path, version=expected_version)
+            # The create before the delete: the dispatcher learns of the message
+            # waiting again before it sees the credit it frees (a transaction's
+            # watch events come in the order of its operations), so the freed
+            # credit never goes to what the message goes back ahead of.
             if make_bucket:
                 txn.create(bucket)
             txn.create(path, data)
+            txn.delete(owned_path, version=expected_version)
             try:
                 failure = multi_failure(txn.commit())
             except ConnectionLoss:
@@ -202,15 +206,17 @@ class Acking(StoreBase):
             if failure is None:
                 return True
             index, error = failure
-            if index == 1 and isinstance(error, NoNodeError if not make_bucket
-                                         else NodeExistsError):
-                # Its bucket was emptied and deleted since (make it again, in the
-                # same transaction: it sorts ahead of later buckets, where the
-                # message belongs), or made again meanwhile.
-                make_bucket = not make_bucket
+            if make_bucket and index == 0 and isinstance(error, NodeExistsError):
+                make_bucket = False   # made again meanwhile
                 return move()
-            if isinstance(error, (NoNodeError, BadVersionError)):
-                return False
+            if not make_bucket and index == 0 and isinstance(error, NoNodeError):
+                # Its bucket was emptied and deleted since: make it again, in the
+                # same transaction (it sorts ahead of later buckets, where the
+                # message belongs).
+                make_bucket = True
+                return move()
+            if isinstance(error, (NoNodeError, BadVersionError, NodeExistsError)):
+                return False   # moved already (a retry, or another survivor)
             raise error
 
         return bool(client.retry(move))

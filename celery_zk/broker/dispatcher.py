@@ -33,9 +33,8 @@ import json
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from itertools import islice
 from time import monotonic
 from typing import Any
 
@@ -82,21 +81,24 @@ class _Consumer:
 
 class _Head:
     """The first waiting messages of the queue in delivery order, as listed and
-    then kept up to date by the watch on ``unowned/``."""
+    then kept up to date by the watch on ``unowned/``. Sorted lists with
+    binary search: a busy queue's head changes on every publish and give."""
 
     def __init__(self) -> None:
         self.keys: list[tuple[Any, ...]] = []
         self.names: list[str] = []
         self.complete = False   # every waiting message is here (the listing ended)
+        self.keyed = 0          # how many carry an affinity key
 
     def reset(self, names: list[str], complete: bool) -> None:
         parsed = [(parse_message_name(name), name) for name in names]
-        self.keys = [message.sort_key for message, _ in parsed if message is not None]
+        self.keys = [(message.sort_key, name) for message, name in parsed if message is not None]
         self.names = [name for message, name in parsed if message is not None]
         self.complete = complete
+        self.keyed = sum(1 for message, _ in parsed if message is not None and message.affinity)
 
     def add(self, name: str, message: MessageName) -> None:
-        key = message.sort_key
+        key = (message.sort_key, name)   # the name breaks ties (requeued hand-offs)
         if not self.complete and (not self.keys or key > self.keys[-1]):
             return   # beyond what we listed: the next listing finds it
         index = bisect.bisect_left(self.keys, key)
@@ -104,11 +106,18 @@ class _Head:
             return
         self.keys.insert(index, key)
         self.names.insert(index, name)
+        self.keyed += bool(message.affinity)
 
-    def discard(self, names: set[str]) -> None:
-        kept = [(key, name) for key, name in zip(self.keys, self.names) if name not in names]
-        self.keys = [key for key, _ in kept]
-        self.names = [name for _, name in kept]
+    def discard(self, names: Iterable[str]) -> None:
+        for name in names:
+            message = parse_message_name(name)
+            if message is None:
+                continue
+            index = bisect.bisect_left(self.keys, (message.sort_key, name))
+            if index < len(self.names) and self.names[index] == name:
+                del self.keys[index]
+                del self.names[index]
+                self.keyed -= bool(message.affinity)
 
 
 class Dispatcher:
@@ -298,13 +307,6 @@ class Dispatcher:
     def _round(self) -> float | None:
         """Give what can be given; seconds until a look is due by itself (None: none)."""
         self._ensure_watches()
-        if any(event == NODE_DELETED for event, _ in list(self._inbox_events)):
-            # A name left an inbox: acked, or requeued, in which case the same
-            # multi made it wait again, and that event may still be on its way.
-            # A round trip first: ZooKeeper sends a transaction's events ahead
-            # of the reply to any later request, so then we have them all and
-            # a requeued message is given before what it went back ahead of.
-            self.session.client.exists(self.layout.unowned(self.queue))
         self._apply_events()
         if self._stale_consumers:
             self._read_consumers()
@@ -314,8 +316,7 @@ class Dispatcher:
             hungry = [c for c in self.consumers.values() if c.free > 0]
             if not hungry:
                 break
-            if (self._stale_listing or not self.head.names
-                    or monotonic() - self._listed_at > self.options.listing_max_age):
+            if self._stale_listing or not self.head.names:
                 if not self._list():
                     break
             plan, retry_in = self._plan(hungry)
@@ -437,7 +438,7 @@ class Dispatcher:
     def _plan(self, hungry: list[_Consumer]) -> tuple[dict[str, list[str]], float | None]:
         """Which names go to which consumer, in delivery order."""
         names = self.head.names
-        if any("@" in name for name in islice(names, 0, 1024)):
+        if self.head.keyed:
             return self._plan_keyed(hungry)
         # One at a time, round the consumers: the first messages go to as many
         # consumers as there are, not all to the first.
@@ -497,7 +498,7 @@ class Dispatcher:
             given = done.given()
             for cid, names in given.items():
                 self.consumers[cid].given.update(names)
-            self.head.discard({name for names in given.values() for name in names})
+            self.head.discard(name for names in given.values() for name in names)
             return
         kind, cid, name = refused
         if kind == "check":   # gone, or stopped consuming the queue

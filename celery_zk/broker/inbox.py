@@ -29,10 +29,10 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 
 from ..features import affinity
-from ..zk.client import CONNECTION_ERRORS, log_failure, reply_or_retry
+from ..zk.client import CONNECTION_ERRORS, RedoThread, log_failure, reply_or_retry
 from ..zk.layout import parse_message_name, sort_messages
 from ..zk.session import weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED
@@ -217,6 +217,11 @@ class Inbox:
             return
         self._learn(consumer_id)
         self._read(limit)
+        if len(self.buffer) + len(self.pending) <= (self.credit or self.options.claim_batch) // 2:
+            # Running low: the dispatcher refills our inbox only once it sees our
+            # acks, so the acks held back go now, not in 5 ms, and the refill
+            # overlaps what is left instead of following it.
+            self.transport.store.deferred.flush()
         if self.buffer:
             return
         if self.pending:
@@ -392,32 +397,61 @@ class Inbox:
             self._dispatcher().leave(consumer_id)
         if consumer_id is None or not transport.handle.started:
             return
-        store, client = transport.store, transport.handle.client
-        try:
-            if node is not None:
-                try:   # first: the dispatcher gives nothing after this
-                    client.retry(client.delete, node)
-                except NoNodeError:
-                    pass
-                transport.handle.disown(node)
-            names = client.retry(client.get_children, self._inbox_path())
-        except NoNodeError:
-            return
-        except CONNECTION_ERRORS as exc:   # the session's end gives them back
-            log_failure(logger, exc, "celery_zk: could not give back the undelivered "
-                        "messages of %s; recovery will when this session ends", self.queue)
-            return
         # Not given to kombu: never read, or read and not delivered. What was
         # delivered is the channel's to settle (acked, or restored by its QoS).
         undelivered = {c.name for c in self.buffer} | {name for name, _ in self.pending}
-        for name in names:
-            if name not in self.taken or name in undelivered:
-                store.requeue(transport.layout.inbox_message(self.queue, consumer_id, name))
+        keep = set(self.delivered)
+        handed = set(self.taken) - undelivered   # given to kombu (acked or not)
         self.pending.clear()
         self.buffer.clear()
-        self.taken = set(self.delivered)
-        if not self.delivered:
-            try:   # refused while a delivered message waits for its ack
-                client.retry(client.delete, self._inbox_path())
-            except Exception:
+        self.taken = set(keep)
+        try:
+            self._give_back(consumer_id, node, handed, keep)
+        except CONNECTION_ERRORS as exc:
+            # A session that lives on would keep them: give them back once
+            # ZooKeeper answers (if it ends first, recovery does).
+            log_failure(logger, exc, "celery_zk: could not give back the undelivered "
+                        "messages of %s now; retrying in the background", self.queue)
+            _give_backs.submit((self, consumer_id, node, handed, keep))
+
+    def _give_back(self, consumer_id: str, node: str | None, handed: set[str],
+                   keep: set[str]) -> None:
+        """Leave the queue's consumers/ (the dispatcher gives nothing after
+        that), then requeue every entry of the inbox but those ``handed`` to
+        kombu (acked, or the channel's to settle); the inbox goes too unless
+        ``keep`` (delivered and not settled) still has entries in it."""
+        transport = self.transport
+        store, client = transport.store, transport.handle.client
+        if node is not None:
+            try:
+                client.retry(client.delete, node)
+            except NoNodeError:
                 pass
+            transport.handle.disown(node)
+        inbox = transport.layout.inbox(self.queue, consumer_id)
+        try:
+            names = client.retry(client.get_children, inbox)
+        except NoNodeError:
+            return
+        for name in names:
+            if name not in handed and name not in keep:
+                store.requeue(transport.layout.inbox_message(self.queue, consumer_id, name))
+        if not keep:
+            try:   # refused while a delivered message waits for its ack
+                client.retry(client.delete, inbox)
+            except (NoNodeError, NotEmptyError):
+                pass
+
+
+def _give_back_again(item: tuple[Inbox, str, str | None, set[str], set[str]]) -> None:
+    inbox, consumer_id, node, read, keep = item
+    try:
+        inbox._give_back(consumer_id, node, read, keep)
+    except Exception as exc:   # the session's end gives them back (recovery)
+        log_failure(logger, exc, "celery_zk: could not give back the undelivered messages "
+                    "of %s; they go back when this worker's session ends", inbox.queue)
+
+
+#: Give-backs that could not reach ZooKeeper, redone in order once it answers.
+_give_backs: RedoThread[tuple[Inbox, str, str | None, set[str], set[str]]] = RedoThread(
+    "celery_zk-give-back", _give_back_again)

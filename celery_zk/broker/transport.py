@@ -42,9 +42,8 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   a publisher starts the next after this many creates (bounds every listing).
 * ``claim_batch`` (int, 64): most messages a consumer takes out of its inbox
   at a time, and its inbox's credit when its prefetch is unlimited.
-* ``listing_max_age`` (float, 1.0): seconds a queue's dispatcher goes on with
-  the head of a busy queue it knows before listing it again (a safety net:
-  its watch keeps that head current).
+* ``listing_max_age`` (float, 1.0): unused since 0.2 (consumers no longer list
+  queues); still accepted, so URLs that set it keep working.
 * ``persistent_watches`` (bool, True): consumers follow their inbox, and
   dispatchers ``unowned/`` and ``owned/``, with persistent recursive watches
   that name each new node, so nothing is listed per delivery (ZooKeeper

@@ -71,9 +71,9 @@ class ZKOptions:
                             "many creates in one. Bounds every listing (about 45 bytes "
                             "a name) and keeps ZooKeeper's 32-bit sequence counters far "
                             "from their end. 2 to 10,000.")
-    listing_max_age: float = _opt(1.0, "Seconds a queue's dispatcher goes on with the "
-                                  "head of a busy queue it knows (kept current by its "
-                                  "watch) before listing it again, as a safety net.")
+    listing_max_age: float = _opt(1.0, "Unused since 0.2 (consumers no longer list "
+                                  "queues; a dispatcher's watch keeps what it listed "
+                                  "current); still accepted, so URLs that set it work.")
     persistent_watches: bool = _opt(True, "Consumers and dispatchers follow their "
                                     "directories with persistent recursive watches, "
                                     "which name each new node (no listing per delivery; "

@@ -51,7 +51,7 @@ class ChunkMissing(PayloadError):
     """A chunk a manifest names is gone (deleted with its payload meanwhile, or
     by hand). ``path`` is the missing node."""
 
-    def __init__(self, message: str, path: str) -> None:
+    def __init__(self, message: str, path: str = "") -> None:
         super().__init__(message)
         self.path = path
 

@@ -45,7 +45,7 @@ import logging
 import queue
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, Optional
 
@@ -322,6 +322,21 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         super().forget(task_id)
         self.result_consumer.cancel_for(task_id)
 
+    def read_results(self, task_ids: Sequence[str], datas: Sequence[bytes | None]
+                     ) -> list[bytes | None]:
+        """Done nodes' data as read, made whole (a chunked result's chunks read). A
+        result that cannot be read becomes a FAILURE whose error says why, for
+        its waiter alone: the others of the batch are delivered as usual."""
+        return self.payloads.resolve([self.get_key_for_task(t) for t in task_ids], datas,
+                                     broken=self._unreadable)
+
+    def _unreadable(self, key: Key, error: Exception) -> bytes:
+        meta = self._get_result_meta(result=self.encode_result(error, states.FAILURE),
+                                     state=states.FAILURE, traceback=None, request=None)
+        meta["task_id"] = key.id
+        data = self.encode(meta)
+        return data.encode() if isinstance(data, str) else bytes(data)
+
     def get_many(self, task_ids: Iterable[str], timeout: float | None = None,
                  interval: float = 0.5, no_ack: bool = True,
                  on_message: Callable[[dict[str, Any]], None] | None = None,
@@ -352,9 +367,8 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         iterations = 0
         while ids:
             keys = sorted(to_read & ids)
-            datas = self.payloads.resolve(
-                [self.get_key_for_task(t) for t in keys],
-                read_nodes(self.client, [self.result_path(t) for t in keys], watch))
+            datas = self.read_results(
+                keys, read_nodes(self.client, [self.result_path(t) for t in keys], watch))
             for task_id, data in zip(keys, datas):
                 if not data:
                     continue

@@ -160,10 +160,31 @@ class ResultPayloads:
                         stored.container)
 
     # -- reading ---------------------------------------------------------------
-    def resolve(self, keys: Sequence[Key], datas: Sequence[bytes | None]
+    def resolve(self, keys: Sequence[Key], datas: Sequence[bytes | None],
+                broken: Callable[[Key, PayloadError], bytes] | None = None
                 ) -> list[bytes | None]:
         """The full value of each node as read: a manifest's chunks read and checked
-        (all of them pipelined); anything else as it is."""
+        (all of them pipelined); anything else as it is.
+
+        A payload that cannot be read raises :class:`PayloadError`, or, with
+        ``broken``, is replaced by what ``broken`` makes of its error, so one
+        broken result does not keep the others of a batch from their waiters.
+        """
+        try:
+            return self._resolve(keys, datas)
+        except PayloadError:
+            if broken is None:
+                raise
+        out: list[bytes | None] = []
+        for key, data in zip(keys, datas):   # each alone, to tell which is broken
+            try:
+                out.extend(self._resolve([key], [data]))
+            except PayloadError as exc:
+                out.append(broken(key, exc))
+        return out
+
+    def _resolve(self, keys: Sequence[Key], datas: Sequence[bytes | None]
+                 ) -> list[bytes | None]:
         out = list(datas)
         for _ in range(READ_ATTEMPTS):
             todo = [i for i, data in enumerate(out) if is_manifest(data)]

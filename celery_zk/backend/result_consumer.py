@@ -218,9 +218,8 @@ class ResultConsumer(BaseResultConsumer):
             read.extend(zip(unread, read_nodes(client, paths, self._watch_cb)))
         # A chunked result's chunks are read here, in the waiting thread: never
         # from a watch callback (see the module docstring).
-        datas = self.backend.payloads.resolve(
-            [self.backend.get_key_for_task(task_id) for task_id, _ in read],
-            [data for _, data in read])
+        datas = self.backend.read_results([task_id for task_id, _ in read],
+                                          [data for _, data in read])
         for data in datas:
             if data:
                 self.on_state_change(self.backend.decode_result(data), None)

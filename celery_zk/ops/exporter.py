@@ -119,8 +119,16 @@ def _result_metrics(status: Status) -> Iterator[Any]:
     expired = GaugeMetricFamily("celery_zk_results_expired",
                                 "Stored results past result_expires (cleanup removes them).")
     expired.add_metric([], status.results.expired)
+    chunked = GaugeMetricFamily("celery_zk_results_chunked",
+                                "Results and groups stored in chunks (above chunk_size).")
+    chunked.add_metric([], status.results.chunked)
+    chunked_bytes = GaugeMetricFamily("celery_zk_results_chunked_bytes",
+                                      "Bytes of the results and groups stored in chunks.")
+    chunked_bytes.add_metric([], status.results.chunked_bytes)
     yield stored
     yield expired
+    yield chunked
+    yield chunked_bytes
 
 
 def _server_metrics(status: Status) -> Iterator[Any]:

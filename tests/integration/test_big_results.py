@@ -12,12 +12,16 @@ from typing import Any
 
 import pytest
 from celery import Celery, chord, group, states
+from celery.result import ResultSet
 from kazoo.client import KazooClient
 
 import celery_zk.backend.payloads as backend_payloads
 from celery_zk.backend import ZooKeeperBackend
 from celery_zk.backend.expiry import HOUR, RESULT, Key
-from celery_zk.exceptions import ResultTooLarge
+from celery_zk.exceptions import PayloadError, ResultTooLarge
+from celery_zk.ops.exporter import StatusCollector
+from celery_zk.ops.report import format_status
+from celery_zk.ops.status import collect
 from celery_zk.pytest_plugin import kazoo_client
 from celery_zk.zk.layout import Layout
 from celery_zk.zk.payload import is_manifest, parse_manifest
@@ -184,6 +188,24 @@ def test_a_reader_whose_chunks_vanish_reads_the_new_value(backend: ZooKeeperBack
     assert backend.payloads.resolve([key], [old]) == [None]
 
 
+def test_a_broken_result_is_a_clear_error_for_its_waiter_alone(
+        app: Celery, backend: ZooKeeperBackend) -> None:
+    backend.store_result("broken", text(CHUNK * 2), states.SUCCESS)
+    backend.store_result("fine", text(CHUNK * 2, seed=1), states.SUCCESS)
+    [container] = [c for c in containers(backend) if "/r~broken~" in c]
+    backend.client.delete(Layout.chunk(container, 1))   # by hand
+    both = ResultSet([app.AsyncResult("broken"), app.AsyncResult("fine")], app=app)
+    with pytest.raises(PayloadError, match=f"{Layout.chunk(container, 1)} is missing"):
+        both.get(timeout=10)
+    assert app.AsyncResult("fine").get(timeout=10) == text(CHUNK * 2, seed=1)
+    got = dict(backend.get_many(["broken", "fine"], timeout=10))
+    assert got["broken"]["status"] == states.FAILURE
+    with pytest.raises(PayloadError, match="cannot be read.*forget()"):
+        backend.mget([Key(RESULT, "broken")])
+    app.AsyncResult("broken").forget()   # the way out the error names
+    assert [c for c in containers(backend) if "/r~broken~" in c] == []
+
+
 def test_forget_deletes_the_chunks_with_the_done_node(app: Celery,
                                                       backend: ZooKeeperBackend) -> None:
     backend.store_result("gone", text(2 * MB), states.SUCCESS)
@@ -221,7 +243,7 @@ def test_expiry_deletes_chunks_with_their_results(backend: ZooKeeperBackend) -> 
     assert backend.client.exists(backend.result_path("old-small")) is None
     [left] = containers(backend)
     assert Layout.parent(left).startswith(backend.layout.payloads)
-    assert "new-big" in left
+    assert "/r~new-big~" in left
     backend.clock = lambda: now + 40 * HOUR
     backend.cleanup()
     assert containers(backend) == [] and payload_entries(backend) == []
@@ -247,8 +269,8 @@ def test_orphans_are_collected_and_live_chunks_kept(
 
     monkeypatch.setattr(backend_payloads, "write_chunks", slow)
     backend.store_result("late", text(CHUNK * 2), states.SUCCESS)
-    [_, kept] = sorted(containers(backend), key=lambda c: "late" in c)
-    assert "late" in kept and len(payload_entries(backend)) == 3   # 2 hours for "late"
+    [_, kept] = sorted(containers(backend), key=lambda c: "/r~late~" in c)
+    assert "/r~late~" in kept and len(payload_entries(backend)) == 3   # 2 hours for "late"
     backend.clock = lambda: now + 22 * HOUR   # the containers' hour expired, not the node's
     backend.cleanup()
     assert containers(backend) == [kept]
@@ -265,6 +287,32 @@ def test_the_size_limit_is_a_clear_error(backend: ZooKeeperBackend) -> None:
     message = str(excinfo.value)
     assert "huge" in message and "16,777,216" in message and "max_result_size" in message
     assert containers(backend) == []
+
+
+def test_status_and_the_exporter_count_chunked_results_from_names(
+        backend: ZooKeeperBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend.store_result("a", text(3 * MB), states.SUCCESS)
+    backend.store_result("b", text(CHUNK + 1, seed=1), states.SUCCESS)
+    backend.store_result("c", "small", states.SUCCESS)
+    sizes = [len(backend.client.get(backend.result_path(t))[0]) for t in "abc"]
+    real_get = backend.client.get_async
+    reads: list[str] = []
+    monkeypatch.setattr(backend.client, "get_async",
+                        lambda path, *a, **k: reads.append(path) or real_get(path, *a, **k))
+    status = collect(backend.client, backend.layout, backend.settings.hosts,
+                     results_layout=backend.layout, queues=[], health=False)
+    assert reads == []   # names and stats only: no data read
+    assert status.results is not None
+    assert status.results.results == 3
+    assert status.results.chunked == 2
+    manifests = [parse_manifest(backend.client.get(backend.result_path(t))[0]) for t in "ab"]
+    assert status.results.chunked_bytes == sum(m.size for m in manifests) > 3 * MB
+    assert sizes[2] < 200 and all(size < 200 for size in sizes[:2])
+    assert "2 stored in chunks (3." in format_status(status, "zk://x")
+    metrics = {sample.name: sample.value for family in StatusCollector(lambda: status).collect()
+               for sample in family.samples}
+    assert metrics["celery_zk_results_chunked"] == 2
+    assert metrics["celery_zk_results_chunked_bytes"] == status.results.chunked_bytes
 
 
 # -- real workers ------------------------------------------------------------------------

@@ -9,8 +9,9 @@ celery-exporter read keep their names and labels:
 * ``celery_active_consumer_count{queue_name}``: live consumers of the queue.
 
 The rest are ``celery_zk_*``: owned and dead messages, the oldest waiting
-message's age, waiting messages per priority, consumers, stored results, and
-each server's ``mntr`` figures. A scrape that cannot reach ZooKeeper reports
+message's age, waiting messages per priority, consumers, stored results
+(those stored in chunks too, and their bytes), and each server's ``mntr``
+figures. A scrape that cannot reach ZooKeeper reports
 ``celery_zk_up 0`` instead of failing.
 """
 from __future__ import annotations

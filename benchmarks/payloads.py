@@ -32,11 +32,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -48,16 +46,14 @@ sys.path.insert(0, HERE)
 from bench_app import IDENTITY, MAKE, NOOP, make_app  # noqa: E402
 from common import (  # noqa: E402
     Processes,
-    RabbitServer,
-    RedisServer,
     Workers,
     add_server_options,
     add_zk_option,
+    bench_run,
     log,
-    measured_server,
-    pause,
+    sample,
+    start_brokers,
     table,
-    warm_up_zookeeper,
     write_json,
 )
 
@@ -88,13 +84,7 @@ class Refused(Exception):
 def measure(once: Callable[[], float], count: int) -> dict[str, Any]:
     """Median and spread of ``count`` samples (ms), or why the broker refused."""
     try:
-        for _ in range(WARM_UP):
-            once()
-            pause()
-        values = []
-        for _ in range(count):
-            values.append(once() * 1000)
-            pause()
+        values = sample(once, count, warm_up=WARM_UP)
     except MessageTooLarge as exc:
         reason = re.sub(r" for queue '[^']*'", "", str(exc).split(";")[0])
         return {"refused": f"{type(exc).__name__}: {reason}"}
@@ -162,47 +152,16 @@ class Broker:
         return once
 
 
-def start_servers(args: argparse.Namespace, procs: Processes, work_dir: str,
-                  stack: list[Callable[[], None]]) -> dict[str, tuple[str, str]]:
-    urls: dict[str, tuple[str, str]] = {}
-    if "zk" in args.brokers:
-        zk = measured_server(args)
-        zk.start()
-        stack.append(zk.close)
-        warm_up_zookeeper(zk.hosts)
-        query = "?" + "&".join(args.zk_option) if args.zk_option else ""
-        urls["zk"] = (f"{zk.url}/payloads{query}", f"{zk.url}/payloads-results{query}")
-    if "redis" in args.brokers:
-        redis = RedisServer(procs, work_dir).start()
-        urls["redis"] = (redis.url(0), redis.url(1))
-    if "rabbitmq" in args.brokers:
-        rabbit = RabbitServer(procs, work_dir)
-        stack.append(rabbit.stop)
-        log("starting RabbitMQ")
-        rabbit.start()
-        urls["rabbitmq"] = (rabbit.url(), "rpc://")
-    return urls
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    work_dir = tempfile.mkdtemp(prefix="celery-zk-payloads-")
-    procs = Processes()
-    stack: list[Callable[[], None]] = []
     results: dict[str, Any] = {}
-    try:
-        urls = start_servers(args, procs, work_dir, stack)
+    with bench_run("celery-zk-payloads-", args.keep) as (procs, work_dir, stack):
+        urls = start_brokers(args, procs, work_dir, stack, "payloads")
+        # Ended before the servers stop (the stack unwinds last first): pooled
+        # sessions would retry against a stopped server.
+        stack.append(close_all)
         for name in args.brokers:
             broker = Broker(name, *urls[name], procs, work_dir)
             results[name] = broker.run(args.sizes, args.samples)
-    finally:
-        close_all()   # pooled sessions would outlive the server and retry against it
-        procs.stop_all()
-        for stop in reversed(stack):
-            stop()
-        if args.keep:
-            log(f"work dir kept: {work_dir}")
-        else:
-            shutil.rmtree(work_dir, ignore_errors=True)
     return results
 
 

@@ -1,7 +1,6 @@
 """The zk:// result backend end to end: real ZooKeeper, real ``celery worker`` processes."""
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,18 +30,6 @@ def app(zk_url: str) -> Iterator[Celery]:
     assert isinstance(backend, ZooKeeperBackend)
     backend.close()
     client_app.close()
-
-
-@pytest.fixture
-def worker(start_worker: Callable[..., Worker], zk_url: str) -> Callable[..., Worker]:
-    """Factory: a real worker on the same broker and backend as ``app``."""
-    def start(**kwargs: Any) -> Worker:
-        env = kwargs.pop("env", {})
-        conf = kwargs.pop("conf", {})
-        if conf:
-            env["CELERY_ZK_TEST_CONF"] = json.dumps(conf)
-        return start_worker(zk_url, backend=zk_url, env=env, **kwargs)
-    return start
 
 
 def sig(app: Celery, name: str, *args: Any, **options: Any) -> Any:

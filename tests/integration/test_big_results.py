@@ -58,17 +58,6 @@ def backend(app: Celery) -> ZooKeeperBackend:
     return b
 
 
-@pytest.fixture
-def worker(start_worker: Callable[..., Worker], zk_url: str) -> Callable[..., Worker]:
-    def start(**kwargs: Any) -> Worker:
-        env = kwargs.pop("env", {})
-        conf = kwargs.pop("conf", {})
-        if conf:
-            env["CELERY_ZK_TEST_CONF"] = json.dumps(conf)
-        return start_worker(zk_url, backend=zk_url, env=env, **kwargs)
-    return start
-
-
 def send(app: Celery, name: str, *args: Any) -> Any:
     return app.send_task(TASK + name, args)
 

@@ -357,13 +357,16 @@ def epmd_pids() -> set[int]:
 
 
 def start_brokers(args: argparse.Namespace, procs: Processes, work_dir: str,
-                  stack: list[Callable[[], None]], root: str) -> dict[str, tuple[str, str]]:
+                  stack: list[Callable[[], None]], root: str
+                  ) -> tuple[dict[str, tuple[str, str]], ZooKeeperServer | None]:
     """Broker and result backend URLs of each of ``args.brokers``, its server started:
     ``zk`` (:func:`measured_server`, warmed up, ``--zk-option`` in its URLs, under
     ``/{root}``), ``redis`` and ``redis-aof`` (:class:`RedisServer`, results in db
-    1), ``rabbitmq`` (:class:`RabbitServer`, ``rpc://`` results). What must be
-    stopped by hand is pushed on ``stack``; the rest are ``procs``'."""
+    1), ``rabbitmq`` (:class:`RabbitServer`, ``rpc://`` results); and the
+    ZooKeeper server, if any. What must be stopped by hand is pushed on
+    ``stack``; the rest are ``procs``'."""
     urls: dict[str, tuple[str, str]] = {}
+    zk = None
     if "zk" in args.brokers:
         zk = measured_server(args)
         zk.start()
@@ -381,7 +384,18 @@ def start_brokers(args: argparse.Namespace, procs: Processes, work_dir: str,
         log("starting RabbitMQ")
         rabbit.start()
         urls["rabbitmq"] = (rabbit.url(), "rpc://")
-    return urls
+    return urls, zk
+
+
+def heap_used(pid: int) -> int:
+    """A JVM's live heap after a full GC, bytes (jcmd)."""
+    subprocess.run(["jcmd", str(pid), "GC.run"], capture_output=True, timeout=120)
+    out = subprocess.run(["jcmd", str(pid), "GC.heap_info"], capture_output=True,
+                         text=True, timeout=60).stdout
+    for line in out.splitlines():
+        if " used " in line and "total" in line:
+            return int(line.split(" used ")[1].split("K")[0]) * 1024
+    raise RuntimeError(f"no heap figure in: {out!r}")
 
 
 @contextmanager

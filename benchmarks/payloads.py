@@ -16,6 +16,10 @@ For each payload size (a str of that many characters, JSON):
                bytes: a small message and a big result (celery_zk stores a
                result above ``chunk_size`` in chunks).
 
+Then the ZooKeeper server's live heap after a full GC, every result
+forgotten: what the server still holds of recent writes (its last 500
+proposals, whatever their size; see docs/sizing.md).
+
 Every figure is the median of the samples (``--samples``, fewer for the big
 sizes: at most about 60 MB moved per cell), after two uncounted ones. A cell
 whose payload the broker refuses says so instead of a figure: on zk, a message
@@ -50,6 +54,7 @@ from common import (  # noqa: E402
     add_server_options,
     add_zk_option,
     bench_run,
+    heap_used,
     log,
     sample,
     start_brokers,
@@ -155,13 +160,17 @@ class Broker:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with bench_run("celery-zk-payloads-", args.keep) as (procs, work_dir, stack):
-        urls = start_brokers(args, procs, work_dir, stack, "payloads")
+        urls, zk = start_brokers(args, procs, work_dir, stack, "payloads")
         # Ended before the servers stop (the stack unwinds last first): pooled
         # sessions would retry against a stopped server.
         stack.append(close_all)
         for name in args.brokers:
             broker = Broker(name, *urls[name], procs, work_dir)
             results[name] = broker.run(args.sizes, args.samples)
+            if name == "zk" and zk is not None and zk.pid:
+                # Every result was forgotten: what is left is ZooKeeper's own
+                # memory of recent writes (its last 500 proposals).
+                results["zk heap MB"] = heap_used(zk.pid) / 2**20
     return results
 
 
@@ -177,14 +186,19 @@ def render(results: dict[str, Any], sizes: list[int]) -> str:
     labels = [label(size) for size in sizes]
     rows = [["broker", "measure", *labels]]
     for name, measures in results.items():
+        if not isinstance(measures, dict):
+            continue
         for measure_name in MEASURES:
             row = measures.get(measure_name, {})
             rows.append([name, measure_name, *(cell(row.get(lab)) for lab in labels)])
     refused = [f"{name} {measure_name} {lab}: {figures['refused']}"
-               for name, measures in results.items()
+               for name, measures in results.items() if isinstance(measures, dict)
                for measure_name, row in measures.items() for lab, figures in row.items()
                if "refused" in figures]
     out = ["Median ms (min-max, samples)", *table(rows)]
+    if "zk heap MB" in results:
+        out += ["", f"ZooKeeper live heap after the run, every result forgotten: "
+                    f"{results['zk heap MB']:,.0f} MB"]
     if refused:
         out += ["", "Refused, e.g. " + refused[0]]
     return "\n".join(out)

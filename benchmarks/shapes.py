@@ -197,7 +197,7 @@ class Broker:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with bench_run("celery-zk-shapes-", args.keep) as (procs, work_dir, stack):
-        urls = start_brokers(args, procs, work_dir, stack, "shapes")
+        urls, _ = start_brokers(args, procs, work_dir, stack, "shapes")
         brokers = {name: Broker(name, *urls[name], procs, work_dir, args)
                    for name in args.brokers}
         if "latency" in args.only:

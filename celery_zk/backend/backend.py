@@ -32,7 +32,7 @@ Transport Options
 (:class:`celery_zk.zk.config.ZKOptions`); those the backend uses:
 
 * ``session_timeout`` (float, 10.0) and ``connect_timeout`` (float, 10.0).
-* ``chunk_size`` (int, 524288): results bigger than this are stored in chunks
+* ``chunk_size`` (int, 131072): results bigger than this are stored in chunks
   of this size.
 * ``max_result_size`` (int, 16777216): largest encoded result meta, bytes.
 * ``acl`` / ``read_only_users``, and the TLS options ``use_ssl``, ``ca``,

@@ -15,7 +15,7 @@ waiting thread wakes up. :meth:`drain_events`, run by the waiting thread
 (Celery's ``Drainer``), blocks on that queue with a timeout, collects those
 reads (reading again itself what a read could not fetch), reads the chunks
 of a result stored in chunks (:mod:`celery_zk.backend.payloads`; a 16 MiB
-result is 32 requests of 512 KiB, which a callback must not start) and hands
+result is 128 requests of 128 KiB, which a callback must not start) and hands
 the meta to Celery.
 
 kazoo drops every watch when the connection is lost. A state listener puts a

@@ -107,11 +107,13 @@ class ZKOptions:
                               "apply_async still returns once all are stored.")
     max_message_size: int = _opt(1_000_000, "Largest encoded message or result, bytes; "
                                  "must stay below the server's jute.maxbuffer (1 MiB).")
-    chunk_size: int = _opt(524_288, "A result (or saved group) bigger than this is "
+    chunk_size: int = _opt(131_072, "A result (or saved group) bigger than this is "
                            "stored as chunk nodes of this size, written before the node "
                            "that makes it visible, which holds a small manifest instead "
                            "(celery_zk.zk.payload). 1,024 to 1,000,000: each chunk is one "
-                           "request, below the server's jute.maxbuffer (1 MiB).")
+                           "request, below the server's jute.maxbuffer (1 MiB). Every "
+                           "server keeps its last 500 requests in memory, about 4 times "
+                           "their size each: bigger chunks cost more heap (docs/sizing.md).")
     max_result_size: int = _opt(16_777_216, "Largest encoded result (or saved group), "
                                 "bytes; a bigger one fails its task with ResultTooLarge. "
                                 "Every stored byte is in every server's heap (see "

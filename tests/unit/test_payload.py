@@ -114,7 +114,7 @@ def test_chunk_size_bounds() -> None:
 
 def test_payload_options_defaults_and_validation() -> None:
     options = parse_url("zk://h/app").options
-    assert options.chunk_size == 512 * 1024
+    assert options.chunk_size == 128 * 1024
     assert options.max_result_size == 16 * 1024 * 1024
     assert parse_url("zk://h/app?chunk_size=4096&max_result_size=10").options.chunk_size == 4096
     with pytest.raises(ZKConfigurationError, match="'chunk_size' must be between"):

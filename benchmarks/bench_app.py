@@ -36,6 +36,8 @@ DRAIN = "bench.drain"
 ADD = "bench.add"
 MARK = "bench.mark"
 NOOP = "bench.noop"
+IDENTITY = "bench.identity"
+MAKE = "bench.make"
 
 
 def _echo(self: Task, reply_queue: str, token: str) -> None:
@@ -90,6 +92,16 @@ def _noop(index: int) -> None:
     """Background load: a task that does nothing and publishes nothing."""
 
 
+def _identity(value: object) -> object:
+    """Returns its argument: a payload goes to the worker and comes back."""
+    return value
+
+
+def _make(size: int) -> str:
+    """A result of ``size`` bytes from a small message."""
+    return "x" * size
+
+
 def make_app(broker: str, backend: str | None = None) -> Celery:
     app = Celery("bench_app", broker=broker, backend=backend or None, set_as_current=False)
     app.conf.update(
@@ -105,6 +117,8 @@ def make_app(broker: str, backend: str | None = None) -> Celery:
     app.task(name=ADD)(_add)
     app.task(name=MARK, ignore_result=True)(_mark)
     app.task(name=NOOP, ignore_result=True)(_noop)
+    app.task(name=IDENTITY)(_identity)
+    app.task(name=MAKE)(_make)
     return app
 
 

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -353,6 +354,69 @@ class RabbitServer:
 def epmd_pids() -> set[int]:
     found = subprocess.run(["pgrep", "-x", "epmd"], capture_output=True, text=True).stdout
     return {int(pid) for pid in found.split()}
+
+
+def start_brokers(args: argparse.Namespace, procs: Processes, work_dir: str,
+                  stack: list[Callable[[], None]], root: str
+                  ) -> tuple[dict[str, tuple[str, str]], ZooKeeperServer | None]:
+    """Broker and result backend URLs of each of ``args.brokers``, its server started:
+    ``zk`` (:func:`measured_server`, warmed up, ``--zk-option`` in its URLs, under
+    ``/{root}``), ``redis`` and ``redis-aof`` (:class:`RedisServer`, results in db
+    1), ``rabbitmq`` (:class:`RabbitServer`, ``rpc://`` results); and the
+    ZooKeeper server, if any. What must be stopped by hand is pushed on
+    ``stack``; the rest are ``procs``'."""
+    urls: dict[str, tuple[str, str]] = {}
+    zk = None
+    if "zk" in args.brokers:
+        zk = measured_server(args)
+        zk.start()
+        stack.append(zk.close)
+        warm_up_zookeeper(zk.hosts)
+        query = "?" + "&".join(args.zk_option) if args.zk_option else ""
+        urls["zk"] = (f"{zk.url}/{root}{query}", f"{zk.url}/{root}-results{query}")
+    for name, durable in (("redis", False), ("redis-aof", True)):
+        if name in args.brokers:
+            redis = RedisServer(procs, work_dir, durable=durable).start()
+            urls[name] = (redis.url(0), redis.url(1))
+    if "rabbitmq" in args.brokers:
+        rabbit = RabbitServer(procs, work_dir)
+        stack.append(rabbit.stop)
+        log("starting RabbitMQ")
+        rabbit.start()
+        urls["rabbitmq"] = (rabbit.url(), "rpc://")
+    return urls, zk
+
+
+def heap_used(pid: int) -> int:
+    """A JVM's live heap after a full GC, bytes (jcmd)."""
+    subprocess.run(["jcmd", str(pid), "GC.run"], capture_output=True, timeout=120)
+    out = subprocess.run(["jcmd", str(pid), "GC.heap_info"], capture_output=True,
+                         text=True, timeout=60).stdout
+    for line in out.splitlines():
+        if " used " in line and "total" in line:
+            return int(line.split(" used ")[1].split("K")[0]) * 1024
+    raise RuntimeError(f"no heap figure in: {out!r}")
+
+
+@contextmanager
+def bench_run(prefix: str, keep: bool = False
+              ) -> Iterator[tuple[Processes, str, list[Callable[[], None]]]]:
+    """A run's processes, work directory and stack of things to stop: everything
+    stopped at the end (also after an error or Ctrl-C), the directory removed
+    unless ``keep``."""
+    work_dir = tempfile.mkdtemp(prefix=prefix)
+    procs = Processes()
+    stack: list[Callable[[], None]] = []
+    try:
+        yield procs, work_dir, stack
+    finally:
+        procs.stop_all()
+        for stop in reversed(stack):
+            stop()
+        if keep:
+            log(f"work dir kept: {work_dir}")
+        else:
+            shutil.rmtree(work_dir, ignore_errors=True)
 
 
 # -- workers ---------------------------------------------------------------------------------

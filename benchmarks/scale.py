@@ -36,7 +36,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ from common import (  # noqa: E402
     RabbitServer,
     RedisServer,
     Workers,
+    heap_used,
     log,
     spawn_worker,
     write_json,
@@ -79,17 +79,6 @@ def mntr(server: ZooKeeperServer) -> dict[str, str]:
     assert server.port is not None
     reply = four_letter_word(server.host, server.port, "mntr", timeout=10)
     return dict(line.split("\t", 1) for line in reply.splitlines() if "\t" in line)
-
-
-def heap_used(pid: int) -> int:
-    """Live heap after a full GC, bytes (jcmd)."""
-    subprocess.run(["jcmd", str(pid), "GC.run"], capture_output=True, timeout=120)
-    out = subprocess.run(["jcmd", str(pid), "GC.heap_info"], capture_output=True,
-                         text=True, timeout=60).stdout
-    for line in out.splitlines():
-        if " used " in line and "total" in line:
-            return int(line.split(" used ")[1].split("K")[0]) * 1024
-    raise RuntimeError(f"no heap figure in: {out!r}")
 
 
 def cpu_seconds(pid: int) -> float:

@@ -38,11 +38,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -57,20 +55,18 @@ from bench_measure import reply_round_trip, result_round_trip  # noqa: E402
 from celery import group  # noqa: E402
 from common import (  # noqa: E402
     Processes,
-    RabbitServer,
-    RedisServer,
     Workers,
     add_server_options,
     add_zk_option,
+    bench_run,
     child_env,
     log,
-    measured_server,
     percentile,
     sample,
+    start_brokers,
     table,
     tail,
     threaded_rate,
-    warm_up_zookeeper,
     write_json,
 )
 
@@ -198,37 +194,10 @@ class Broker:
 
 
 # -- the run ---------------------------------------------------------------------------
-def start_servers(args: argparse.Namespace, procs: Processes, work_dir: str,
-                  stack: list[Callable[[], None]]) -> dict[str, tuple[str, str]]:
-    """Broker and backend URLs of each requested broker, its server started."""
-    urls: dict[str, tuple[str, str]] = {}
-    if "zk" in args.brokers:
-        zk = measured_server(args)
-        zk.start()
-        stack.append(zk.close)
-        warm_up_zookeeper(zk.hosts)
-        query = "?" + "&".join(args.zk_option) if args.zk_option else ""
-        urls["zk"] = (f"{zk.url}/shapes{query}", f"{zk.url}/shapes-results{query}")
-    for name, durable in (("redis", False), ("redis-aof", True)):
-        if name in args.brokers:
-            redis = RedisServer(procs, work_dir, durable=durable).start()
-            urls[name] = (redis.url(0), redis.url(1))
-    if "rabbitmq" in args.brokers:
-        rabbit = RabbitServer(procs, work_dir)
-        stack.append(rabbit.stop)
-        log("starting RabbitMQ")
-        rabbit.start()
-        urls["rabbitmq"] = (rabbit.url(), "rpc://")
-    return urls
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    work_dir = tempfile.mkdtemp(prefix="celery-zk-shapes-")
-    procs = Processes()
-    stack: list[Callable[[], None]] = []
     results: dict[str, Any] = {}
-    try:
-        urls = start_servers(args, procs, work_dir, stack)
+    with bench_run("celery-zk-shapes-", args.keep) as (procs, work_dir, stack):
+        urls, _ = start_brokers(args, procs, work_dir, stack, "shapes")
         brokers = {name: Broker(name, *urls[name], procs, work_dir, args)
                    for name in args.brokers}
         if "latency" in args.only:
@@ -254,14 +223,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row["publish/s 1 thread"] = broker.publish(url, args.publish, 1)
                     row["publish/s 8 threads"] = broker.publish(url, args.publish, 8)
                     row["group of 1,000 s"] = broker.group(url)
-    finally:
-        procs.stop_all()
-        for stop in reversed(stack):
-            stop()
-        if args.keep:
-            log(f"work dir kept: {work_dir}")
-        else:
-            shutil.rmtree(work_dir, ignore_errors=True)
     return results
 
 

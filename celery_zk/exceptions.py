@@ -41,6 +41,24 @@ class ResultTooLarge(MessageTooLarge, EncodeError):
     """
 
 
+class PayloadError(CeleryZKError):
+    """A chunked payload (celery_zk.zk.payload) cannot be written or read whole:
+    its bytes do not match their manifest, or a container is not where it
+    should be. The message names the node."""
+
+
+class ChunkMissing(PayloadError):
+    """A chunk a manifest names is gone (deleted with its payload meanwhile, or
+    by hand). ``path`` is the missing node."""
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, ...]:   # picklable with its path
+        return (type(self), (str(self), self.path))
+
+
 class ZKConnectionError(CeleryZKError, ConnectionError):
     """ZooKeeper could not be reached within the connect timeout."""
 

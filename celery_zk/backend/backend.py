@@ -14,9 +14,11 @@ Features
   ``celery beat``'s ``backend_cleanup`` calls) through an index of nodes by the
   hour they were written: cleanup reads only expired hours, never the done
   area.
-* A result larger than ``max_message_size`` fails its task with
-  :class:`ResultTooLarge` (a :class:`~celery_zk.exceptions.MessageTooLarge`);
-  results are not chunked.
+* A result larger than ``chunk_size`` is stored as chunks written before its
+  done node, which then holds a small manifest
+  (:mod:`celery_zk.backend.payloads`); every read returns the whole value. One
+  larger than ``max_result_size`` fails its task with :class:`ResultTooLarge`
+  (a :class:`~celery_zk.exceptions.MessageTooLarge`).
 
 Connection String
 =================
@@ -30,7 +32,9 @@ Transport Options
 (:class:`celery_zk.zk.config.ZKOptions`); those the backend uses:
 
 * ``session_timeout`` (float, 10.0) and ``connect_timeout`` (float, 10.0).
-* ``max_message_size`` (int, 1000000): largest encoded result meta, bytes.
+* ``chunk_size`` (int, 131072): results bigger than this are stored in chunks
+  of this size.
+* ``max_result_size`` (int, 16777216): largest encoded result meta, bytes.
 * ``acl`` / ``read_only_users``, and the TLS options ``use_ssl``, ``ca``,
   ``certfile``, ``keyfile``, ``keyfile_password``, ``verify_certs``.
 """
@@ -40,7 +44,7 @@ import logging
 import queue
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -51,20 +55,24 @@ from celery.exceptions import TimeoutError
 from celery.result import result_from_tuple
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
+    BadVersionError,
     NoNodeError,
     NotEmptyError,
 )
 from kazoo.protocol.states import WatchedEvent
+from kazoo.retry import ForceRetryError
 
 from ..compat.celery import is_lazy, is_stray_copy
 from ..exceptions import ResultTooLarge
 from ..zk.client import CONNECTION_ERRORS
 from ..zk.config import mask_in_celery_reports, mask_password, parse_url
 from ..zk.layout import Layout
+from ..zk.payload import commit_deleting
 from ..zk.session import ClientHandle
 from .chord import ChordCounter
 from .chord_body import send_chord_body
 from .expiry import CHORD, GROUP, HOUR, RESULT, ExpiryIndex, Key, bucket_expired, expiry_hour
+from .payloads import ResultPayloads
 from .result_consumer import ResultConsumer, read_nodes
 from .writes import ResultWrites
 
@@ -101,10 +109,13 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         self.url = url
         self.settings = parse_url(url, conf.get("result_backend_transport_options"))
         self.layout = Layout(self.settings.root)
-        self.max_size = self.settings.options.max_message_size
+        self.max_size = self.settings.options.max_result_size
+        self.chunk_size = self.settings.options.chunk_size
         #: Seconds since the epoch; the expiry index and cleanup() read it.
         self.clock: Callable[[], float] = time.time
         self._handle = ClientHandle(self.settings)
+        self.payloads = ResultPayloads(lambda: self.client, self.layout, self.chunk_size,
+                                       self.path, self.make_parents)
         self._expiry = ExpiryIndex(lambda: self.client, self.layout, self.path,
                                    self._delete_key)
         self.result_consumer = self.ResultConsumer(
@@ -167,7 +178,8 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         return self.mget([key])[0]
 
     def mget(self, keys: Iterable[Key]) -> list[bytes | None]:
-        return read_nodes(self.client, [self.path(k) for k in keys])
+        keys = list(keys)
+        return self.payloads.resolve(keys, read_nodes(self.client, [self.path(k) for k in keys]))
 
     def set(self, key: Key, value: bytes) -> None:
         # Too large a request makes the server drop the connection: check first.
@@ -183,7 +195,29 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         self._delete_key(key)
 
     def _delete_key(self, key: Key) -> None:
-        self._retry(self._delete, self.path(key))
+        if key.kind == CHORD:
+            self._retry(self._delete, self.path(key))
+        else:
+            self._retry(self._delete_value, key)
+
+    def _delete_value(self, key: Key) -> None:
+        """Delete a done node or saved group, with its chunks if it has any (one
+        multi; see celery_zk.backend.payloads)."""
+        path = self.path(key)
+        try:
+            data, stat = self.client.get(path)
+        except NoNodeError:
+            return
+
+        def delete(tx: Any) -> None:
+            tx.delete(path, version=stat.version)
+
+        failure = commit_deleting(self.client, delete, self.payloads.chunks_of(key, data))
+        if failure is None or isinstance(failure[1], NoNodeError):
+            return
+        if isinstance(failure[1], BadVersionError):
+            raise ForceRetryError()   # rewritten meanwhile: read it again
+        raise failure[1]
 
     def _delete(self, path: str) -> None:
         try:
@@ -320,6 +354,21 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         super().forget(task_id)
         self.result_consumer.cancel_for(task_id)
 
+    def read_results(self, task_ids: Sequence[str], datas: Sequence[bytes | None]
+                     ) -> list[bytes | None]:
+        """Done nodes' data as read, made whole (a chunked result's chunks read). A
+        result that cannot be read becomes a FAILURE whose error says why, for
+        its waiter alone: the others of the batch are delivered as usual."""
+        return self.payloads.resolve([self.get_key_for_task(t) for t in task_ids], datas,
+                                     broken=self._unreadable)
+
+    def _unreadable(self, key: Key, error: Exception) -> bytes:
+        meta = self._get_result_meta(result=self.encode_result(error, states.FAILURE),
+                                     state=states.FAILURE, traceback=None, request=None)
+        meta["task_id"] = key.id
+        data = self.encode(meta)
+        return data.encode() if isinstance(data, str) else bytes(data)
+
     def get_many(self, task_ids: Iterable[str], timeout: float | None = None,
                  interval: float = 0.5, no_ack: bool = True,
                  on_message: Callable[[dict[str, Any]], None] | None = None,
@@ -350,7 +399,8 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         iterations = 0
         while ids:
             keys = sorted(to_read & ids)
-            datas = read_nodes(self.client, [self.result_path(t) for t in keys], watch)
+            datas = self.read_results(
+                keys, read_nodes(self.client, [self.result_path(t) for t in keys], watch))
             for task_id, data in zip(keys, datas):
                 if not data:
                     continue

@@ -8,18 +8,32 @@ retention) and reads only the buckets whose whole hour is past the cutoff:
 it never lists the done area, so its cost is proportional to what expired.
 Its requests are pipelined and its deletes batched into multis, so that cost
 is a few round trips per group of shards, not one per node.
+
+The containers of chunked results (:mod:`celery_zk.backend.payloads`) have
+entries of their own, ``p~{kind}~{id}~{token}~{size}``, in the hour each was
+made and in the hour its node was written; for an expired one, the container
+is deleted unless a live node still points at it (see :meth:`ExpiryIndex._expire_payloads`).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import NamedTuple
 
-from kazoo.client import KazooClient
+from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import BadVersionError, NoNodeError, NotEmptyError
 from kazoo.protocol.paths import join
 
+from ..exceptions import PayloadError
 from ..zk.client import CONNECTION_ERRORS, multi_failure, reply_or_retry
-from ..zk.layout import Layout
+from ..zk.layout import Layout, PayloadName
+from ..zk.payload import (
+    Manifest,
+    chunk_paths,
+    commit_deleting,
+    delete_container,
+    is_manifest,
+    parse_manifest,
+)
 
 __all__ = ["CHORD", "GROUP", "HOUR", "RESULT", "ExpiryIndex", "Key", "bucket_expired",
            "expiry_hour"]
@@ -35,6 +49,12 @@ class Key(NamedTuple):
 
     kind: str
     id: str
+
+
+def _deleter(path: str, version: int) -> Callable[[TransactionRequest], None]:
+    def delete(tx: TransactionRequest) -> None:
+        tx.delete(path, version=version)
+    return delete
 
 
 def expiry_hour(timestamp: float) -> int:
@@ -93,11 +113,20 @@ class ExpiryIndex:
             group = shards[start:start + SHARD_GROUP]
             entries: list[str] = []
             keys: list[Key] = []
+            payloads: list[PayloadName] = []
             for shard_path, names in self._list_all(group):
                 entries += [join(shard_path, name) for name in names]
-                keys += [Key(*parsed) for parsed in map(self.layout.parse_expiry_entry, names)
-                         if parsed is not None]
+                for name in names:
+                    payload = self.layout.parse_payload_entry(name)
+                    parsed = self.layout.parse_expiry_entry(name)
+                    if payload is not None:
+                        payloads.append(payload)
+                    elif parsed is not None:
+                        keys.append(Key(*parsed))
             removed += self._expire_nodes(keys, cutoff)
+            # After the nodes: a chunked node deleted just now leaves its chunks
+            # to its container's entry, which is in this hour too.
+            self._expire_payloads(payloads, cutoff)
             self._delete_batched([(entry, -1) for entry in entries])
             self._delete_singly([(shard, -1) for shard in group])
         self._delete_quietly(bucket)
@@ -129,6 +158,48 @@ class ExpiryIndex:
             else:  # version: a rewrite since the stat wins
                 targets.append((path, stat.version))
         return self._delete_batched(targets)
+
+    def _expire_payloads(self, payloads: list[PayloadName], cutoff: float) -> None:
+        """Delete the containers of expired entries no live node needs.
+
+        A container is kept while its node points at it and was written after
+        the cutoff: that write, in a later hour, made an entry there too. A node
+        that points at it and is expired as well goes with it (one multi). Any
+        other container is an orphan: its writer died between chunks, or its
+        node was replaced, deleted or never written.
+        """
+        client = self.client
+        containers = [self.layout.payload(*payload) for payload in payloads]
+        nodes = [self._path_of(Key(p.kind, p.id)) if p.kind in (RESULT, GROUP) else None
+                 for p in payloads]
+        there = [client.exists_async(container) for container in containers]
+        reads = [client.get_async(node) if node else None for node in nodes]
+        for payload, container, node, exists, read in zip(payloads, containers, nodes,
+                                                          there, reads):
+            if reply_or_retry(client, exists, client.exists, container) is None:
+                continue   # deleted with its node already
+            try:
+                data, stat = (reply_or_retry(client, read, client.get, node) if node
+                              else (None, None))
+            except NoNodeError:
+                data, stat = None, None
+            manifest = self._manifest_of(data, payload)
+            if node is None or stat is None or manifest is None:
+                delete_container(client, container)
+            elif stat.mtime / 1000.0 < cutoff:
+                commit_deleting(client, _deleter(node, stat.version),
+                                chunk_paths(container, manifest))
+
+    @staticmethod
+    def _manifest_of(data: bytes | None, payload: PayloadName) -> Manifest | None:
+        """The manifest in ``data`` if it points at ``payload``'s container."""
+        if not is_manifest(data):
+            return None
+        try:
+            manifest = parse_manifest(data or b"")
+        except PayloadError:
+            return None
+        return manifest if manifest.ref == payload.token else None
 
     def _delete_batched(self, targets: list[tuple[str, int]]) -> int:
         """Delete ``(path, version)`` pairs in multis of :data:`BATCH`, pipelined.

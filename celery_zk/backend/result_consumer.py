@@ -13,8 +13,10 @@ they put the task id on an in-process queue and *start* (without waiting) the
 read and the next watch of the woken node: the read is on the wire while the
 waiting thread wakes up. :meth:`drain_events`, run by the waiting thread
 (Celery's ``Drainer``), blocks on that queue with a timeout, collects those
-reads (reading again itself what a read could not fetch) and hands the meta
-to Celery.
+reads (reading again itself what a read could not fetch), reads the chunks
+of a result stored in chunks (:mod:`celery_zk.backend.payloads`; a 16 MiB
+result is 128 requests of 128 KiB, which a callback must not start) and hands
+the meta to Celery.
 
 kazoo drops every watch when the connection is lost. A state listener puts a
 marker on the same queue when the connection comes back, and the next drain
@@ -200,20 +202,24 @@ class ResultConsumer(BaseResultConsumer):
         else:
             task_ids = [t for t in woken if t and t in self._pending]
         early = {t: self._early.pop(t, None) for t in woken if t}
-        datas: list[bytes | None] = []
+        read: list[tuple[str, bytes | None]] = []
         unread = []
         for task_id in task_ids:
             started = early.get(task_id)
             if started is not None:
                 try:
-                    datas.append(collect(started))
+                    read.append((task_id, collect(started)))
                     continue
                 except CONNECTION_ERRORS:
                     pass   # lost with the connection: read again below, with retries
             unread.append(task_id)
         if unread:
             paths = [self.backend.result_path(task_id) for task_id in unread]
-            datas.extend(read_nodes(client, paths, self._watch_cb))
+            read.extend(zip(unread, read_nodes(client, paths, self._watch_cb)))
+        # A chunked result's chunks are read here, in the waiting thread: never
+        # from a watch callback (see the module docstring).
+        datas = self.backend.read_results([task_id for task_id, _ in read],
+                                          [data for _, data in read])
         for data in datas:
             if data:
                 self.on_state_change(self.backend.decode_result(data), None)

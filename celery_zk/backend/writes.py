@@ -1,10 +1,12 @@
 """Writing a done node: created or replaced together with its expiry index
 entry in one multi, a stored SUCCESS never replaced, shard directories made
-when first needed (a mixin of :class:`~celery_zk.backend.ZooKeeperBackend`)."""
+when first needed, a value above ``chunk_size`` written as chunks first (see
+:mod:`celery_zk.backend.payloads`) (a mixin of
+:class:`~celery_zk.backend.ZooKeeperBackend`)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from celery import states
@@ -12,10 +14,12 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 from kazoo.retry import ForceRetryError
 
-from ..exceptions import ResultTooLarge
+from ..exceptions import PayloadError, ResultTooLarge
 from ..zk.client import connected_retry, log_failure, multi_failure
 from ..zk.layout import Layout
-from .expiry import Key, expiry_hour
+from ..zk.payload import commit_deleting, needs_chunks
+from .expiry import CHORD, Key, expiry_hour
+from .payloads import ResultPayloads, Stored
 
 __all__ = ["WRITE_ATTEMPTS", "ResultWrites"]
 
@@ -28,7 +32,9 @@ class ResultWrites:
     """The write path of the result backend."""
 
     layout: Layout
-    max_size: int
+    max_size: int                # max_result_size
+    chunk_size: int
+    payloads: ResultPayloads
     clock: Callable[[], float]   # seconds since the epoch (tests move it)
 
     if TYPE_CHECKING:   # provided by the backend class
@@ -43,9 +49,11 @@ class ResultWrites:
         size = len(data)
         if size > self.max_size:
             raise ResultTooLarge(
-                f"Result of {what} {task_id} is {size} bytes; ZooKeeper nodes hold at "
-                f"most {self.max_size} (option max_message_size, server "
-                "jute.maxbuffer). Store large results elsewhere and return a reference.")
+                f"Result of {what} {task_id} is {size:,} bytes, above the limit of "
+                f"{self.max_size:,} (option max_result_size). Every stored byte is held "
+                "in the memory of every ZooKeeper server: store large results elsewhere "
+                "(object storage, a database) and return a reference, or raise "
+                "max_result_size (see docs/sizing.md).")
 
     def _write(self, key: Key, value: bytes | str, keep_success: bool = False,
                create_only: bool = False, fresh: bool = False) -> bool:
@@ -58,7 +66,19 @@ class ResultWrites:
         ``fresh`` guesses the node is new and tries one multi before reading.
         """
         data = value.encode() if isinstance(value, str) else value
-        return self._retry(self._inner_write, key, data, keep_success, create_only, fresh)
+        if key.kind == CHORD or not needs_chunks(data, self.chunk_size):
+            return self._retry(self._inner_write, key, data, keep_success, create_only,
+                               fresh, None)
+        # The chunks first, then the node (with the manifest) that makes them
+        # visible. If the write fails after the chunks, whether the node points
+        # at them is unknown: they are left to cleanup(), which finds them by
+        # their index entry and deletes them unless a node points at them.
+        stored = self.payloads.store(key, data, expiry_hour(self.clock()))
+        written = bool(self._retry(self._inner_write, key, stored.manifest, keep_success,
+                                   create_only, fresh, stored))
+        if not written:   # the node was left alone: nothing points at the chunks
+            self.payloads.discard(stored)
+        return written
 
     def _retry(self, func: Callable[..., Any], *args: Any) -> Any:
         # Fails within the retry deadline during an outage (Celery's
@@ -66,16 +86,16 @@ class ResultWrites:
         return connected_retry(self.client, func, *args)
 
     def _inner_write(self, key: Key, data: bytes, keep_success: bool,
-                     create_only: bool, fresh: bool) -> bool:
-        if fresh and self._create_once(key, data):
+                     create_only: bool, fresh: bool, stored: Stored | None) -> bool:
+        if fresh and self._create_once(key, data, stored):
             return True
         for _ in range(WRITE_ATTEMPTS):
-            written = self._write_once(key, data, keep_success, create_only)
+            written = self._write_once(key, data, keep_success, create_only, stored)
             if written is not None:
                 return written
         raise ForceRetryError()  # sustained contention: let KazooRetry back off
 
-    def _create_once(self, key: Key, data: bytes) -> bool:
+    def _create_once(self, key: Key, data: bytes, stored: Stored | None) -> bool:
         """Node and index entry in one multi, if both are new (one round trip).
 
         Their shard directories nearly always exist already, so they are made
@@ -89,16 +109,29 @@ class ResultWrites:
             tx = self.client.transaction()
             tx.create(path, data)
             tx.create(entry)
+            if stored is not None:
+                self.payloads.visible_ops(tx, key, stored, hour)
             failure = multi_failure(tx.commit())
             if failure is None:
                 return True
             if not isinstance(failure[1], NoNodeError):
                 return False
+            self._check_container(key, stored)
             self._make_directories(key, hour)
         return False
 
+    def _check_container(self, key: Key, stored: Stored | None) -> None:
+        """A multi failed with NoNode: a missing directory, or the chunks'
+        container collected meanwhile, after which the write cannot succeed."""
+        if stored is not None and self.client.exists(stored.container) is None:
+            raise self.payloads.missing_container(key, stored)
+
     def _make_directories(self, key: Key, hour: int) -> None:
-        """Create the directories ``key``'s node and index entry go in (idempotent).
+        """The directories ``key``'s node and index entry go in."""
+        self.make_parents([self.path(key), self.layout.expiry_entry(hour, key.kind, key.id)])
+
+    def make_parents(self, paths: Iterable[str]) -> None:
+        """Create the directories ``paths`` go in (idempotent).
 
         A missing shard directory usually means its whole level is new: the
         first write under this root, or the first of an hour in the expiry
@@ -109,9 +142,8 @@ class ResultWrites:
         making all of them stalled the first burst of tasks for seconds.
         """
         layout, client = self.layout, self.client
-        needed = {layout.parent(self.path(key)),
-                  layout.parent(layout.expiry_entry(hour, key.kind, key.id))}
-        sharded = {layout.results, layout.groups, layout.expiry_bucket(hour)}
+        needed = {layout.parent(path) for path in paths}
+        sharded = {layout.results, layout.groups, layout.payloads}
         for _ in range(2):
             # One session's requests are applied in order: each level before its
             # shard, in one round trip.
@@ -127,7 +159,7 @@ class ResultWrites:
                 except NoNodeError:
                     missing.append(level)
                     continue
-                if level in sharded:
+                if level in sharded or layout.parent(level) == layout.expiry:
                     self._fill_level(level)
             for result in shards:
                 try:
@@ -152,7 +184,7 @@ class ResultWrites:
             self.client.create_async(shard).rawlink(done)
 
     def _write_once(self, key: Key, data: bytes, keep_success: bool,
-                    create_only: bool) -> bool | None:
+                    create_only: bool, stored: Stored | None) -> bool | None:
         """One read + one multi (two round trips); None on a conflict."""
         client = self.client
         path = self.path(key)
@@ -164,29 +196,42 @@ class ResultWrites:
             old, stat = current.get()
         except NoNodeError:
             old, stat = None, None
-        if stat is not None and (create_only or keep_success and self._is_success(old)):
+        if stat is not None and stored is not None and old == data:
+            return True   # our own multi, whose reply was lost (the manifest is new)
+        if stat is not None and (create_only or keep_success and self._is_success(key, old)):
             return False
-        # Without the transaction, a crash between the two would leave a
-        # result cleanup() never finds, or an index entry for nothing.
-        tx = client.transaction()
-        if stat is None:
-            tx.create(path, data)
-        else:
-            tx.set_data(path, data, version=stat.version)
-        if indexed.get() is None:
-            tx.create(entry)
-        failure = multi_failure(tx.commit())
+        needs_entry = indexed.get() is None
+
+        def change(tx: Any) -> None:
+            # Without the transaction, a crash between the two would leave a
+            # result cleanup() never finds, or an index entry for nothing.
+            if stat is None:
+                tx.create(path, data)
+            else:
+                tx.set_data(path, data, version=stat.version)
+            if needs_entry:
+                tx.create(entry)
+            if stored is not None:
+                self.payloads.visible_ops(tx, key, stored, hour)
+
+        # An old chunked value goes in the same multi (see celery_zk.backend.payloads).
+        failure = commit_deleting(self.client, change, self.payloads.chunks_of(key, old))
         if failure is None:
             return True
         if isinstance(failure[1], NoNodeError):
+            self._check_container(key, stored)
             self._make_directories(key, hour)  # a new shard or hour
             return None
         if isinstance(failure[1], (BadVersionError, NodeExistsError)):
             return None  # a concurrent writer: read again
         raise failure[1]
 
-    def _is_success(self, data: bytes) -> bool:
+    def _is_success(self, key: Key, data: bytes) -> bool:
         try:
-            return bool(self.decode(data)["status"] == states.SUCCESS)
+            # A chunked result is read whole: rare (a rewrite of a big result).
+            value = self.payloads.resolve([key], [data])[0]
+            return bool(self.decode(value)["status"] == states.SUCCESS)
+        except PayloadError:   # chunks gone: nothing left to protect
+            return False
         except Exception:  # an undecodable node is not a result to protect
             return False

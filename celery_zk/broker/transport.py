@@ -78,6 +78,9 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   credentials, TLS settings, ``session_timeout`` and this name share one
   ZooKeeper session (see :mod:`celery_zk.zk.session`); a name of its own gives a
   connection its own session.
+* ``chunk_size`` (int, 131072) and ``max_result_size`` (int, 16777216): the
+  result backend's (see :mod:`celery_zk.backend.payloads`); message bodies
+  are not chunked yet.
 """
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ celery-exporter read keep their names and labels:
 * ``celery_active_consumer_count{queue_name}``: live consumers of the queue.
 
 The rest are ``celery_zk_*``: owned and dead messages, the oldest waiting
-message's age, waiting messages per priority, consumers, stored results, and
-each server's ``mntr`` figures. A scrape that cannot reach ZooKeeper reports
+message's age, waiting messages per priority, consumers, stored results
+(those stored in chunks too, and their bytes), and each server's ``mntr``
+figures. A scrape that cannot reach ZooKeeper reports
 ``celery_zk_up 0`` instead of failing.
 """
 from __future__ import annotations
@@ -119,8 +120,16 @@ def _result_metrics(status: Status) -> Iterator[Any]:
     expired = GaugeMetricFamily("celery_zk_results_expired",
                                 "Stored results past result_expires (cleanup removes them).")
     expired.add_metric([], status.results.expired)
+    chunked = GaugeMetricFamily("celery_zk_results_chunked",
+                                "Results and groups stored in chunks (above chunk_size).")
+    chunked.add_metric([], status.results.chunked)
+    chunked_bytes = GaugeMetricFamily("celery_zk_results_chunked_bytes",
+                                      "Bytes of the results and groups stored in chunks.")
+    chunked_bytes.add_metric([], status.results.chunked_bytes)
     yield stored
     yield expired
+    yield chunked
+    yield chunked_bytes
 
 
 def _server_metrics(status: Status) -> Iterator[Any]:

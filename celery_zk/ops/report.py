@@ -56,7 +56,8 @@ def format_status(status: Status, url: str) -> str:
     if status.results is not None:
         r = status.results
         parts += ["", f"results under {r.root}: {r.results:,} results, {r.groups:,} groups, "
-                      f"{r.chords:,} chords; {r.expired:,} past result_expires"]
+                      f"{r.chords:,} chords; {r.expired:,} past result_expires; "
+                      f"{r.chunked:,} stored in chunks ({_size(r.chunked_bytes)})"]
     if status.servers:
         parts.append("")
         rows = []

@@ -14,6 +14,10 @@ report costs a few pipelined round trips per queue, whatever its backlog.
 * Consumers: the ephemeral ``consumers/`` nodes (host, pid, queues).
 * Results, groups and chords: the shards' ``numChildren``; how many are past
   their expiry: the expiry index's hours older than ``result_expires``.
+* Results stored in chunks and their bytes: the names under ``payloads/``
+  (one listing per shard in use, pipelined), which carry each payload's size.
+  The bytes of plain (unchunked) results are not counted: that would be a
+  stat per result; ``mntr``'s ``zk_approximate_data_size`` has the total.
 * The server: ``mntr`` (or ``srvr``, the one four-letter word ZooKeeper
   allows by default) of every server in the connection string.
 """
@@ -39,6 +43,7 @@ from ..zk.layout import (
     parse_consumer_name,
     parse_message_name,
     parse_offer_name,
+    parse_payload_name,
     sort_messages,
     split_owned_name,
     unescape,
@@ -89,6 +94,8 @@ class ResultsStatus:
     groups: int = 0
     chords: int = 0
     expired: int = 0         # index entries in hours past result_expires
+    chunked: int = 0         # results/groups stored in chunks (orphans included)
+    chunked_bytes: int = 0   # their bytes, as their containers' names say
 
 
 @dataclass
@@ -239,6 +246,7 @@ def _results(client: KazooClient, layout: Layout, result_expires: float | None,
     status.groups = _sharded_count(client, layout.shards(layout.groups))
     chords = _reply_or_none(client.exists_async(layout.chords))
     status.chords = chords.numChildren if chords is not None else 0
+    status.chunked, status.chunked_bytes = _payload_bytes(client, layout)
     if result_expires:
         cutoff = now - result_expires
         hours = [int(n[1:]) for n in _children(client, layout.expiry)
@@ -247,6 +255,15 @@ def _results(client: KazooClient, layout: Layout, result_expires: float | None,
             _sharded_count(client, layout.shards(layout.expiry_bucket(hour)))
             for hour in hours if bucket_expired(hour, cutoff))
     return status
+
+
+def _payload_bytes(client: KazooClient, layout: Layout) -> tuple[int, int]:
+    """How many payload containers there are, and their bytes, from names alone."""
+    listings = [client.get_children_async(layout.listed(layout.payloads, shard))
+                for shard in _children(client, layout.payloads)]
+    sizes = [parsed.size for reply in listings for parsed in
+             map(parse_payload_name, _reply_or_empty(reply)) if parsed is not None]
+    return len(sizes), sum(sizes)
 
 
 def _sharded_count(client: KazooClient, shards: list[str]) -> int:

@@ -25,12 +25,18 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ..exceptions import ZKConfigurationError
+from .layout import MAX_CHUNKS
 
 SCHEMES = ("zk", "zookeeper")
 DEFAULT_PORT = 2181
 DEFAULT_ROOT = "/celery"
 MIN_BUCKET_SIZE = 2
 MAX_BUCKET_SIZE = 10_000   # 10,000 names of ~45 bytes: a 450 KB listing
+#: Chunks of a payload (celery_zk.zk.payload) are at least this big (smaller is
+#: all overhead) and at most this big: a create request carries the chunk, its
+#: path and an ACL, and must stay below the server's jute.maxbuffer (1 MiB).
+MIN_CHUNK_SIZE = 1024
+MAX_CHUNK_SIZE = 1_000_000
 
 # kombu/celery option names that are meaningful for every virtual transport;
 # accepted (and ignored where they do not apply) so shared settings keep working.
@@ -104,6 +110,17 @@ class ZKOptions:
                               "apply_async still returns once all are stored.")
     max_message_size: int = _opt(1_000_000, "Largest encoded message or result, bytes; "
                                  "must stay below the server's jute.maxbuffer (1 MiB).")
+    chunk_size: int = _opt(131_072, "A result (or saved group) bigger than this is "
+                           "stored as chunk nodes of this size, written before the node "
+                           "that makes it visible, which holds a small manifest instead "
+                           "(celery_zk.zk.payload). 1,024 to 1,000,000: each chunk is one "
+                           "request, below the server's jute.maxbuffer (1 MiB). Every "
+                           "server keeps its last 500 requests in memory, about 4 times "
+                           "their size each: bigger chunks cost more heap (docs/sizing.md).")
+    max_result_size: int = _opt(16_777_216, "Largest encoded result (or saved group), "
+                                "bytes; a bigger one fails its task with ResultTooLarge. "
+                                "Every stored byte is in every server's heap (see "
+                                "docs/sizing.md). Backend only.")
     acl: str = _opt("auto", "'auto': with credentials every node gets a digest ACL for "
                     "that user only, without credentials the open ACL; 'open': always "
                     "the open ACL.")
@@ -194,7 +211,26 @@ def build_options(*sources: Mapping[str, Any] | None) -> ZKOptions:
             f"celery_zk option 'bucket_size' must be between {MIN_BUCKET_SIZE} and "
             f"{MAX_BUCKET_SIZE:,} (got {bucket_size}): a bucket is listed whole, and "
             "a listing must stay far below the 1 MiB a ZooKeeper reply may carry.")
+    _check_payload_options(values.get("chunk_size", ZKOptions.chunk_size),
+                           values.get("max_result_size", ZKOptions.max_result_size))
     return ZKOptions(**values)
+
+
+def _check_payload_options(chunk_size: int, max_result_size: int) -> None:
+    if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
+        raise ZKConfigurationError(
+            f"celery_zk option 'chunk_size' must be between {MIN_CHUNK_SIZE:,} and "
+            f"{MAX_CHUNK_SIZE:,} bytes (got {chunk_size:,}): each chunk is one request, "
+            "which must stay below the server's jute.maxbuffer (1 MiB).")
+    if max_result_size < 1:
+        raise ZKConfigurationError(
+            "celery_zk option 'max_result_size' must be at least 1 byte (got "
+            f"{max_result_size}); it is the largest result stored, default 16 MiB.")
+    if -(-max_result_size // chunk_size) > MAX_CHUNKS:
+        raise ZKConfigurationError(
+            f"celery_zk options: a result of max_result_size ({max_result_size:,} bytes) "
+            f"would take more than {MAX_CHUNKS:,} chunks of chunk_size ({chunk_size:,}); "
+            "raise chunk_size or lower max_result_size.")
 
 
 def _parse_hosts(netloc_hosts: str, url: str) -> list[str]:

@@ -30,7 +30,8 @@
       consumers/{consumer}            ephemeral: one per live consuming connection;
                                       the id starts with its creation time in ns;
                                       data: {"host", "pid", "queues"}
-      results/{shard}/{task id}       done node: the task's result meta
+      results/{shard}/{task id}       done node: the task's result meta, or the
+                                      manifest of its chunks (celery_zk.zk.payload)
       groups/{shard}/{group id}       saved GroupResult
       chords/{group id}               chord counter (children are completed parts)
         {task id}                     one per counted header task: counts it once;
@@ -40,7 +41,12 @@
         ~lazy                         the header was a generator: no saved group
         ~done                         the body was sent: parts deleted, counter kept
                                       until expiry or the chord's next apply
+      payloads/{shard}/{kind}~{id}~{token}~{size}   the chunks of one write of a result
+        c{index:06d}                  (kind r) or saved group (g) above chunk_size:
+                                      one container per write (celery_zk.backend.payloads)
       expiry/h{hour}/{shard}/{kind}~{id}  index of results/groups/chords by write hour
+      expiry/h{hour}/{shard}/p~{payload name}  index of the payload containers made in
+                                      that hour (written before their chunks)
       locks/{key}                     ephemeral: a running singleton task's lock
                                       (celery_zk.features.singleton); czxid: fencing token
       revoked/{shard}/t~{task id}     a revoke kept for workers started later; data:
@@ -84,6 +90,11 @@ CHORD_SIZE = OWNER_SEP + "size"   # beside a chord's counted parts, which are es
 CHORD_DONE = OWNER_SEP + "done"
 CHORD_ADDED = OWNER_SEP + "added"
 CHORD_LAZY = OWNER_SEP + "lazy"
+#: A chunk node's name: its index, zero-padded so a listing sorts in order
+#: (a payload of max_result_size / chunk_size chunks; at most 10**6).
+CHUNK_NAME = "c{index:06d}"
+MAX_CHUNKS = 10 ** 6
+PAYLOAD_ENTRY = "p" + OWNER_SEP   # an expiry index entry naming a payload container
 REVOKED_TASK, REVOKED_STAMP = "t" + OWNER_SEP, "s" + OWNER_SEP   # kinds under revoked/
 
 #: The first letter of a message name: where its body is.
@@ -95,6 +106,7 @@ _FLAT_MESSAGE_RE = re.compile(r"^m(\d)-([0-9a-f]{1,32})-(?:r(\d{10})-)?(\d{10})$
 _BUCKET_RE = re.compile(r"^p(\d)-(\d{10})$")
 # The sequential "-{seq}" suffix is from before consumer ids carried their time.
 _CONSUMER_RE = re.compile(r"^(c[0-9a-f]{1,32})(?:-\d{10})?$")
+_PAYLOAD_RE = re.compile(r"^([a-z])~([^/~]+)~([0-9a-f]{1,32})~(\d{1,12})$")
 _HOLDING_RE = re.compile(r"^([^/~]+)~([0-9a-f]{1,32})-(\d{1,10})$")
 _OFFER_RE = re.compile(r"^(c[0-9a-f]{1,32})~([0-9a-f]{1,32})$")
 # Characters that cannot appear raw in a node name, or that we use as separators.
@@ -346,6 +358,35 @@ def result_shard(key: str) -> str:
     return hashlib.sha1(key.encode()).hexdigest()[:RESULT_SHARDS_HEX]
 
 
+def chunk_name(index: int) -> str:
+    """The name of a payload's chunk ``index`` (celery_zk.zk.payload)."""
+    if not 0 <= index < MAX_CHUNKS:
+        raise ValueError(f"chunk index {index} is out of range (0 to {MAX_CHUNKS - 1})")
+    return CHUNK_NAME.format(index=index)
+
+
+class PayloadName(NamedTuple):
+    """What a payload container's name says: whose it is, which write, how big."""
+
+    kind: str      # the kind of node it belongs to (an expiry kind: r, g)
+    id: str        # that node's id (a task or group id)
+    token: str     # one per write: a rewrite never mixes its chunks with older ones
+    size: int      # the payload's bytes (status sums them without reading anything)
+
+
+def payload_name(kind: str, key: str, token: str, size: int) -> str:
+    """``{kind}~{escaped id}~{token}~{size}``: a payload container's name."""
+    return f"{kind}{OWNER_SEP}{escape(key)}{OWNER_SEP}{token}{OWNER_SEP}{size}"
+
+
+def parse_payload_name(name: str) -> PayloadName | None:
+    match = _PAYLOAD_RE.match(name)
+    if not match:
+        return None
+    kind, key, token, size = match.groups()
+    return PayloadName(kind, unescape(key), token, int(size))
+
+
 #: Every name result_shard() can return.
 ALL_SHARDS = tuple(f"{i:0{RESULT_SHARDS_HEX}x}" for i in range(16 ** RESULT_SHARDS_HEX))
 
@@ -590,6 +631,41 @@ class Layout:
         """Ephemeral: worker process ``worker``/``pid`` holds the data of ``token``."""
         shard = hashlib.sha1(token.encode()).hexdigest()[:AFFINITY_SHARDS_HEX]
         return join(self.affinity, shard, holding_name(token, worker, pid))
+
+    # -- chunked payloads of results (celery_zk.backend.payloads) -----------------------
+    @property
+    def payloads(self) -> str:
+        return join(self.root, "payloads")
+
+    def payload(self, kind: str, key: str, token: str, size: int) -> str:
+        """The container of one write's chunks, sharded like the node it belongs to."""
+        return join(self.payloads, result_shard(key), payload_name(kind, key, token, size))
+
+    def payload_in_shard(self, shard: str, name: str) -> str:
+        """A container by its shard and name as listed."""
+        return join(self.payloads, shard, name)
+
+    @staticmethod
+    def listed(directory: str, name: str) -> str:
+        """A child of ``directory`` by its name as listed (already a node name)."""
+        return join(directory, name)
+
+    @staticmethod
+    def chunk(container: str, index: int) -> str:
+        """Chunk ``index`` of a payload stored under ``container`` (any directory)."""
+        return join(container, chunk_name(index))
+
+    def payload_entry(self, hour: int, kind: str, key: str, token: str, size: int) -> str:
+        """Expiry index entry of a payload container made in ``hour``; in the shard
+        of its node's own entries, so one cleanup round sees both."""
+        return join(self.expiry_shard(hour, result_shard(key)),
+                    PAYLOAD_ENTRY + payload_name(kind, key, token, size))
+
+    @staticmethod
+    def parse_payload_entry(name: str) -> PayloadName | None:
+        if not name.startswith(PAYLOAD_ENTRY):
+            return None
+        return parse_payload_name(name[len(PAYLOAD_ENTRY):])
 
     @property
     def expiry(self) -> str:

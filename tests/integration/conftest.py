@@ -1,7 +1,9 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,3 +30,16 @@ def start_worker(tmp_path: Path) -> Iterator:
     yield start
     for worker in workers:
         worker.stop()
+
+
+@pytest.fixture
+def worker(start_worker: Callable[..., Worker], zk_url: str) -> Callable[..., Worker]:
+    """Factory: a real worker with ``zk_url`` as broker and result backend;
+    ``conf=`` goes to its app's config (CELERY_ZK_TEST_CONF)."""
+    def start(**kwargs: Any) -> Worker:
+        env = kwargs.pop("env", {})
+        conf = kwargs.pop("conf", {})
+        if conf:
+            env["CELERY_ZK_TEST_CONF"] = json.dumps(conf)
+        return start_worker(zk_url, backend=zk_url, env=env, **kwargs)
+    return start

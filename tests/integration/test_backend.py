@@ -36,18 +36,6 @@ def app(zk_url: str) -> Iterator[Celery]:
     client_app.close()
 
 
-@pytest.fixture
-def worker(start_worker: Callable[..., Worker], zk_url: str) -> Callable[..., Worker]:
-    """Factory: a real worker on the same broker and backend as ``app``."""
-    def start(**kwargs: Any) -> Worker:
-        env = kwargs.pop("env", {})
-        conf = kwargs.pop("conf", {})
-        if conf:
-            env["CELERY_ZK_TEST_CONF"] = json.dumps(conf)
-        return start_worker(zk_url, backend=zk_url, env=env, **kwargs)
-    return start
-
-
 def sig(app: Celery, name: str, *args: Any, **options: Any) -> Any:
     return app.signature(TASK + name, args, **options)
 
@@ -232,12 +220,12 @@ def test_forget(app: Celery, worker: Callable[..., Worker]) -> None:
 
 def test_too_large_result_fails_the_task_and_worker_goes_on(
         app: Celery, worker: Callable[..., Worker]) -> None:
-    w = worker(conf={"result_backend_transport_options": {"max_message_size": 100_000}})
+    w = worker(conf={"result_backend_transport_options": {"max_result_size": 100_000}})
     big = send(app, "huge_result", 200_000)
     with pytest.raises(ResultTooLarge) as excinfo:
         big.get(timeout=30)
     message = str(excinfo.value)
-    assert big.id in message and "at most 100000" in message and "max_message_size" in message
+    assert big.id in message and "limit of 100,000" in message and "max_result_size" in message
     assert send(app, "add", 1, 1).get(timeout=30) == 2
     assert w.proc is not None and w.proc.poll() is None
 

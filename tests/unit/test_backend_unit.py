@@ -24,11 +24,13 @@ def make_backend(url: str = "zk://h1:2181,h2:2182/myapp", **conf: object) -> Zoo
 
 def test_zk_scheme_resolves_to_the_backend_with_every_host() -> None:
     backend = make_backend("zk://u:secret@h1:2181,h2:2182/myapp?session_timeout=3",
-                           result_backend_transport_options={"max_message_size": 5000})
+                           result_backend_transport_options={"max_result_size": 5000,
+                                                             "chunk_size": 2048})
     assert backend.settings.hosts == "h1:2181,h2:2182"
     assert backend.settings.root == "/myapp"
     assert backend.settings.options.session_timeout == 3
     assert backend.max_size == 5000
+    assert backend.chunk_size == 2048
     assert "secret" not in repr(backend) and "secret" not in backend.as_uri()
     assert "secret" in backend.as_uri(include_password=True)
     assert not backend._handle.started  # nothing connects until a result is used
@@ -81,13 +83,13 @@ def test_expiry_bucket_math() -> None:
 
 
 def test_size_limit_error_names_the_limit() -> None:
-    backend = make_backend(result_backend_transport_options={"max_message_size": 100})
+    backend = make_backend(result_backend_transport_options={"max_result_size": 100})
     backend.check_size("t-1", b"x" * 100)  # at the limit: fine
     with pytest.raises(ResultTooLarge) as excinfo:
         backend.check_size("t-1", b"x" * 101)
     message = str(excinfo.value)
-    assert "t-1" in message and "101 bytes" in message and "at most 100" in message
-    assert "max_message_size" in message and "jute.maxbuffer" in message
+    assert "t-1" in message and "101 bytes" in message and "limit of 100" in message
+    assert "max_result_size" in message and "reference" in message
     # Celery's tracer turns an EncodeError into a failed task, not a crash.
     assert isinstance(excinfo.value, EncodeError)
     assert isinstance(excinfo.value, MessageTooLarge)
@@ -99,8 +101,9 @@ def test_encoded_meta_round_trips() -> None:
     meta["task_id"] = "t"
     data = backend.encode(meta)
     assert backend.decode_result(data)["result"] == {"a": [1, 2]}
-    assert backend._is_success(data)
-    assert not backend._is_success(b"\x00not json")
+    key = Key(RESULT, "t")
+    assert backend._is_success(key, data)
+    assert not backend._is_success(key, b"\x00not json")
 
 
 def test_backend_is_async_with_native_join_and_incr() -> None:

@@ -212,3 +212,51 @@ def grow_chord(self, value: int, extra: int) -> int:
     """A header task that adds ``add(extra, 100)`` to its own chord."""
     self.add_to_chord(add.s(extra, 100))
     return value
+
+
+# -- big payload tests (append-only) -----------------------------------------------
+@app.task
+def big_text(size: int, seed: int = 0) -> str:
+    """``size`` characters that differ along the string and from seed to seed, so
+    chunks joined out of order, repeated or mixed with another result show."""
+    import random
+
+    return random.Random(seed).randbytes(size // 2 + 1).hex()[:size]
+
+
+@app.task
+def pattern_text(size: int, seed: int = 0) -> str:
+    """``size`` characters, distinct per seed, that compress well (a chord body
+    message carrying several of them stays below max_message_size gzipped)."""
+    line = f"part {seed}: " + "abcdefgh" * 120 + "\n"
+    return (line * (size // len(line) + 1))[:size]
+
+
+@app.task
+def digests(values: list[str]) -> list[list[object]]:
+    """Length and sha256 of each value: a chord body that saw every byte."""
+    import hashlib
+
+    return [[len(v), hashlib.sha256(v.encode()).hexdigest()] for v in values]
+
+
+if os.environ.get("CELERY_ZK_TEST_DIE_AT_CHUNK"):
+    import signal
+
+    from kazoo.client import KazooClient
+
+    from celery_zk.zk.layout import chunk_name
+
+    _fatal_chunk = "/" + chunk_name(int(os.environ["CELERY_ZK_TEST_DIE_AT_CHUNK"]))
+    _create_async = KazooClient.create_async
+
+    def _create_or_die(self: KazooClient, path: str, *args: object,
+                       **kwargs: object) -> object:
+        """The worker dies (SIGKILL) between two chunks of a result: the chunks
+        before this one are stored, this one and the done node never are."""
+        if path.endswith(_fatal_chunk):
+            time.sleep(0.5)   # the chunks already sent land
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _create_async(self, path, *args, **kwargs)  # type: ignore[arg-type]
+
+    KazooClient.create_async = _create_or_die  # type: ignore[method-assign]

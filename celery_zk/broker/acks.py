@@ -27,9 +27,12 @@ from ..zk.client import (
 from ..zk.config import ZKOptions
 from ..zk.layout import (
     Layout,
+    MessageName,
     parse_message_name,
     requeued_name,
 )
+from ..zk.payload import commit_deleting
+from . import big
 from .dead import wrap
 from .store import ANY_VERSION, ClientSource, StoreBase
 
@@ -48,13 +51,49 @@ class Acking(StoreBase):
             "celery_zk-ack-retry", self._ack_again)
         self._acks: list[tuple[str, str]] = []   # (owned path, consumer node) held back
         self._acks_lock = threading.Lock()
+        self._drops: RedoThread[str] = RedoThread("celery_zk-drop", self._drop_again)
 
     def body_of(self, owned_path: str) -> str | None:
         """Where an owned message's body lives; None when it is in the owned node."""
+        queue, message = self._message(owned_path)
+        return self.layout.body(queue, message)
+
+    def _message(self, owned_path: str) -> tuple[str, MessageName]:
         queue, _, name = self.layout.split_owned_path(owned_path)
         message = parse_message_name(name)
         assert message is not None   # split_owned_path validated the name
-        return self.layout.body(queue, message)
+        return queue, message
+
+    def _big(self, owned_path: str) -> bool:
+        return self._message(owned_path)[1].chunked
+
+    def _end_big(self, owned_path: str, consumer_node: str | None = None) -> bool:
+        """Ack or drop a big message: its name, its body, and in the same multi
+        as many of its chunks as fit (all of them at the defaults), the rest
+        right after (celery_zk.zk.payload.commit_deleting)."""
+        queue, message = self._message(owned_path)
+        client = self.client
+
+        def build(txn: TransactionRequest) -> None:
+            if consumer_node is not None:
+                txn.check(consumer_node, ANY_VERSION)   # as any ack: see ack()
+            self._delete_ops(txn, owned_path)
+
+        def attempt() -> tuple[int, Exception] | None:
+            return commit_deleting(client, build, big.delete_paths(client, self.layout,
+                                                                   queue, message))
+
+        failure = client.retry(attempt)
+        if failure is None:
+            return True
+        if consumer_node is not None and failure[0] == 0:
+            logger.warning("celery_zk: not acking %s: this worker's ZooKeeper session %s "
+                           "ended, so the message was requeued and will run again "
+                           "(at-least-once).", owned_path, consumer_node)
+            return False
+        if isinstance(failure[1], NoNodeError):
+            return False
+        raise failure[1]
 
     def _delete_ops(self, txn: TransactionRequest, owned_path: str) -> int:
         """Add the deletes that end ``owned_path`` (its name, then its body); how many."""
@@ -78,6 +117,9 @@ class Acking(StoreBase):
 
     def ack(self, owned_path: str, consumer_node: str) -> bool:
         """Delete an owned message if the session that was given it still lives."""
+        if self._big(owned_path):
+            return self._end_big(owned_path, consumer_node)
+
         def build(txn: TransactionRequest) -> None:
             # The check makes an ack from an expired session a no-op: by then a
             # survivor may have requeued the message and another worker holds it.
@@ -113,6 +155,9 @@ class Acking(StoreBase):
             acks, self._acks = self._acks, []
         by_owner: dict[str, list[str]] = {}
         for owned_path, consumer_node in acks:
+            if self._big(owned_path):   # its chunks: read, then deleted, on that thread
+                self._ack_retries.submit((owned_path, consumer_node))
+                continue
             by_owner.setdefault(consumer_node, []).append(owned_path)
         for consumer_node, paths in by_owner.items():
             for start in range(0, len(paths), ACK_BATCH):
@@ -156,6 +201,13 @@ class Acking(StoreBase):
         except Exception as exc:  # the session's end will requeue it: at-least-once
             log_failure(logger, exc, "celery_zk: could not ack %s; it will be redelivered "
                         "when this worker's session ends", owned_path)
+
+    def _drop_again(self, owned_path: str) -> None:
+        try:
+            self.remove(owned_path, dead_letter=False)
+        except Exception as exc:  # the session's end requeues it: at-least-once
+            log_failure(logger, exc, "celery_zk: could not delete no-ack message %s",
+                        owned_path)
 
     def requeue(self, owned_path: str, data: bytes | None = None,
                 expected_version: int = -1) -> bool:
@@ -224,6 +276,8 @@ class Acking(StoreBase):
     def remove(self, owned_path: str, dead_letter: bool, reason: str = "") -> bool:
         """Drop an owned message, or move it to the queue's dead/ directory."""
         layout = self.layout
+        if not dead_letter and self._big(owned_path):
+            return self._end_big(owned_path)
         if not dead_letter:
             failure = multi_failure(self.commit(lambda txn: self._delete_ops(txn, owned_path)))
             if failure is None:
@@ -231,12 +285,18 @@ class Acking(StoreBase):
             if isinstance(failure[1], NoNodeError):
                 return False
             raise failure[1]
-        queue, _, name = layout.split_owned_path(owned_path)
+        queue, message = self._message(owned_path)
+        name = layout.split_owned_path(owned_path)[2]
         return self._move_to_dead(owned_path, layout.dead_message(queue, name), reason,
-                                  self.body_of(owned_path))
+                                  self.body_of(owned_path),
+                                  (queue, message.uid) if message.chunked else None)
 
     def discard(self, owned_path: str) -> None:
         """Delete an owned message without waiting for the reply (no_ack consumers)."""
+        if self._big(owned_path):   # its chunks are read first: on a thread of ours
+            self._drops.submit(owned_path)
+            return
+
         def done(result: Any) -> None:
             try:
                 failure = multi_failure(result.get())
@@ -256,9 +316,12 @@ class Acking(StoreBase):
                                   self.layout.dead_message(queue, name), reason)
 
     def _move_to_dead(self, source: str, target: str, reason: str,
-                      body: str | None = None) -> bool:
+                      body: str | None = None,
+                      chunks_of: tuple[str, str] | None = None) -> bool:
         """Move ``source`` (and its ``body``, whose data is the message then) to
-        ``target``, keeping the message behind a reason line."""
+        ``target``, keeping the message behind a reason line. A big message
+        (``chunks_of``: its queue and uid) keeps its chunks where they are: the
+        dead node holds its manifest, and the container is marked dead."""
         client = self.client
         try:
             data, stat = client.retry(client.get, body or source)
@@ -272,6 +335,8 @@ class Acking(StoreBase):
                 txn.delete(source)
                 txn.delete(body, version=stat.version)
             txn.create(target, wrap(data, reason))   # the reason is kept (celery_zk.broker.dead)
+            if chunks_of is not None:
+                big.mark(txn, self.layout, chunks_of[0], chunks_of[1], big.State.DEAD, data)
 
         failure = multi_failure(self.commit(build))
         if failure is None:

@@ -121,8 +121,10 @@ class Sweeper:
             return None
         pending = [(d, client.get_children_async(d)) for d in layout.queue_directories(queue)]
         # Directories whose children are directories too: buckets, the bodies'
-        # buckets, inboxes (and a flat owned node from before 0.2, which has none).
-        nested = {layout.unowned(queue), layout.bodies(queue), layout.owned(queue)}
+        # buckets, inboxes, chunk containers (and a flat owned node from before
+        # 0.2, which has none).
+        nested = {layout.unowned(queue), layout.bodies(queue), layout.owned(queue),
+                  layout.chunks(queue)}
         nodes: list[str] = []
         directories: list[str] = []
         inner: list[str] = []

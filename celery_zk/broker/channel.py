@@ -64,6 +64,17 @@ def encode_message(message: dict[str, Any]) -> bytes:
                         "kombu; check the headers).") from exc
 
 
+def body_size(message: dict[str, Any]) -> int:
+    """The size of a message's body as the application sent it, which the size
+    limit counts, as AMQP brokers do. kombu's virtual transports store the
+    body base64-encoded (a third more): that is the stored size."""
+    body = message.get("body", "")
+    size = len(body)
+    if message.get("properties", {}).get("body_encoding") == "base64" and isinstance(body, str):
+        size = size * 3 // 4 - body[-2:].count("=")
+    return size
+
+
 class QoS(virtual.QoS):
     """Acks and rejects are ZooKeeper transactions on the owned node."""
 
@@ -260,21 +271,24 @@ class Channel(virtual.Channel):
     # -- publishing ---------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         affinity = affinity_of(message)   # first: a bad key must fail before any write
-        data = encode_message(message)
-        priority = kombu_compat.priority_of(self, message)
         transport = self.connection
         store = transport.store
+        size = body_size(message)
+        data = encode_message(message)
+        priority = kombu_compat.priority_of(self, message)
         together = transport.publishing_together()
         if together is not None:   # stored when the group is (see publish_together)
-            together.append(store.new_message(queue, data, priority, affinity))
+            together.append(store.new_message(queue, data, priority, affinity, size))
             return
         if transport.unconfirmed is not None:
-            transport.unconfirmed.put(queue, data, priority, affinity)
+            transport.unconfirmed.put(queue, data, priority, affinity, size)
             return
-        new = store.new_message(queue, data, priority, affinity)   # checks the size
+        new = store.new_message(queue, data, priority, affinity, size)   # checks the size
         # A message with an affinity key waits where the dispatcher chooses a
         # consumer by its key: it is never handed to whichever consumer is idle.
-        if affinity is not None or transport.handoff is None or not transport.handoff.give(new):
+        # Nor is a big one, whose chunks' state its publish multi sets.
+        if (affinity is not None or new.big or transport.handoff is None
+                or not transport.handoff.give(new)):
             store.put_new(new)
         transport.store.deferred.flush()   # the write they waited for has been made
 

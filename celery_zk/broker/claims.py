@@ -25,7 +25,7 @@ from kazoo.exceptions import (
 
 from ..zk.client import multi_failure
 from ..zk.layout import parse_message_name
-from .store import ANY_VERSION, OP_OVERHEAD, StoreBase
+from .store import ANY_VERSION, OP_OVERHEAD, REQUEST_BUDGET, StoreBase
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +84,12 @@ class Claiming(StoreBase):
 
         ``bodies``: for names from before 0.2 (``m``), whose body moves with
         them, their data and version as read. Stops adding consumers before
-        :data:`ASSIGN_OPS` operations or ``max_message_size`` bytes.
+        :data:`ASSIGN_OPS` operations or :data:`REQUEST_BUDGET` bytes.
         """
         layout = self.layout
         txn = self.client.transaction()
         done = Assignment(queue)
-        budget = self.options.max_message_size
+        budget = REQUEST_BUDGET
         for consumer, names in plan.items():
             ops = 1 + 2 * len(names)
             size = sum(len(bodies.get(name, (b"", 0))[0]) + OP_OVERHEAD for name in names)

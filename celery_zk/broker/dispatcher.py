@@ -52,13 +52,14 @@ from ..zk.layout import (
 )
 from ..zk.session import SharedSession, weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED, TreeWatches
+from . import big
 from .queue import QueueStore
 
 __all__ = ["Dispatcher"]
 
 logger = logging.getLogger(__name__)
 
-#: Seconds between sweeps of empty bodies' buckets.
+#: Seconds between sweeps of empty bodies' buckets and orphaned chunks.
 SWEEP_EVERY = 60.0
 
 
@@ -263,7 +264,9 @@ class Dispatcher:
             if not self.leading:
                 break
             try:
-                timeout = self._round()
+                due = self._round()
+                # Look by itself when a keyed message may be given, or a sweep is due.
+                timeout = SWEEP_EVERY if due is None else min(due, SWEEP_EVERY)
             except CONNECTION_ERRORS as exc:
                 log_failure(logger, exc, "celery_zk: dispatching %r paused: ZooKeeper is "
                             "away; going on when it answers", self.queue, level=logging.INFO)
@@ -307,6 +310,7 @@ class Dispatcher:
     def _round(self) -> float | None:
         """Give what can be given; seconds until a look is due by itself (None: none)."""
         self._ensure_watches()
+        self._sweep()
         self._apply_events()
         if self._stale_consumers:
             self._read_consumers()
@@ -427,13 +431,18 @@ class Dispatcher:
             self.store.dead_letter_unowned(self.queue, name,
                                            "node name was not written by celery_zk")
         self.head.reset(found.names, found.complete)
-        now = monotonic()
-        self._listed_at = now
-        if now - self._swept_at > SWEEP_EVERY:
-            self._swept_at = now
-            buckets, _ = self.store.buckets(self.queue)
-            self.store.sweep_bodies(self.queue, buckets)
+        self._listed_at = monotonic()
         return bool(self.head.names)
+
+    def _sweep(self) -> None:
+        """Now and then: bodies' buckets left empty, chunks no message points at."""
+        now = monotonic()
+        if now - self._swept_at < SWEEP_EVERY:
+            return
+        self._swept_at = now
+        buckets, _ = self.store.buckets(self.queue)
+        self.store.sweep_bodies(self.queue, buckets)
+        big.sweep(self.session.client, self.layout, self.queue)
 
     def _plan(self, hungry: list[_Consumer]) -> tuple[dict[str, list[str]], float | None]:
         """Which names go to which consumer, in delivery order."""

@@ -31,11 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 
+from ..exceptions import ChunkMissing
 from ..features import affinity
 from ..zk.client import CONNECTION_ERRORS, RedoThread, log_failure, reply_or_retry
 from ..zk.layout import parse_message_name, sort_messages
 from ..zk.session import weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED
+from . import big
 from .claims import Claimed
 from .dispatcher import Dispatcher
 from .handoff import Offer
@@ -291,7 +293,8 @@ class Inbox:
             path = layout.body(self.queue, message) or owned
             try:
                 data, _ = reply_or_retry(client, read, client.get, path)
-            except NoNodeError:
+                data = big.read_body(client, layout, self.queue, message, data)
+            except (NoNodeError, ChunkMissing):
                 self._lost(owned, name)
                 continue
             self.buffer.append(Claimed(self.queue, name, owned, data))
@@ -331,7 +334,8 @@ class Inbox:
             assert message is not None
             try:
                 data, _ = store.read_owned(layout.body(self.queue, message) or owned)
-            except NoNodeError:
+                data = big.read_body(store.client, layout, self.queue, message, data)
+            except (NoNodeError, ChunkMissing):
                 self._lost(owned, name)
                 continue
             self.delivered.add(name)

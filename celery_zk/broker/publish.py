@@ -21,13 +21,17 @@ from ..zk.client import (
 )
 from ..zk.config import ZKOptions
 from ..zk.layout import (
+    BODY_APART,
+    BODY_CHUNKED,
     Layout,
     bucket_name,
     inverted,
     parse_bucket_name,
     parse_message_name,
 )
-from .store import OP_OVERHEAD, ClientSource, StoreBase, creates
+from ..zk.payload import needs_chunks
+from .big import State, mark, prepare
+from .store import OP_OVERHEAD, REQUEST_BUDGET, ClientSource, StoreBase, creates
 
 logger = logging.getLogger(__name__)
 
@@ -42,21 +46,31 @@ class NewMessage:
     uid: str      # the unique part of its name: finds it after a lost reply
     path: str     # the sequential name's prefix
     body_path: str   # where its body goes (bodies/{bucket}/{uid})
-    data: bytes
+    data: bytes   # the body, or for a big one the manifest of its chunks
     inverted_priority: int
     generation: int   # the bucket it goes to
     affinity: str | None = None   # its affinity key, as named (layout.affinity_token)
+    kind: str = BODY_APART   # BODY_CHUNKED: its chunks are written (celery_zk.broker.big)
 
-    def add_to(self, txn: TransactionRequest) -> None:
-        """The two creates of a publish. One multi: a name never exists without
-        its body (a consumer given it could not run it) nor a body without a
-        name (nothing would ever delete it)."""
+    @property
+    def big(self) -> bool:
+        return self.kind == BODY_CHUNKED
+
+    @property
+    def ops(self) -> int:
+        """How many operations :meth:`add_to` adds (the name's is the last)."""
+        return 3 if self.big else 2
+
+    def add_to(self, txn: TransactionRequest, layout: Layout) -> None:
+        """The creates of a publish. One multi: a name never exists without its
+        body (a consumer given it could not run it) nor a body without a name
+        (nothing would ever delete it); a big one's chunks are marked live in
+        it (not an orphan any more)."""
         txn.create(self.body_path, self.data)
+        if self.big:
+            mark(txn, layout, self.queue, self.uid, State.LIVE, self.data,
+                 bucket_name(self.inverted_priority, self.generation))
         txn.create(self.path, b"", sequence=True)
-
-
-#: Operations :meth:`NewMessage.add_to` adds to a multi.
-OPS_PER_MESSAGE = 2
 
 def new_uid() -> str:
     return uuid.uuid4().hex[:16]
@@ -73,41 +87,54 @@ class Publishing(StoreBase):
         self._filled: dict[tuple[str, int], tuple[int, int]] = {}
 
     # -- publishing ---------------------------------------------------------------
-    def check_size(self, data: bytes, what: str) -> None:
+    def check_size(self, data: bytes | int, what: str) -> None:
+        """``data``: the message, or the size of its body as the application
+        sent it (as AMQP brokers count a message's size)."""
         limit = self.options.max_message_size
-        if len(data) > limit:
+        size = data if isinstance(data, int) else len(data)
+        if size > limit:
             raise MessageTooLarge(
-                f"{what} is {len(data):,} bytes; a ZooKeeper node holds at most "
-                f"{limit:,} (option max_message_size; the server's jute.maxbuffer caps "
-                "it near 1 MiB). Nothing was written. Send a reference to the data "
-                "(a path or URL) instead of the data itself.")
+                f"{what} is {size:,} bytes, over the limit of {limit:,} (option "
+                "max_message_size; each byte is in the memory of every ZooKeeper "
+                "server, see docs/sizing.md). Nothing was written. Send a reference "
+                "to the data (a path or URL) instead of the data itself, or raise "
+                "max_message_size.")
 
     def put(self, queue: str, data: bytes, priority: int | None) -> str:
         """Append a message; returns its node name."""
         return self.put_new(self.new_message(queue, data, priority))
 
     def new_message(self, queue: str, data: bytes, priority: int | None,
-                    affinity: str | None = None) -> NewMessage:
+                    affinity: str | None = None, size: int | None = None) -> NewMessage:
         """A message ready to publish (its size checked, its node named);
-        ``affinity``: its key's :func:`~celery_zk.zk.layout.affinity_token`."""
-        self.check_size(data, f"A message for queue {queue!r}")
+        ``affinity``: its key's :func:`~celery_zk.zk.layout.affinity_token`;
+        ``size``: its body's size, checked against the limit (default: all of
+        ``data``)."""
+        self.check_size(len(data) if size is None else size,
+                        f"A message for queue {queue!r}")
         inv = inverted(priority)
         generation = self._tails.get((queue, inv))
         if generation is None:
             generation = self._find_tail(queue, inv)
-        return self._named(queue, new_uid(), data, inv, generation, affinity)
+        uid, kind = new_uid(), BODY_APART
+        if needs_chunks(data, self.options.chunk_size):
+            # Its chunks first: nothing leads to them until the publish's multi.
+            data = prepare(self.client, self.layout, queue, uid, data, self.options.chunk_size)
+            kind = BODY_CHUNKED
+        return self._named(queue, uid, data, inv, generation, affinity, kind)
 
     def _named(self, queue: str, uid: str, data: bytes, inv: int, generation: int,
-               affinity: str | None) -> NewMessage:
+               affinity: str | None, kind: str = BODY_APART) -> NewMessage:
         # ZooKeeper appends the sequence to this prefix.
-        path = self.layout.new_message_prefix(queue, inv, generation, uid, affinity)
+        path = self.layout.new_message_prefix(queue, inv, generation, uid, affinity, kind)
         return NewMessage(queue, uid, path, self.layout.new_body(queue, inv, generation, uid),
-                          data, inv, generation, affinity)
+                          data, inv, generation, affinity, kind)
 
     def renamed(self, message: NewMessage, generation: int) -> NewMessage:
         """``message`` bound for another bucket of its queue and priority."""
         return self._named(message.queue, message.uid, message.data,
-                           message.inverted_priority, generation, message.affinity)
+                           message.inverted_priority, generation, message.affinity,
+                           message.kind)
 
     def put_new(self, message: NewMessage, maybe_made: bool = False) -> str:
         """Store ``message`` once (``maybe_made``: an earlier attempt lost its reply)."""
@@ -143,7 +170,7 @@ class Publishing(StoreBase):
         """Create the nodes of ``messages``, in order, up to :data:`PUBLISH_BATCH`
         per multi; their names (None: one consumed before a lost reply was checked).
 
-        Each multi carries at most ``max_message_size`` and puts no more into a
+        Each multi carries at most :data:`REQUEST_BUDGET` and puts no more into a
         bucket than the room this process knows is left in it, so a batch keeps
         the bounds of single publishes. A multi is atomic: after a failure some
         earlier multis may have been stored, never part of one.
@@ -158,7 +185,7 @@ class Publishing(StoreBase):
 
     def _next_chunk(self, messages: list[NewMessage]) -> list[NewMessage]:
         """The next multi's messages, named for their queues' newest buckets."""
-        budget = self.options.max_message_size
+        budget = REQUEST_BUDGET
         chunk: list[NewMessage] = []
         room: dict[tuple[str, int], int] = {}
         for message in messages[:PUBLISH_BATCH]:
@@ -172,7 +199,7 @@ class Publishing(StoreBase):
             else:
                 generation = self._tails[key]
             budget -= (len(message.data) + len(message.path) + len(message.body_path)
-                       + OPS_PER_MESSAGE * OP_OVERHEAD)
+                       + message.ops * OP_OVERHEAD)
             if chunk and (budget < 0 or room[key] <= 0):
                 break   # the rest go in the next multi, after a roll to a new bucket
             room[key] -= 1
@@ -193,19 +220,21 @@ class Publishing(StoreBase):
                 if any(found):
                     return found
             txn = client.transaction()
+            ends = []   # the index of each message's last op: its name's create
             for message in chunk:
-                message.add_to(txn)
+                message.add_to(txn, self.layout)
+                ends.append(len(txn.operations) - 1)
             maybe_made = True
             results = txn.commit()
             maybe_made = False
             failure = multi_failure(results)
             if failure is None:
-                return [path.rpartition("/")[2]
-                        for path in results[OPS_PER_MESSAGE - 1::OPS_PER_MESSAGE]]
+                return [results[end].rpartition("/")[2] for end in ends]
             if isinstance(failure[1], NoNodeError):
                 # Its bucket (or the bodies' twin) is gone: deleted when empty,
                 # or never made (a queue declared by an earlier release).
-                self._rename_to_tail(chunk, chunk[failure[0] // OPS_PER_MESSAGE])
+                failed = next(i for i, end in enumerate(ends) if failure[0] <= end)
+                self._rename_to_tail(chunk, chunk[failed])
                 return None
             raise failure[1]
 

@@ -21,12 +21,15 @@ from ..zk.client import (
     reply_or_retry,
 )
 from ..zk.layout import (
+    MessageName,
     parse_bucket_name,
     parse_message_name,
     same_priority,
     sort_messages,
     unescape,
 )
+from ..zk.payload import commit_deleting
+from . import big
 from .acks import ACK_BATCH, Acking
 from .claims import CLAIMS, Assignment, ClaimCounts, Claimed, Claiming
 from .publish import PUBLISH_BATCH, NewMessage, Publishing, new_uid
@@ -168,6 +171,14 @@ class QueueStore(Publishing, Claiming, Acking):
             return build
 
         removed = 0
+        small = []
+        for name in names:
+            message = parse_message_name(name)
+            if message is not None and message.chunked:
+                removed += self._delete_big_waiting(queue, name, message)
+            else:
+                small.append(name)
+        names = small
         for start in range(0, len(names), ACK_BATCH):
             batch = names[start:start + ACK_BATCH]
             if multi_failure(self.commit(deletes(batch))) is None:
@@ -178,6 +189,18 @@ class QueueStore(Publishing, Claiming, Acking):
             removed += sum(1 for name in batch
                            if multi_failure(self.commit(deletes([name]))) is None)
         return removed
+
+    def _delete_big_waiting(self, queue: str, name: str, message: MessageName) -> int:
+        """Delete a waiting big message: name, body and chunks (see celery_zk.broker.big)."""
+        layout, client = self.layout, self.client
+        body = layout.body(queue, message)
+
+        def build(txn: Any) -> None:
+            txn.delete(layout.unowned_message(queue, name))
+            txn.delete(body)
+
+        failure = commit_deleting(client, build, big.delete_paths(client, layout, queue, message))
+        return 1 if failure is None else 0
 
     def delete_all(self, paths: list[str]) -> int:
         """Pipelined deletes; how many this call deleted."""

@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 #: (headers, version, ACL, flags), rounded up.
 OP_OVERHEAD = 64
 
+#: Most bytes one request (a multi) carries: ZooKeeper closes the connection of
+#: a request bigger than its jute.maxbuffer (1 MiB by default).
+REQUEST_BUDGET = 1_000_000
+
 #: A multi's check of a node that must exist, whatever its data (ZooKeeper: -1).
 ANY_VERSION = -1
 

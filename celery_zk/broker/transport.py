@@ -67,7 +67,11 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
 * ``batch_groups`` (bool, True): store a group's (or chord header's)
   messages a few hundred per multi when the group is published (see
   :mod:`celery_zk.broker.groups`).
-* ``max_message_size`` (int, 1000000): largest encoded message in bytes.
+* ``max_message_size`` (int, 16777216): largest message body in bytes; a
+  bigger one fails its publish with MessageTooLarge, before anything is
+  written.
+* ``chunk_size`` (int, 131072): a message stored bigger than this is written
+  as chunks before it is visible (see :mod:`celery_zk.broker.big`).
 * ``acl`` (str, "auto"): "auto" gives nodes a digest ACL for the URL's user
   (open ACL without credentials); "open" always uses the open ACL.
 * ``read_only_users`` (str, ""): comma-separated ``user:password`` pairs that
@@ -78,9 +82,8 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   credentials, TLS settings, ``session_timeout`` and this name share one
   ZooKeeper session (see :mod:`celery_zk.zk.session`); a name of its own gives a
   connection its own session.
-* ``chunk_size`` (int, 131072) and ``max_result_size`` (int, 16777216): the
-  result backend's (see :mod:`celery_zk.backend.payloads`); message bodies
-  are not chunked yet.
+* ``max_result_size`` (int, 16777216): the result backend's (see
+  :mod:`celery_zk.backend.payloads`).
 """
 from __future__ import annotations
 

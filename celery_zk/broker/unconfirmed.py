@@ -53,9 +53,9 @@ class UnconfirmedPublisher:
         _hook_exit()
 
     def put(self, queue: str, data: bytes, priority: int | None,
-            affinity: str | None = None) -> None:
+            affinity: str | None = None, size: int | None = None) -> None:
         # Size errors raise here.
-        message = self.store.new_message(queue, data, priority, affinity)
+        message = self.store.new_message(queue, data, priority, affinity, size)
         with self._cond:
             if self._pid != os.getpid():  # forked: the parent's replies never come here
                 self._pid, self._in_flight, self._redo = os.getpid(), 0, self._redo_thread()
@@ -65,7 +65,7 @@ class UnconfirmedPublisher:
             self._in_flight += 1
         try:
             txn = self.store.client.transaction()
-            message.add_to(txn)
+            message.add_to(txn, self.store.layout)
             result = txn.commit_async()
         except BaseException:
             self._finished()

@@ -15,11 +15,13 @@ from typing import Any
 from kazoo.client import TransactionRequest
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
+from ..broker import big
 from ..broker.dead import UNKNOWN, unwrap
 from ..broker.queue import QueueStore
 from ..exceptions import CeleryZKError
 from ..zk.client import multi_failure
-from ..zk.layout import parse_message_name, requeued_name
+from ..zk.layout import bucket_name, parse_message_name, requeued_name
+from ..zk.payload import delete_container, is_manifest, parse_manifest
 
 __all__ = ["DeadLetter", "DeadLetters"]
 
@@ -108,6 +110,9 @@ class DeadLetters:
                 txn.create(directory)
             if body is not None:
                 txn.create(body, message)
+            if parsed.chunked:   # its chunks stayed where they were: live again
+                big.mark(txn, self.layout, self.queue, parsed.uid, big.State.LIVE, message,
+                         bucket_name(parsed.inverted_priority, parsed.generation or 0))
             txn.create(target, b"" if body is not None else message)
 
         failure = multi_failure(self.store.commit(build))
@@ -120,8 +125,15 @@ class DeadLetters:
         return new_name
 
     def purge(self) -> int:
-        """Delete every dead letter; how many this call deleted."""
-        return self.store.delete_all([self._path(name) for name in self.ids()])
+        """Delete every dead letter (a big one's chunks too); how many this call deleted."""
+        names = self.ids()
+        removed = self.store.delete_all([self._path(name) for name in names])
+        for name in names:
+            parsed = parse_message_name(name)
+            if parsed is not None and parsed.chunked:
+                delete_container(self.client,
+                                 self.layout.chunk_container(self.queue, parsed.uid))
+        return removed
 
     def _path(self, name: str) -> str:
         return self.layout.dead_message(self.queue, name)
@@ -130,6 +142,9 @@ class DeadLetters:
     def _describe(name: str, data: bytes) -> DeadLetter:
         header, message = unwrap(data)
         task = task_id = ""
+        size = len(message)
+        if is_manifest(message):   # a big message: its chunks are not read to list it
+            size = parse_manifest(message).size
         try:
             headers = json.loads(message).get("headers") or {}
             task, task_id = str(headers.get("task") or ""), str(headers.get("id") or "")
@@ -139,4 +154,4 @@ class DeadLetters:
         return DeadLetter(id=name, reason=str(header.get("reason") or UNKNOWN),
                           at=header.get("at"), host=str(header.get("host") or ""),
                           pid=pid if isinstance(pid, int) else None,
-                          task=task, task_id=task_id, size=len(message))
+                          task=task, task_id=task_id, size=size)

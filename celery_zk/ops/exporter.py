@@ -89,6 +89,12 @@ def _queue_metrics(status: Status) -> Iterator[Any]:
     oldest = GaugeMetricFamily("celery_zk_queue_oldest_message_age_seconds",
                                "How long the first message in line has waited "
                                "(0 when none waits).", labels=["queue_name"])
+    chunked = GaugeMetricFamily("celery_zk_queue_chunked",
+                                "Messages stored in chunks (bigger than chunk_size).",
+                                labels=["queue_name"])
+    chunked_bytes = GaugeMetricFamily("celery_zk_queue_chunked_bytes",
+                                      "Bytes of the messages stored in chunks.",
+                                      labels=["queue_name"])
     per_queue: dict[str, int] = {}
     for consumer in status.consumers:
         for name in consumer.queues:
@@ -101,7 +107,9 @@ def _queue_metrics(status: Status) -> Iterator[Any]:
         owned.add_metric([queue.name], queue.owned_total)
         dead.add_metric([queue.name], queue.dead)
         oldest.add_metric([queue.name], queue.oldest_age or 0.0)
-    yield from (length, consumers, by_priority, owned, dead, oldest)
+        chunked.add_metric([queue.name], queue.chunked)
+        chunked_bytes.add_metric([queue.name], queue.chunked_bytes)
+    yield from (length, consumers, by_priority, owned, dead, oldest, chunked, chunked_bytes)
 
 
 def _consumer_metrics(status: Status) -> Iterator[Any]:

@@ -39,11 +39,13 @@ def format_status(status: Status, url: str) -> str:
         for queue in status.queues:
             priorities = " ".join(f"{p}:{n:,}" for p, n in sorted(queue.waiting.items(),
                                                                    reverse=True))
+            chunked = (f"{queue.chunked:,} ({_size(queue.chunked_bytes)})" if queue.chunked
+                       else "-")
             rows.append([queue.name, f"{queue.waiting_total:,}", priorities or "-",
                          f"{queue.owned_total:,}", f"{queue.dead:,}", str(queue.offers),
-                         age(queue.oldest_age)])
+                         age(queue.oldest_age), chunked])
         parts.append(table(["QUEUE", "WAITING", "BY PRIORITY", "OWNED", "DEAD", "IDLE",
-                            "OLDEST"], rows))
+                            "OLDEST", "CHUNKED"], rows))
     else:
         parts.append("no queues")
     parts.append("")

@@ -14,6 +14,10 @@ report costs a few pipelined round trips per queue, whatever its backlog.
 * Consumers: the ephemeral ``consumers/`` nodes (host, pid, queues).
 * Results, groups and chords: the shards' ``numChildren``; how many are past
   their expiry: the expiry index's hours older than ``result_expires``.
+* Messages stored in chunks (bigger than ``chunk_size``) and their bytes:
+  the data of each container under the queue's ``chunks/`` (a round trip;
+  only big messages have one). The bytes of other message bodies are not
+  counted: that would be a stat per message.
 * Results stored in chunks and their bytes: the names under ``payloads/``
   (one listing per shard in use, pipelined), which carry each payload's size.
   The bytes of plain (unchunked) results are not counted: that would be a
@@ -33,6 +37,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
 from ..backend.expiry import bucket_expired
+from ..broker import big
 from ..broker.liveness import consumer_nodes
 from ..server.launcher import four_letter_word
 from ..zk.client import reply_or_retry
@@ -67,6 +72,8 @@ class QueueStatus:
     dead: int = 0
     offers: int = 0          # idle consumers waiting for a message of this queue
     oldest_age: float | None = None   # seconds the first message in line has waited
+    chunked: int = 0         # messages stored in chunks (waiting, owned or dead)
+    chunked_bytes: int = 0   # their bodies' bytes
 
     @property
     def waiting_total(self) -> int:
@@ -114,7 +121,9 @@ class Status:
                         "waiting_by_priority": {str(p): n for p, n in sorted(q.waiting.items())},
                         "owned": q.owned_total, "owned_by_consumer": q.owned,
                         "dead": q.dead, "idle_consumers": q.offers,
-                        "oldest_waiting_seconds": q.oldest_age} for q in self.queues],
+                        "oldest_waiting_seconds": q.oldest_age,
+                        "chunked": q.chunked, "chunked_bytes": q.chunked_bytes}
+                       for q in self.queues],
             "consumers": [c.__dict__ for c in self.consumers],
             "results": self.results.__dict__ if self.results is not None else None,
             "servers": self.servers,
@@ -195,6 +204,7 @@ def _queue(client: KazooClient, layout: Layout, queue: str, now: float) -> Queue
     dead_stat = _reply_or_none(dead)
     status.dead = dead_stat.numChildren if dead_stat is not None else 0
     status.offers = sum(1 for n in _reply_or_empty(offers) if parse_offer_name(n))
+    status.chunked, status.chunked_bytes = big.stored(client, layout, queue)
     status.oldest_age = _oldest_age(client, layout, queue, list(first.values()),
                                     ordered_flat, now)
     return status

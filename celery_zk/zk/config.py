@@ -108,9 +108,12 @@ class ZKOptions:
                               "hundred per multi transaction when the group is published, "
                               "instead of one confirmed create per task; the group's "
                               "apply_async still returns once all are stored.")
-    max_message_size: int = _opt(1_000_000, "Largest encoded message or result, bytes; "
-                                 "must stay below the server's jute.maxbuffer (1 MiB).")
-    chunk_size: int = _opt(131_072, "A result (or saved group) bigger than this is "
+    max_message_size: int = _opt(16_777_216, "Largest encoded message, bytes (RabbitMQ 4's "
+                                 "default); a bigger one fails its publish with "
+                                 "MessageTooLarge, before anything is written. Every "
+                                 "stored byte is in every server's heap (see "
+                                 "docs/sizing.md). Broker only.")
+    chunk_size: int = _opt(131_072, "A message, result (or saved group) bigger than this is "
                            "stored as chunk nodes of this size, written before the node "
                            "that makes it visible, which holds a small manifest instead "
                            "(celery_zk.zk.payload). 1,024 to 1,000,000: each chunk is one "
@@ -213,24 +216,30 @@ def build_options(*sources: Mapping[str, Any] | None) -> ZKOptions:
             "a listing must stay far below the 1 MiB a ZooKeeper reply may carry.")
     _check_payload_options(values.get("chunk_size", ZKOptions.chunk_size),
                            values.get("max_result_size", ZKOptions.max_result_size))
+    _check_payload_options(values.get("chunk_size", ZKOptions.chunk_size),
+                           values.get("max_message_size", ZKOptions.max_message_size),
+                           "max_message_size")
     return ZKOptions(**values)
 
 
-def _check_payload_options(chunk_size: int, max_result_size: int) -> None:
+def _check_payload_options(chunk_size: int, largest: int,
+                           option: str = "max_result_size") -> None:
+    """``chunk_size`` and the largest payload ``option`` allows fit together."""
+    what = "result" if option == "max_result_size" else "message"
     if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
         raise ZKConfigurationError(
             f"celery_zk option 'chunk_size' must be between {MIN_CHUNK_SIZE:,} and "
             f"{MAX_CHUNK_SIZE:,} bytes (got {chunk_size:,}): each chunk is one request, "
             "which must stay below the server's jute.maxbuffer (1 MiB).")
-    if max_result_size < 1:
+    if largest < 1:
         raise ZKConfigurationError(
-            "celery_zk option 'max_result_size' must be at least 1 byte (got "
-            f"{max_result_size}); it is the largest result stored, default 16 MiB.")
-    if -(-max_result_size // chunk_size) > MAX_CHUNKS:
+            f"celery_zk option '{option}' must be at least 1 byte (got {largest}); it is "
+            f"the largest {what} stored, default 16 MiB.")
+    if -(-largest // chunk_size) > MAX_CHUNKS:
         raise ZKConfigurationError(
-            f"celery_zk options: a result of max_result_size ({max_result_size:,} bytes) "
-            f"would take more than {MAX_CHUNKS:,} chunks of chunk_size ({chunk_size:,}); "
-            "raise chunk_size or lower max_result_size.")
+            f"celery_zk options: a {what} of {option} ({largest:,} bytes) would take "
+            f"more than {MAX_CHUNKS:,} chunks of chunk_size ({chunk_size:,}); raise "
+            f"chunk_size or lower {option}.")
 
 
 def _parse_hosts(netloc_hosts: str, url: str) -> list[str]:

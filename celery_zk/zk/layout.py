@@ -11,7 +11,10 @@
           n{P}-{gen}-{uid}@{key}-{seq}  one with a data-affinity key (celery_zk.features.affinity)
           m{P}-{gen}-{uid}-{seq}      stored by celery_zk before 0.2: the body in the node
         bodies/p{P}-{gen}/{uid}       an ``n`` message's body, written once by its publisher
-                                      and deleted by its ack: only names move
+                                      and deleted by its ack: only names move; a ``c``
+                                      message's holds the manifest of its chunks
+        chunks/{uid}/c{index:06d}     the chunks of a message bigger than chunk_size;
+                                      data of chunks/{uid}: its state (celery_zk.broker.big)
         consumers/{consumer}          ephemeral: a connection consumes this queue; data:
                                       {"credit", "worker", "host", "pid"}; the oldest is
                                       the queue's dispatcher (celery_zk.broker.dispatcher)
@@ -99,8 +102,11 @@ REVOKED_TASK, REVOKED_STAMP = "t" + OWNER_SEP, "s" + OWNER_SEP   # kinds under r
 
 #: The first letter of a message name: where its body is.
 BODY_APART = "n"    # in bodies/, written once; the name alone moves (celery_zk 0.2)
+BODY_CHUNKED = "c"  # as "n", and bigger than chunk_size: its body node holds a
+                    # manifest, the bytes are chunks under chunks/{uid}
 BODY_INSIDE = "m"   # in the name's own node (celery_zk before 0.2)
-_MESSAGE_RE = re.compile(r"^([mn])(\d)-(\d{10})-([0-9a-f]{1,32})(?:@([^/~]+?))?-(r?)(\d{10})$")
+_MESSAGE_RE = re.compile(
+    r"^([mnc])(\d)-(\d{10})-([0-9a-f]{1,32})(?:@([^/~]+?))?-(r?)(\d{10})$")
 # Before buckets: flat in unowned/, the requeue sequential too.
 _FLAT_MESSAGE_RE = re.compile(r"^m(\d)-([0-9a-f]{1,32})-(?:r(\d{10})-)?(\d{10})$")
 _BUCKET_RE = re.compile(r"^p(\d)-(\d{10})$")
@@ -146,7 +152,13 @@ class MessageName(NamedTuple):
     requeued: bool      # back from owned/ (a reject, a shutdown or a dead owner)
     seq: int            # this node's own sequence (a requeue's is its order)
     affinity: str | None = None   # its affinity key as named (affinity_token)
-    body_apart: bool = False   # its body is in bodies/ (an "n" name), not in its node
+    body_apart: bool = False   # its body is in bodies/ (an "n" or "c" name), not in its node
+    chunked: bool = False      # its body is chunked (a "c" name): see Layout.chunks
+
+    @property
+    def kind(self) -> str:
+        """The letter its name starts with."""
+        return BODY_CHUNKED if self.chunked else BODY_APART if self.body_apart else BODY_INSIDE
 
     @property
     def priority(self) -> int:
@@ -195,12 +207,11 @@ def same_priority(bucket: str, other: str) -> bool:
 
 
 def message_prefix(inverted_priority: int, generation: int, uid: str,
-                   affinity: str | None = None, body_apart: bool = True) -> str:
+                   affinity: str | None = None, kind: str = BODY_APART) -> str:
     """Name prefix of a new message; ZooKeeper appends the sequence.
-    ``affinity``: an :func:`affinity_token`. ``body_apart``: the body is stored
-    in ``bodies/`` (every message celery_zk 0.2 publishes), not in the node."""
+    ``affinity``: an :func:`affinity_token`. ``kind``: where the body is
+    (:data:`BODY_APART`, :data:`BODY_CHUNKED` or :data:`BODY_INSIDE`)."""
     key = f"@{affinity}" if affinity else ""
-    kind = BODY_APART if body_apart else BODY_INSIDE
     return f"{kind}{inverted_priority}-{generation:0{SEQ_DIGITS}d}-{uid}{key}-"
 
 
@@ -239,7 +250,7 @@ def requeued_name(message: MessageName) -> str:
     marked requeued, with the sequence that keeps its place."""
     generation = message.generation or 0
     return (message_prefix(message.inverted_priority, generation, message.uid,
-                           message.affinity, message.body_apart)
+                           message.affinity, message.kind)
             + f"r{message.order:0{SEQ_DIGITS}d}")
 
 
@@ -249,7 +260,7 @@ def parse_message_name(name: str) -> MessageName | None:
     if match:
         kind, inv, generation, uid, affinity, requeued, seq = match.groups()
         return MessageName(int(inv), int(generation), uid, int(seq), bool(requeued), int(seq),
-                           affinity, kind == BODY_APART)
+                           affinity, kind != BODY_INSIDE, kind == BODY_CHUNKED)
     match = _FLAT_MESSAGE_RE.match(name)
     if not match:
         return None
@@ -271,7 +282,8 @@ def sort_messages(names: list[str]) -> tuple[list[str], list[str]]:
     return [name for _, name in parsed], foreign
 
 
-def handed_name(inverted_priority: int, generation: int, uid: str) -> str:
+def handed_name(inverted_priority: int, generation: int, uid: str,
+                kind: str = BODY_APART) -> str:
     """The name a message handed straight to an idle consumer gets.
 
     It never waited in a bucket, so it has no sequence: zero. Its body is in
@@ -279,7 +291,7 @@ def handed_name(inverted_priority: int, generation: int, uid: str) -> str:
     the front of that bucket: it was handed over while the queue was empty,
     ahead of its priority's later arrivals, where it belongs.
     """
-    return message_prefix(inverted_priority, generation, uid) + "0" * SEQ_DIGITS
+    return message_prefix(inverted_priority, generation, uid, kind=kind) + "0" * SEQ_DIGITS
 
 
 def offer_name(consumer_id: str, token: str) -> str:
@@ -441,7 +453,7 @@ class Layout:
         """The directories every queue has (queues made by an earlier release
         lack those that came later: they are made when first needed)."""
         return (self.unowned(queue), self.bodies(queue), self.owned(queue), self.dead(queue),
-                self.offers(queue), self.queue_consumers(queue))
+                self.offers(queue), self.queue_consumers(queue), self.chunks(queue))
 
     def bucket(self, queue: str, name: str) -> str:
         """A bucket of ``unowned/`` by its name (see :func:`bucket_name`)."""
@@ -457,10 +469,11 @@ class Layout:
         return join(self.unowned(queue), bucket, name)
 
     def new_message_prefix(self, queue: str, inverted_priority: int, generation: int,
-                           uid: str, affinity: str | None = None) -> str:
+                           uid: str, affinity: str | None = None,
+                           kind: str = BODY_APART) -> str:
         """The path a new message is created at (ZooKeeper appends the sequence)."""
         return join(self.bucket(queue, bucket_name(inverted_priority, generation)),
-                    message_prefix(inverted_priority, generation, uid, affinity))
+                    message_prefix(inverted_priority, generation, uid, affinity, kind))
 
     # -- bodies: written once, deleted by the ack ------------------------------
     def bodies(self, queue: str) -> str:
@@ -479,6 +492,16 @@ class Layout:
 
     def new_body(self, queue: str, inverted_priority: int, generation: int, uid: str) -> str:
         return join(self.body_bucket(queue, bucket_name(inverted_priority, generation)), uid)
+
+    def chunks(self, queue: str) -> str:
+        """The chunk containers of the queue's big message bodies (``c`` names):
+        few, since they hold only messages bigger than chunk_size."""
+        return join(self.queue(queue), "chunks")
+
+    def chunk_container(self, queue: str, uid: str) -> str:
+        """Where the chunks of message ``uid``'s body are. Named by the uid alone:
+        a publish may move to another bucket after its chunks were written."""
+        return join(self.chunks(queue), uid)
 
     # -- consumers of a queue and their inboxes ------------------------------
     def queue_consumers(self, queue: str) -> str:

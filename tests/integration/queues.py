@@ -14,6 +14,7 @@ from celery_zk.zk.layout import (
     parse_message_name,
     sort_messages,
 )
+from celery_zk.zk.payload import read_payload
 
 
 def buckets(zk_client: KazooClient, layout: Layout, queue: str) -> list[str]:
@@ -54,8 +55,12 @@ def body_path(layout: Layout, queue: str, name: str) -> str:
 
 def stored_body(zk_client: KazooClient, layout: Layout, queue: str,
                 name: str) -> tuple[bytes, ZnodeStat]:
-    """``(data, stat)`` of a waiting message's body."""
-    return zk_client.get(body_path(layout, queue, name))
+    """``(data, stat)`` of a waiting message's body (a big one's read from its chunks)."""
+    data, stat = zk_client.get(body_path(layout, queue, name))
+    message = parse_message_name(name)
+    if message is not None and message.chunked:
+        data = read_payload(zk_client, layout.chunk_container(queue, message.uid), data)
+    return data, stat
 
 
 def unowned_creations(zk_client: KazooClient, layout: Layout, queue: str) -> int:

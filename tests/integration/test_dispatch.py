@@ -20,7 +20,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk.broker.dispatcher import Dispatcher
 from celery_zk.broker.queue import CLAIMS
-from celery_zk.zk.layout import Layout, message_prefix, owned_name, parse_message_name
+from celery_zk.zk.layout import BODY_INSIDE, Layout, message_prefix, owned_name, parse_message_name
 
 from .queues import owned, owners, waiting
 from .workers import wait_until
@@ -220,9 +220,9 @@ def test_messages_stored_by_the_previous_release_are_delivered(
                 channel._put = original   # type: ignore[method-assign]
                 return captured[0]
 
-        zk_client.create(f"{bucket}/" + message_prefix(9, 0, "a" * 16, body_apart=False),
+        zk_client.create(f"{bucket}/" + message_prefix(9, 0, "a" * 16, kind=BODY_INSIDE),
                          stored("waiting-old"), sequence=True)
-        held = message_prefix(9, 0, "b" * 16, body_apart=False) + "0" * 9 + "0"
+        held = message_prefix(9, 0, "b" * 16, kind=BODY_INSIDE) + "0" * 9 + "0"
         zk_client.create(layout.owned_message("upgrade", owned_name("c00dead", held)),
                          stored("owned-old"))
         recovery_leader(conn)   # puts the dead owner's message back

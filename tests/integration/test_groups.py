@@ -85,19 +85,30 @@ def test_a_group_rolls_to_new_buckets_and_keeps_their_bound(
 
 def test_big_messages_are_split_into_multis_that_fit(
         zk_url: str, zk_client: KazooClient) -> None:
-    """Six messages of ~270 KB encoded (base64): three fit in one 1 MB multi, four
-    would not."""
+    """Twelve messages of ~101 KB encoded (base64; below chunk_size, so stored
+    whole): nine fit in one 1 MB multi, ten would not."""
     with client_app(zk_url) as app:
-        group([sig(app, [i, "x" * 200_000], "grp-big") for i in range(6)]).apply_async()
+        group([sig(app, [i, "x" * 75_000], "grp-big") for i in range(12)]).apply_async()
         items = stored(zk_client, "grp-big")
-    assert [value[0] for value, _ in items] == list(range(6))
+    assert [value[0] for value, _ in items] == list(range(12))
     assert transactions(items) == 2
+
+
+def test_messages_bigger_than_a_chunk_in_a_group(zk_url: str, zk_client: KazooClient) -> None:
+    """Their chunks are written as they are published; the group's multis carry
+    their manifests, and the names move as one."""
+    with client_app(zk_url) as app:
+        group([sig(app, [i, "x" * 400_000], "grp-chunked") for i in range(3)]).apply_async()
+        items = stored(zk_client, "grp-chunked")
+    assert [value[0] for value, _ in items] == list(range(3))
+    assert [value[1] for value, _ in items] == ["x" * 400_000] * 3
+    assert transactions(items) == 1
 
 
 def test_a_bad_task_in_a_group_fails_clearly_and_the_earlier_ones_are_kept(
         zk_url: str, zk_client: KazooClient) -> None:
     """As when publishing task by task: what came before the error is stored."""
-    with client_app(zk_url) as app:
+    with client_app(f"{zk_url}?max_message_size=1000000") as app:
         members = [sig(app, 0, "grp-bad"), sig(app, 1, "grp-bad"),
                    sig(app, "x" * 1_100_000, "grp-bad"), sig(app, 3, "grp-bad")]
         with pytest.raises(MessageTooLarge, match="Send a reference to the data"):

@@ -282,9 +282,10 @@ def test_foreign_and_undecodable_nodes_are_dead_lettered(conn: Connection, zk_ur
     assert waiting(zk_client, layout, "junk") == []
 
 
-def test_oversized_message_is_refused_before_writing(conn: Connection, zk_url: str,
+def test_oversized_message_is_refused_before_writing(zk_url: str,
                                                      zk_client: KazooClient) -> None:
     queue = Queue("big", Exchange("big", "direct"), "big")
+    conn = Connection(f"{zk_url}?max_message_size=1000000")
     producer = Producer(conn.channel())
     producer.publish({"small": 1}, exchange=queue.exchange, routing_key="big", declare=[queue])
     with pytest.raises(MessageTooLarge, match="max_message_size"):
@@ -293,6 +294,7 @@ def test_oversized_message_is_refused_before_writing(conn: Connection, zk_url: s
     assert len(waiting(zk_client, layout, "big")) == 1
     producer.publish({"small": 2}, exchange=queue.exchange, routing_key="big")  # still usable
     assert [b for b, _ in drain(conn, queue, 2)] == [{"small": 1}, {"small": 2}]
+    conn.close()
 
 
 def test_big_messages_are_claimed_in_requests_the_server_accepts(

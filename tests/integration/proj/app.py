@@ -260,3 +260,13 @@ if os.environ.get("CELERY_ZK_TEST_DIE_AT_CHUNK"):
         return _create_async(self, path, *args, **kwargs)  # type: ignore[arg-type]
 
     KazooClient.create_async = _create_or_die  # type: ignore[method-assign]
+
+
+@app.task
+def slow_digest(value: str, seconds: float) -> list[object]:
+    """Length and sha256 of ``value``, after ``seconds`` (unless SLOW_DIGEST_FAST)."""
+    import hashlib
+
+    if not os.environ.get("SLOW_DIGEST_FAST"):
+        time.sleep(seconds)
+    return [len(value), hashlib.sha256(value.encode()).hexdigest()]

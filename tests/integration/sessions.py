@@ -22,9 +22,14 @@ def apart(url: str, name: str) -> str:
     """``url`` for a connection standing for another process: a session of its own.
 
     In one process every connection shares one session (celery_zk.zk.session);
-    a test that plays two processes in one gives the second its own.
+    a test that plays two processes in one gives the second its own. The name
+    holds a hash of the URL (its chroot): sessions are shared by what names the
+    hosts, not the root, and one test's session must never be another's.
     """
-    return f"{url}{'&' if '?' in url else '?'}session_name={name}"
+    import hashlib
+
+    unique = f"{name}-{hashlib.sha1(url.encode()).hexdigest()[:8]}"
+    return f"{url}{'&' if '?' in url else '?'}session_name={unique}"
 
 
 def session_ports(host: str, port: int) -> list[int]:

@@ -23,6 +23,7 @@ from celery_zk.broker.queue import CLAIMS
 from celery_zk.zk.layout import BODY_INSIDE, Layout, message_prefix, owned_name, parse_message_name
 
 from .queues import owned, owners, waiting
+from .sessions import apart
 from .workers import wait_until
 
 
@@ -51,7 +52,7 @@ class Drainer(threading.Thread):
     def __init__(self, url: str, queue: Queue, name: str, prefetch: int = 2,
                  hold: float = 0.0) -> None:
         super().__init__(daemon=True, name=f"drainer-{name}")
-        self.conn = Connection(f"{url}{'&' if '?' in url else '?'}session_name={name}")
+        self.conn = Connection(apart(url, name))
         self.queue, self.prefetch, self.hold = queue, prefetch, hold
         self.got: list[Any] = []
         self.stop = threading.Event()
@@ -159,7 +160,7 @@ def test_a_dead_consumers_inbox_goes_back_each_message_to_its_place(
     with Connection(zk_url) as survivor:
         recovery_leader(survivor)
         publish(survivor, queue, list(range(6)))
-        doomed = Connection(f"{zk_url}?session_name=doomed")
+        doomed = Connection(apart(zk_url, "doomed"))
         got: list[Any] = []
         consumer = Consumer(doomed, [queue], prefetch_count=4,
                             callbacks=[lambda body, message: got.append(body["v"])])
@@ -171,6 +172,10 @@ def test_a_dead_consumers_inbox_goes_back_each_message_to_its_place(
         assert len(set(owners(zk_client, layout, "dies"))) == 1
         # The process dies: its session ends, without kombu closing anything.
         doomed.transport.handle.client.stop()
+        try:
+            doomed.release()
+        except Exception:   # its session is gone: closing may complain
+            pass
         wait_until(lambda: owned(zk_client, layout, "dies") == [], 15,
                    message="the dead consumer's inbox was not recovered")
         publish(survivor, queue, ["late"])

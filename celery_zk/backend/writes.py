@@ -13,7 +13,7 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 from kazoo.retry import ForceRetryError
 
 from ..exceptions import ResultTooLarge
-from ..zk.client import connected_retry, log_failure, multi_failure
+from ..zk.client import FAILOVER_PATIENCE, connected_retry, log_failure, multi_failure
 from ..zk.layout import Layout
 from .expiry import Key, expiry_hour
 
@@ -61,9 +61,11 @@ class ResultWrites:
         return self._retry(self._inner_write, key, data, keep_success, create_only, fresh)
 
     def _retry(self, func: Callable[..., Any], *args: Any) -> Any:
-        # Fails within the retry deadline during an outage (Celery's
-        # result_backend_always_retry takes over) instead of waiting it out.
-        return connected_retry(self.client, func, *args)
+        # Rides out a leader failover (a task's result lost to one would turn a
+        # success into a FAILURE that nobody retries), then fails during a longer
+        # outage (Celery's result_backend_always_retry takes over) instead of
+        # waiting it out.
+        return connected_retry(self.client, func, *args, patience=FAILOVER_PATIENCE)
 
     def _inner_write(self, key: Key, data: bytes, keep_success: bool,
                      create_only: bool, fresh: bool) -> bool:

@@ -34,7 +34,7 @@ from nemesis_cluster import ROOT, Cluster, WorkerSpec
 from nemesis_dispatcher import LOOKUPS
 from nemesis_faults import Nemesis, log
 from nemesis_history import PUBLISHER, Follower, read_executions, read_journal
-from nemesis_net import Network, ensure_tools, remove_leftovers
+from nemesis_net import Network, ensure_tools, exclusive, remove_leftovers
 from nemesis_recovery import measure
 from nemesis_schedule import plan, short_seconds
 from nemesis_state import broadcast_reach, compare_members, queue_leftovers, read_results
@@ -210,6 +210,7 @@ def report(args: argparse.Namespace, work_dir: str, cluster: Cluster, faults: li
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     ensure_tools()
+    lock = exclusive()   # held until this process ends
     left = remove_leftovers()
     if left:
         log(f"removed what an earlier run left: {', '.join(left)}")
@@ -255,13 +256,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return report(args, work_dir, cluster, applied, nemesis_started,
                       (publish_started, publish_ended), drained_in, leftovers, consistency,
                       reach)
+    except BaseException as exc:
+        log(f"stopping ({exc!r}): tearing everything down")
+        raise
     finally:
-        if nemesis is not None:
-            nemesis.heal()
-        if cluster is not None:
-            cluster.stop()
-        net.destroy()
-        remove_leftovers()
+        # A second Ctrl-C must not cut the teardown short: it leaves no namespace.
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
+        try:
+            if nemesis is not None:
+                nemesis.heal()
+        finally:
+            if cluster is not None:
+                cluster.stop()
+            net.destroy()
+            remove_leftovers()
+            lock.close()
 
 
 def print_summary(result: dict[str, Any]) -> None:
@@ -286,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # The observer's reconnects are expected during faults; the workers' logs keep theirs.
     logging.getLogger("kazoo").setLevel(logging.ERROR)
+    signal.signal(signal.SIGINT, signal.default_int_handler)   # even when started in the background
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _raise_exit)
     result = run(args)

@@ -14,6 +14,7 @@ can clear what a run killed with SIGKILL left behind.
 """
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import os
 import shutil
@@ -21,6 +22,7 @@ import signal
 import subprocess
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import IO
 
 PREFIX = "czkn"
 BRIDGE = f"{PREFIX}-br"
@@ -72,6 +74,28 @@ class Host:
     def exec_prefix(self) -> list[str]:
         """A command prefix that runs (execs) a program inside this host."""
         return ["ip", "netns", "exec", self.namespace]
+
+
+LOCK_PATH = f"/run/lock/celery_zk-{PREFIX}.lock"
+
+
+def exclusive() -> IO[str]:
+    """Hold the lock of the ``czkn-*`` names for this run (until the returned file
+    is closed, or the process ends): a second run would tear the first one down."""
+    os.makedirs(os.path.dirname(LOCK_PATH), exist_ok=True)
+    lock = open(LOCK_PATH, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip()
+        lock.close()
+        raise RuntimeError(f"another nemesis run (pid {holder or '?'}) holds {LOCK_PATH}: "
+                           "its namespaces are named like ours; wait for it to end") from None
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
 
 
 def namespaces() -> list[str]:

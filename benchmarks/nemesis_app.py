@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from celery import Celery, Task
-from celery.signals import worker_ready
+from common import announce_ready
 from nemesis_history import PUBLISHER, Journal, exec_journal
 
 import celery_zk  # noqa: F401  (registers the zk:// transport alias)
@@ -104,9 +104,4 @@ if os.environ.get("NEMESIS_HOST"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-@worker_ready.connect
-def _announce_ready(**_: Any) -> None:
-    path = os.environ.get("NEMESIS_READY_FILE")
-    if path:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(str(os.getpid()))
+announce_ready("NEMESIS_READY_FILE")

@@ -68,8 +68,8 @@ class Host:
 
     @property
     def link(self) -> str:
-        """The veth end on the bridge (the namespace's end is ``{link}p``)."""
-        return f"{PREFIX}-{self.name}"
+        """The veth end on the bridge, named as the namespace (its other end: ``{link}p``)."""
+        return self.namespace
 
     def exec_prefix(self) -> list[str]:
         """A command prefix that runs (execs) a program inside this host."""

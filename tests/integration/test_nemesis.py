@@ -31,9 +31,12 @@ SEED = int(os.environ.get("CELERY_ZK_NEMESIS_SEED", "27"))
 #: B3: a worker whose session expired misses the broadcasts sent meanwhile (its
 #: pidbox queue is swept) and does not read the revokes kept in ZooKeeper again,
 #: while it still runs the messages it held under the old session (B2).
+#: B4: a hand-off cut off from the leader commits after its retry fell back to an
+#: ordinary publish: one apply_async, two messages.
 KNOWN_BROKER_BUGS = {
     "B1": ("no longer receive broadcasts", "its worker no longer receives broadcasts"),
     "B3": ("its worker never got the broadcast",),
+    "B4": ("a second message without a publish retry",),
 }
 
 

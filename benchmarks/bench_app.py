@@ -27,7 +27,8 @@ import time
 from typing import Any
 
 from celery import Celery, Task
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_shutdown
+from common import announce_ready
 
 import celery_zk  # noqa: F401  (registers the zk:// transport alias)
 
@@ -131,12 +132,7 @@ if os.environ.get("BENCH_TIMELINE_FILE"):   # benchmarks/timeline.py's worker
     install_in_worker()
 
 
-@worker_ready.connect
-def _announce_ready(**_: Any) -> None:
-    path = os.environ.get("BENCH_READY_FILE")
-    if path:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(str(os.getpid()))
+announce_ready("BENCH_READY_FILE")
 
 
 @worker_shutdown.connect

@@ -420,6 +420,20 @@ def bench_run(prefix: str, keep: bool = False
 
 
 # -- workers ---------------------------------------------------------------------------------
+def announce_ready(variable: str) -> None:
+    """Once this process's worker consumes (``worker_ready``), write its pid to the
+    file the environment ``variable`` names: at loglevel WARNING a worker prints no
+    "ready." line to wait for."""
+    from celery.signals import worker_ready
+
+    def write(**_: Any) -> None:
+        path = os.environ.get(variable)
+        if path:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(str(os.getpid()))
+    worker_ready.connect(write, weak=False)
+
+
 def spawn_worker(procs: Processes, work_dir: str, name: str, broker: str, queue: str,
                  backend: str | None = None, env: dict[str, str] | None = None,
                  pool: str = "threads", concurrency: int = 4,

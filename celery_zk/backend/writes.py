@@ -15,7 +15,7 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 from kazoo.retry import ForceRetryError
 
 from ..exceptions import PayloadError, ResultTooLarge
-from ..zk.client import connected_retry, log_failure, multi_failure
+from ..zk.client import FAILOVER_PATIENCE, connected_retry, log_failure, multi_failure
 from ..zk.layout import Layout
 from ..zk.payload import commit_deleting, needs_chunks
 from .expiry import CHORD, Key, expiry_hour
@@ -81,9 +81,11 @@ class ResultWrites:
         return written
 
     def _retry(self, func: Callable[..., Any], *args: Any) -> Any:
-        # Fails within the retry deadline during an outage (Celery's
-        # result_backend_always_retry takes over) instead of waiting it out.
-        return connected_retry(self.client, func, *args)
+        # Rides out a leader failover (a task's result lost to one would turn a
+        # success into a FAILURE that nobody retries), then fails during a longer
+        # outage (Celery's result_backend_always_retry takes over) instead of
+        # waiting it out.
+        return connected_retry(self.client, func, *args, patience=FAILOVER_PATIENCE)
 
     def _inner_write(self, key: Key, data: bytes, keep_success: bool,
                      create_only: bool, fresh: bool, stored: Stored | None) -> bool:

@@ -3,15 +3,23 @@
 Every member is a :class:`~celery_zk.server.ZooKeeperServer` with a ``myid``
 and the shared ``server.N`` lines; this module only adds what a quorum needs
 on top: port allocation, waiting for a leader, and stopping/starting members.
+
+By default every member listens on one loopback address, each on ports of its
+own. Given ``hosts`` (one address per member, e.g. one per network namespace,
+with ``command_prefixes`` to start each member inside its namespace), every
+member binds its own address and all of them use the same three ports, as
+servers on separate machines would; a network fault between two addresses
+then separates exactly those members.
 """
 from __future__ import annotations
 
 import os
 import re
 import time
+from collections.abc import Sequence
 
 from ..exceptions import ServerStartError
-from .install import find_zookeeper
+from .install import JVM_FLAGS, find_zookeeper
 from .launcher import Launched, Peer, ZooKeeperServer, four_letter_word, free_ports
 
 __all__ = ["ZooKeeperEnsemble"]
@@ -20,28 +28,51 @@ _MODE = re.compile(r"^Mode: (\w+)", re.MULTILINE)
 
 
 class ZooKeeperEnsemble(Launched):
-    """``size`` ZooKeeper servers on loopback forming one quorum.
+    """``size`` ZooKeeper servers forming one quorum: on one loopback address, or
+    each on its own address of ``hosts``.
 
     Members are indexed from 0 (their ZooKeeper ``myid`` is index + 1).
     """
 
     def __init__(self, size: int = 3, data_dir: str | None = None,
                  host: str = "127.0.0.1", tick_time: int = 2000,
-                 extra_config: dict[str, str] | None = None) -> None:
+                 extra_config: dict[str, str] | None = None, *,
+                 hosts: Sequence[str] | None = None,
+                 command_prefixes: Sequence[Sequence[str]] | None = None,
+                 jvm_flags: Sequence[str] = JVM_FLAGS) -> None:
+        if hosts is not None:
+            size = len(hosts)
+            if len(set(hosts)) != size:
+                raise ValueError(f"hosts must be one distinct address per member, not {hosts}")
         if size < 1:
             raise ValueError(f"an ensemble needs at least one member, not {size}")
+        if command_prefixes is not None and len(command_prefixes) != size:
+            raise ValueError(f"command_prefixes needs one entry per member ({size}), "
+                             f"not {len(command_prefixes)}")
         self.data_dir = (self._make_temp_dir("celery-zk-ensemble-") if data_dir is None
                          else os.path.abspath(data_dir))
-        ports = free_ports(3 * size, host)
-        client_ports, quorum_ports = ports[:size], ports[size:]
-        peers = [Peer(i + 1, host, quorum_ports[2 * i], quorum_ports[2 * i + 1])
-                 for i in range(size)]
+        if hosts is None:
+            addresses = [host] * size
+            ports = free_ports(3 * size, host)
+            client_ports, quorum_ports = ports[:size], ports[size:]
+            peers = [Peer(i + 1, host, quorum_ports[2 * i], quorum_ports[2 * i + 1])
+                     for i in range(size)]
+        else:
+            # Distinct addresses: one free triple (here, in our own namespace) serves
+            # them all, as the well-known 2181/2888/3888 serve separate machines.
+            addresses = list(hosts)
+            client, quorum, election = free_ports(3)
+            client_ports = [client] * size
+            peers = [Peer(i + 1, address, quorum, election)
+                     for i, address in enumerate(addresses)]
         install = find_zookeeper()
         self.members: list[ZooKeeperServer] = [
             ZooKeeperServer(port=client_ports[i], data_dir=os.path.join(self.data_dir,
                                                                          f"node{i + 1}"),
-                            host=host, tick_time=tick_time, extra_config=extra_config,
-                            server_id=i + 1, peers=peers, install=install)
+                            host=addresses[i], tick_time=tick_time, extra_config=extra_config,
+                            server_id=i + 1, peers=peers, install=install,
+                            jvm_flags=jvm_flags,
+                            command_prefix=command_prefixes[i] if command_prefixes else ())
             for i in range(size)
         ]
 
@@ -104,6 +135,10 @@ class ZooKeeperEnsemble(Launched):
 
     def stop_member(self, index: int) -> None:
         self.members[index].stop()
+
+    def kill_member(self, index: int) -> None:
+        """SIGKILL a member (a crash); ``start_member`` brings it back."""
+        self.members[index].kill()
 
     def start_member(self, index: int, timeout: float = 60) -> None:
         """Restart a stopped member on its data dir; it rejoins the quorum."""

@@ -224,7 +224,8 @@ class ZooKeeperServer(Launched):
                  plaintext: bool = True, server_id: int | None = None,
                  peers: Sequence[Peer] = (), log_path: str | None = None,
                  install: ZooKeeperInstall | None = None,
-                 jvm_flags: Sequence[str] = JVM_FLAGS) -> None:
+                 jvm_flags: Sequence[str] = JVM_FLAGS,
+                 command_prefix: Sequence[str] = ()) -> None:
         if not plaintext and (secure_port is None or tls is None):
             raise ValueError("plaintext=False (TLS only) needs secure_port and tls")
         self.host = host
@@ -237,6 +238,10 @@ class ZooKeeperServer(Launched):
         self.peers = tuple(peers)
         self._install = install
         self.jvm_flags = tuple(jvm_flags)
+        #: Run java through this, e.g. ``("ip", "netns", "exec", "ns1")``: the
+        #: server then binds an address of that network namespace. The prefix
+        #: must exec java (the pid is java's, so kill() and SIGSTOP reach it).
+        self.command_prefix = tuple(command_prefix)
         self._proc: subprocess.Popen[bytes] | None = None
         self._stopper: weakref.finalize | None = None
         self._log_file: IO[bytes] | None = None
@@ -316,8 +321,10 @@ class ZooKeeperServer(Launched):
         if self.running:
             return
         install = self._install or find_zookeeper()
+        # Checked here only for our own namespace: another namespace's address
+        # cannot be bound from here, and a busy port there shows in the log.
         for port in (self.port, self.secure_port):
-            if port is not None:
+            if port is not None and not self.command_prefix:
                 _check_port_free(self.host, port)
         os.makedirs(self.data_dir, exist_ok=True)
         with open(self.config_path, "w", encoding="utf-8") as fh:
@@ -326,7 +333,7 @@ class ZooKeeperServer(Launched):
             with open(os.path.join(self.data_dir, "myid"), "w", encoding="ascii") as fh:
                 fh.write(f"{self.server_id}\n")
         self._log_file = open(self.log_path, "ab")  # append: restarts keep history
-        cmd = install.command(self.config_path, self.jvm_flags)
+        cmd = [*self.command_prefix, *install.command(self.config_path, self.jvm_flags)]
         logger.debug("Starting ZooKeeper: %s", " ".join(cmd))
         # Own session: a Ctrl-C meant for us must not reach java before we stop it.
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log_file,
@@ -366,6 +373,16 @@ class ZooKeeperServer(Launched):
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+
+    def kill(self) -> None:
+        """SIGKILL at once, as a crash would (no clean shutdown); the data dir stays,
+        so ``start()`` recovers from its log and snapshots."""
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.stop()   # reaps it, closes the log
 
     def restart(self, timeout: float = 30) -> ZooKeeperServer:
         self.stop()

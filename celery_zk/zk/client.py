@@ -25,6 +25,7 @@ from kazoo.exceptions import (
 )
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.serialization import Auth
+from kazoo.protocol.states import KeeperState
 from kazoo.retry import KazooRetry, RetryFailedError
 from kazoo.security import OPEN_ACL_UNSAFE, make_digest_acl
 
@@ -214,7 +215,18 @@ T = TypeVar("T")
 _RETRIED = KazooRetry.RETRY_EXCEPTIONS + KazooRetry.EXPIRED_EXCEPTIONS
 
 
-def connected_retry(client: KazooClient, func: Callable[..., T], *args: Any) -> T:
+#: Seconds a write that nobody could redo (a task's result) keeps trying beyond the
+#: command retry's deadline: long enough to ride out a leader failover. Followers
+#: give up on a leader that went silent (paused, cut off) only after syncLimit x
+#: tickTime (10 s in ZooKeeper's sample configuration), the election may wait on a
+#: peer that hangs, and the client then reconnects; sessions survive it (a new
+#: leader restarts every session's clock). benchmarks/nemesis.py measured 14 s from
+#: a leader's SIGSTOP to the first write, beyond the deadline of 10 s.
+FAILOVER_PATIENCE = 15.0
+
+
+def connected_retry(client: KazooClient, func: Callable[..., T], *args: Any,
+                    patience: float = 0.0) -> T:
     """``client.retry(func, *args)``, where an attempt made while the connection
     is down fails (ConnectionLoss, retried) instead of waiting in kazoo's queue.
 
@@ -224,13 +236,21 @@ def connected_retry(client: KazooClient, func: Callable[..., T], *args: Any) -> 
     result write would hang for the whole outage: this way the caller gets a
     connection error once the command retry's deadline (``max(session_timeout,
     5)`` s) has passed, and Celery's own retry (or the caller) takes over.
+    With ``patience`` the command retry starts again until that many more
+    seconds have passed (see :data:`FAILOVER_PATIENCE`).
     """
     def attempt(*inner: Any) -> T:
         if client.state != KazooState.CONNECTED:
             raise ConnectionLoss("not connected to ZooKeeper")
         return func(*inner)
 
-    return client.retry(attempt, *args)
+    until = monotonic() + patience
+    while True:
+        try:
+            return client.retry(attempt, *args)
+        except RetryFailedError:
+            if monotonic() >= until or client.client_state == KeeperState.CLOSED:
+                raise
 
 
 def create_once(client: KazooClient, create: Callable[[], str],

@@ -40,9 +40,12 @@ MAX_CHUNK_SIZE = 1_000_000
 
 # kombu/celery option names that are meaningful for every virtual transport;
 # accepted (and ignored where they do not apply) so shared settings keep working.
+# kombu's Producer.publish copies a publish's retry_policy (Connection.ensure's
+# keywords: errback, on_revive, retry_errors too) into the transport options.
 GENERIC_KOMBU_OPTIONS = frozenset({
     "body_encoding", "deadletter_queue", "polling_interval", "max_retries",
-    "interval_start", "interval_step", "interval_max",
+    "interval_start", "interval_step", "interval_max", "errback", "on_revive",
+    "retry_errors", "connect_retries_timeout",
     "global_keyprefix", "fanout_prefix", "fanout_patterns",
 })
 

@@ -273,6 +273,37 @@ def test_ensemble_leader_stopped_mid_run_loses_nothing(
         ensemble.close()
 
 
+@pytest.mark.slow
+def test_a_result_written_while_a_silent_leader_is_replaced_is_stored() -> None:
+    """A leader that goes silent (SIGSTOP: a pause, or a cut link) is given up by
+    its followers only after syncLimit x tickTime (10 s by default), then a new one
+    is elected; sessions survive it. A result stored meanwhile, with Celery's
+    defaults (no result_backend_always_retry), must land, not fail the task."""
+    ensemble = ZooKeeperEnsemble(3)
+    ensemble.start()
+    app = Celery("failover", broker="memory://", set_as_current=False,
+                 backend=f"{ensemble.url}{ROOT}-failover")
+    leader_pid = None
+    try:
+        app.backend.store_result("before", 1, "SUCCESS")
+        leader = ensemble.leader_index()
+        leader_pid = ensemble.members[leader].pid
+        assert leader_pid is not None
+        os.kill(leader_pid, signal.SIGSTOP)
+        started = time.monotonic()
+        app.backend.store_result("during-failover", 42, "SUCCESS")   # raised before the fix
+        took = time.monotonic() - started
+        print(f"\n[silent leader] the result landed after {took:.1f}s")
+        meta = app.backend.get_task_meta("during-failover")
+        assert (meta["status"], meta["result"]) == ("SUCCESS", 42)
+        assert ensemble.mode(leader) == "down"   # still paused: the others took over
+    finally:
+        if leader_pid is not None:
+            os.kill(leader_pid, signal.SIGCONT)
+        app.close()
+        ensemble.close()
+
+
 # -- 3 and 4. a live worker whose session expires ---------------------------------
 def _expire_live_worker(make_url: Any, start_worker: Any,
                         task_log: Path, observer: Any, observer_hosts: str,
@@ -435,9 +466,12 @@ def test_async_result_get_against_unreachable_server_fails_clearly() -> None:
 @pytest.mark.parametrize("always_retry", [True, False], ids=["always-retry", "no-retry"])
 def test_result_backend_always_retry_rides_out_an_outage(
         own_server: ZooKeeperServer, caplog: pytest.LogCaptureFixture,
-        always_retry: bool) -> None:
+        monkeypatch: pytest.MonkeyPatch, always_retry: bool) -> None:
     """With ``result_backend_always_retry`` a result stored during an outage lands
     once the server is back; without it the store fails (and says why)."""
+    # An outage longer than the backend's own patience (a failover's worth, see
+    # test_a_result_written_while_a_silent_leader_is_replaced_is_stored), kept short.
+    monkeypatch.setattr("celery_zk.backend.writes.FAILOVER_PATIENCE", 0.0)
     app = Celery("retrying", broker="memory://", set_as_current=False,
                  backend=f"{own_server.url}/retry?session_timeout=4&connect_timeout=2")
     app.conf.update(result_backend_always_retry=always_retry, result_backend_max_retries=30,

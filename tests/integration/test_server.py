@@ -196,3 +196,34 @@ def test_ensemble_survives_leader_loss(tmp_path: Path) -> None:
             client.stop()
             client.close()
     assert java_processes(str(tmp_path)) == []
+
+
+@pytest.mark.slow
+def test_ensemble_members_on_their_own_addresses_survive_a_kill(tmp_path: Path) -> None:
+    """Members on 127.0.0.1-3 (one port triple for all, as on separate machines),
+    each started through a command prefix; a SIGKILLed leader comes back from its data."""
+    hosts = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    prefixes = [["env", f"CELERY_ZK_MEMBER={i}"] for i in range(3)]
+    with ZooKeeperEnsemble(data_dir=str(tmp_path), hosts=hosts,
+                           command_prefixes=prefixes) as ensemble:
+        assert [m.host for m in ensemble.members] == hosts
+        for i, member in enumerate(ensemble.members):
+            # The prefix execs java: the pid the launcher holds is java's.
+            with open(f"/proc/{member.pid}/environ", "rb") as fh:
+                assert f"CELERY_ZK_MEMBER={i}".encode() in fh.read().split(b"\0")
+            assert f"{hosts[i]}:{member.port}" in ensemble.hosts
+        client = connect(ensemble.hosts)
+        try:
+            client.create("/before", b"1")
+            leader = ensemble.leader_index()
+            ensemble.kill_member(leader)
+            assert ensemble.mode(leader) == "down"
+            assert ensemble.wait_for_quorum(timeout=60) != leader
+            client.create("/after", b"2")
+            ensemble.start_member(leader)
+            assert ensemble.mode(leader) == "follower"
+            assert client.get("/before")[0] == b"1"
+        finally:
+            client.stop()
+            client.close()
+    assert java_processes(str(tmp_path)) == []

@@ -532,6 +532,25 @@ def test_a_before_task_publish_handler_may_republish_with_its_kwargs(zk_url: str
     app.close()
 
 
+def test_a_publish_retry_policy_may_carry_kombus_callbacks(zk_url: str) -> None:
+    """kombu copies a publish's ``retry_policy`` into the connection's transport
+    options (``Producer.publish``); its ``Connection.ensure`` keywords (errback,
+    on_revive, retry_errors) are kombu's, not unknown celery_zk options."""
+    from celery import Celery
+
+    app = Celery("retry-policy", broker=zk_url, set_as_current=False)
+    policy = {"max_retries": 2, "interval_start": 0, "errback": lambda exc, interval: None,
+              "on_revive": lambda channel: None, "retry_errors": (ConnectionError,)}
+    try:
+        app.send_task("retry.policy", retry_policy=policy)
+        app.conf.task_publish_retry_policy = policy   # the same, as the app's default
+        app.send_task("retry.policy")
+        with app.connection() as connection:
+            assert connection.default_channel._size("celery") == 2
+    finally:
+        app.close()
+
+
 def test_acks_of_one_moment_go_in_one_multi(conn: Connection, zk_url: str,
                                              zk_client: KazooClient,
                                              monkeypatch: pytest.MonkeyPatch) -> None:

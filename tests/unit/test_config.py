@@ -33,6 +33,9 @@ def test_url_wins_over_transport_options() -> None:
 
 def test_generic_kombu_options_are_accepted() -> None:
     parse_url("zk://h/", {"polling_interval": 1, "max_retries": 3})
+    # A publish's retry_policy lands in the transport options (kombu's Producer.publish).
+    parse_url("zk://h/", {"errback": print, "on_revive": print, "retry_errors": (OSError,),
+                          "connect_retries_timeout": 5})
 
 
 @pytest.mark.parametrize("url, fragment", [

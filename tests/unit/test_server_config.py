@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from celery_zk.exceptions import ZooKeeperNotInstalled
-from celery_zk.server import Peer, TLSConfig, ZooKeeperServer, install, render_config
+from celery_zk.server import (
+    Peer,
+    TLSConfig,
+    ZooKeeperEnsemble,
+    ZooKeeperServer,
+    install,
+    render_config,
+)
+from celery_zk.server import ensemble as ensemble_module
 from celery_zk.server.install import find_zookeeper
 
 
@@ -151,3 +159,26 @@ def test_java_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(install, "SEARCH_PATHS", [str(tmp_path / "zookeeper.jar")])
     with pytest.raises(ZooKeeperNotInstalled, match="JAVA_HOME"):
         find_zookeeper({"PATH": str(tmp_path)})
+
+
+def test_ensemble_members_on_their_own_addresses(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = install.ZooKeeperInstall(java="/bin/java", classpath=("/zk.jar",), source="test")
+    monkeypatch.setattr(ensemble_module, "find_zookeeper", lambda: fake)
+    hosts = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    prefixes = [["ip", "netns", "exec", f"ns{i}"] for i in range(3)]
+    ensemble = ZooKeeperEnsemble(data_dir=str(tmp_path), hosts=hosts,
+                                 command_prefixes=prefixes, jvm_flags=["-Xmx256m"])
+    assert ensemble.hosts == ",".join(f"{h}:{ensemble.members[0].port}" for h in hosts)
+    confs = [parse(member.render_config()) for member in ensemble.members]
+    # Each binds its own address; the ports are the same on every machine.
+    assert [c["clientPortAddress"] for c in confs] == hosts
+    assert len({c["clientPort"] for c in confs}) == 1
+    assert confs[0]["server.2"] == confs[2]["server.2"]
+    assert confs[0]["server.2"].startswith("10.0.0.2:")
+    assert ensemble.members[1].command_prefix == ("ip", "netns", "exec", "ns1")
+    assert ensemble.members[1].jvm_flags == ("-Xmx256m",)
+    with pytest.raises(ValueError, match="distinct"):
+        ZooKeeperEnsemble(data_dir=str(tmp_path), hosts=["10.0.0.1", "10.0.0.1"])
+    with pytest.raises(ValueError, match="one entry per member"):
+        ZooKeeperEnsemble(data_dir=str(tmp_path), hosts=hosts, command_prefixes=prefixes[:2])

@@ -79,8 +79,10 @@ class Claiming(StoreBase):
     """Moving names into inboxes: the dispatcher's multis, ``basic_get``'s claim."""
 
     def assignment(self, queue: str, plan: dict[str, list[str]],
-                   bodies: dict[str, tuple[bytes, int]]) -> tuple[TransactionRequest, Assignment]:
-        """The multi that gives each consumer of ``plan`` its names.
+                   bodies: dict[str, tuple[bytes, int]],
+                   nodes: dict[str, str]) -> tuple[TransactionRequest, Assignment]:
+        """The multi that gives each consumer of ``plan`` its names; ``nodes``:
+        each one's node under the queue's consumers/, which the multi checks.
 
         ``bodies``: for names from before 0.2 (``m``), whose body moves with
         them, their data and version as read. Stops adding consumers before
@@ -95,7 +97,7 @@ class Claiming(StoreBase):
             size = sum(len(bodies.get(name, (b"", 0))[0]) + OP_OVERHEAD for name in names)
             if done.ops and (len(done.ops) + ops > ASSIGN_OPS or done.size + size > budget):
                 break
-            txn.check(layout.queue_consumer(queue, consumer), ANY_VERSION)
+            txn.check(layout.queue_consumer(queue, nodes[consumer]), ANY_VERSION)
             done.ops.append(("check", consumer, ""))
             for name in names:
                 data, version = bodies.get(name, (b"", ANY_VERSION))

@@ -47,8 +47,8 @@ from ..zk.config import ZKOptions
 from ..zk.layout import (
     Layout,
     MessageName,
-    parse_consumer_name,
     parse_message_name,
+    parse_queue_consumer,
 )
 from ..zk.session import SharedSession, weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED, TreeWatches
@@ -68,6 +68,7 @@ class _Consumer:
     """What the dispatcher knows of one consumer of its queue."""
 
     id: str
+    node: str = ""   # its node's name under the queue's consumers/ (the multi checks it)
     credit: int = 0
     worker: str | None = None
     entries: set[str] = field(default_factory=set)   # names in its inbox
@@ -133,7 +134,8 @@ class Dispatcher:
         self.store = QueueStore(session, layout, options)
         # Consumer ids of this process on the queue, and how to wake each one's thread.
         self.members: dict[str, Callable[[], None]] = {}
-        self.live: list[str] = []        # every consumer id on the queue, oldest first
+        self.live: list[str] = []        # every consumer id on the queue, first joined first
+        self.nodes: dict[str, str] = {}  # consumer id -> its node's name under consumers/
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -201,7 +203,9 @@ class Dispatcher:
         except CONNECTION_ERRORS:
             self._stale_election = True   # the next look, once connected
             raise
-        self.live = sorted(p for p in map(parse_consumer_name, children) if p)
+        joined = sorted(p for p in map(parse_queue_consumer, children) if p)
+        self.nodes = {cid: f"{cid}-{seq:010d}" for seq, cid in joined}
+        self.live = [cid for _, cid in joined]
         self._stale_consumers = True
         self._elect()
 
@@ -378,8 +382,8 @@ class Dispatcher:
         """Read each live consumer's credit and worker (pipelined)."""
         self._stale_consumers = False
         client = self.session.client
-        live = list(self.live)
-        reads = [(cid, client.get_async(self.layout.queue_consumer(self.queue, cid),
+        live, nodes = list(self.live), dict(self.nodes)
+        reads = [(cid, client.get_async(self.layout.queue_consumer(self.queue, nodes[cid]),
                                         watch=self._child_cb_for_consumers))
                  for cid in live]
         found: dict[str, _Consumer] = {}
@@ -388,7 +392,8 @@ class Dispatcher:
                 data, _ = read.get()
             except NoNodeError:
                 continue
-            consumer = self.consumers.get(cid) or _Consumer(cid)
+            consumer = self.consumers.get(cid) or _Consumer(cid, nodes[cid])
+            consumer.node = nodes[cid]
             meta = _meta(data)
             credit = meta.get("credit")
             # No prefetch limit: what it takes out of its inbox at a time.
@@ -494,7 +499,8 @@ class Dispatcher:
         """One multi; on a refusal, forget what refused it (the next pass plans again)."""
         store = self.store
         inside = store.read_inside(self.queue, [n for names in plan.values() for n in names])
-        txn, done = store.assignment(self.queue, plan, inside)
+        nodes = {cid: self.consumers[cid].node for cid in plan}
+        txn, done = store.assignment(self.queue, plan, inside, nodes)
         client = self.session.client
         try:
             results = txn.commit()

@@ -33,7 +33,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 
 from ..exceptions import ChunkMissing
 from ..features import affinity
-from ..zk.client import CONNECTION_ERRORS, RedoThread, log_failure, reply_or_retry
+from ..zk.client import CONNECTION_ERRORS, RedoThread, create_once, log_failure, reply_or_retry
 from ..zk.layout import parse_message_name, sort_messages
 from ..zk.session import weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED
@@ -152,21 +152,30 @@ class Inbox:
         transport, consumer_id = self.transport, self.consumer_id
         assert consumer_id is not None
         client = transport.handle.client
-        path = transport.layout.queue_consumer(self.queue, consumer_id)
+        path = transport.layout.new_queue_consumer(self.queue, consumer_id)
+        parent = transport.layout.queue_consumers(self.queue)
+
+        def find() -> str | None:   # a create whose reply was lost: ours, by our id
+            names = client.get_children(parent)
+            prefix = path.rpartition("/")[2]
+            return next((f"{parent}/{n}" for n in names if n.startswith(prefix)), None)
+
         try:
-            client.retry(client.create, path, self._data(), ephemeral=True)
-        except NodeExistsError:
-            client.retry(client.set, path, self._data())
+            node = create_once(client, lambda: client.create(path, self._data(),
+                                                             ephemeral=True, sequence=True),
+                               find)
         except NoNodeError:
             if client.retry(client.exists, transport.layout.unowned(self.queue)) is None:
                 return   # no queue (deleted meanwhile): the next look, once re-declared
             try:   # a queue declared by an earlier release: no consumers/ yet
-                client.retry(client.create, transport.layout.queue_consumers(self.queue))
+                client.retry(client.create, parent)
             except NodeExistsError:
                 pass
-            client.retry(client.create, path, self._data(), ephemeral=True)
-        transport.handle.own(path)   # deleted when this connection goes, however
-        self.node = path
+            node = create_once(client, lambda: client.create(path, self._data(),
+                                                             ephemeral=True, sequence=True),
+                               find)
+        transport.handle.own(node)   # deleted when this connection goes, however
+        self.node = node
         self._dispatcher().join(consumer_id, transport.wake)
 
     def _data(self) -> bytes:

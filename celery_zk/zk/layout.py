@@ -15,9 +15,10 @@
                                       message's holds the manifest of its chunks
         chunks/{uid}/c{index:06d}     the chunks of a message bigger than chunk_size;
                                       data of chunks/{uid}: its state (celery_zk.broker.big)
-        consumers/{consumer}          ephemeral: a connection consumes this queue; data:
-                                      {"credit", "worker", "host", "pid"}; the oldest is
-                                      the queue's dispatcher (celery_zk.broker.dispatcher)
+        consumers/{consumer}-{seq}    ephemeral, sequential: a connection consumes this
+                                      queue; data: {"credit", "worker", "host", "pid"};
+                                      the first (lowest seq) one's process dispatches
+                                      (celery_zk.broker.dispatcher)
         owned/{consumer}/             the consumer's inbox: what it was given
           {unowned name}              given by the dispatcher, or handed over by a
                                       publisher (celery_zk.broker.handoff)
@@ -349,6 +350,20 @@ def parse_consumer_name(name: str) -> str | None:
     return match.group(1) if match else None
 
 
+def queue_consumer_prefix(consumer_id: str) -> str:
+    """The name of a queue's consumer node before ZooKeeper appends its sequence:
+    the first to join leads (a newcomer never takes over from a live one)."""
+    return f"{consumer_id}-"
+
+
+def parse_queue_consumer(name: str) -> tuple[int, str] | None:
+    """``(sequence, consumer id)`` of a queue's consumer node, or ``None``."""
+    consumer_id, _, seq = name.rpartition("-")
+    if not seq.isdigit() or parse_consumer_name(consumer_id) != consumer_id:
+        return None
+    return int(seq), consumer_id
+
+
 def holder_name(session_id: int, lease: str) -> str:
     """An auto-delete queue's holder: named by the session, whose end removes it,
     and by the lease (one connection) on it, whose end deletes it."""
@@ -509,8 +524,13 @@ class Layout:
         one's process dispatches the queue (celery_zk.broker.dispatcher)."""
         return join(self.queue(queue), "consumers")
 
-    def queue_consumer(self, queue: str, consumer_id: str) -> str:
-        return join(self.queue_consumers(queue), consumer_id)
+    def queue_consumer(self, queue: str, name: str) -> str:
+        """A node under the queue's consumers/ by its name as listed."""
+        return join(self.queue_consumers(queue), name)
+
+    def new_queue_consumer(self, queue: str, consumer_id: str) -> str:
+        """Where a consumer registers on a queue (a sequential create)."""
+        return join(self.queue_consumers(queue), queue_consumer_prefix(consumer_id))
 
     def inbox(self, queue: str, consumer_id: str) -> str:
         """A consumer's inbox: ``owned/{consumer}/``; only what is given to it

@@ -23,6 +23,7 @@ from ..zk.client import (
     RedoThread,
     log_failure,
     multi_failure,
+    synced,
 )
 from ..zk.config import ZKOptions
 from ..zk.layout import (
@@ -252,6 +253,7 @@ class Acking(StoreBase):
             try:
                 failure = multi_failure(txn.commit())
             except ConnectionLoss:
+                synced(client, owned_path)
                 if client.retry(client.exists, owned_path) is None:
                     return True  # it committed (or another survivor moved it)
                 raise

@@ -28,7 +28,7 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from ..zk.layout import Layout, parse_binding_name, unescape
-from ..zk.session import AfterExpiry, ClientHandle
+from ..zk.session import AfterExpiry, ClientHandle, weak_callback
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +36,12 @@ logger = logging.getLogger(__name__)
 class Bindings:
     """Exchange declarations and routing tables stored under ``exchanges/``."""
 
-    def __init__(self, handle: ClientHandle, layout: Layout) -> None:
+    def __init__(self, handle: ClientHandle, layout: Layout,
+                 wake: Callable[[], None]) -> None:
         self.handle = handle
         self.layout = layout
+        self._wake = wake
+        self._reclaiming: Any = None   # the session we asked to wake us (see bind)
         self._tables: dict[str, list[tuple[str, str]]] = {}
         self._types: dict[str, str] = {}
         self._watchers: dict[str, Callable[[Any], None]] = {}
@@ -95,6 +98,11 @@ class Bindings:
         if ephemeral:
             self.handle.hold(path)   # counted: another connection may hold it too
             self._ephemeral.add(path)
+            session = self.handle.session
+            if self._reclaiming is not session:   # another session's node: see reclaim
+                self._reclaiming = session
+                # Weakly: a session outlives the connections it served.
+                session.on_reclaim_needed(weak_callback(self._wake))
         else:
             try:
                 client.retry(client.create, path, makepath=True)
@@ -159,12 +167,19 @@ class Bindings:
         if state == KazooState.LOST:
             self._tables.clear()  # watches died with the session
 
+    def reclaim(self) -> None:
+        """Make again the ephemeral bindings we hold that another session had
+        made and that went with it (a worker restarted under the same name
+        within its old session's timeout): from the drain loop, a no-op unless
+        one went. Without this such a worker heard no broadcast (revokes,
+        ``celery inspect``) once its old session expired."""
+        self.restore_ephemeral()
+        if self._reclaiming is not None:
+            self._reclaiming.reclaim()
+
     def _recreate(self, client: KazooClient) -> None:
         for path in list(self._ephemeral):
-            try:
-                client.retry(client.create, path, ephemeral=True, makepath=True)
-            except NodeExistsError:
-                pass
+            self.handle.session.remake_held(path)
         if self._ephemeral:
             logger.info("celery_zk: re-created %d ephemeral binding(s) after session expiry",
                         len(self._ephemeral))

@@ -23,7 +23,7 @@ from kazoo.exceptions import (
     NoNodeError,
 )
 
-from ..zk.client import multi_failure
+from ..zk.client import multi_failure, synced
 from ..zk.layout import parse_message_name
 from .store import ANY_VERSION, OP_OVERHEAD, REQUEST_BUDGET, StoreBase
 
@@ -155,6 +155,7 @@ class Claiming(StoreBase):
             results = txn.commit()
         except ConnectionLoss:
             # Did it commit? The create tells (the multi is all or nothing).
+            synced(client, owned)
             return owned if client.retry(client.exists, owned) is not None else None
         failure = multi_failure(results)
         if failure is None:

@@ -40,7 +40,7 @@ from typing import Any
 from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
 
-from ..zk.client import RedoThread, connected_retry, log_failure, multi_failure
+from ..zk.client import RedoThread, connected_retry, log_failure, multi_failure, synced
 from ..zk.layout import (
     Layout,
     handed_name,
@@ -131,6 +131,7 @@ class HandOff:
             try:
                 results = txn.commit()
             except ConnectionLoss:
+                synced(client, owned)   # else a lagging server may not know it yet
                 if client.retry(client.exists, owned) is not None:
                     return True   # it committed; only the reply was lost
                 raise   # it did not: the retry sends it again

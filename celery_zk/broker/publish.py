@@ -18,6 +18,7 @@ from ..exceptions import MessageTooLarge
 from ..zk.client import (
     connected_retry,
     multi_failure,
+    synced,
 )
 from ..zk.config import ZKOptions
 from ..zk.layout import (
@@ -216,6 +217,7 @@ class Publishing(StoreBase):
         def attempt() -> list[str | None] | None:
             nonlocal maybe_made
             if maybe_made:   # a lost reply: a multi is all or nothing, so look for any
+                synced(client, chunk[0].path.rpartition("/")[0])
                 found = self._find_uids(chunk)
                 if any(found):
                     return found

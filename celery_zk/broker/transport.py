@@ -98,6 +98,7 @@ from typing import Any
 import kazoo
 from celery.signals import worker_shutting_down
 from kazoo.client import KazooState
+from kazoo.exceptions import SessionExpiredError
 from kombu.transport import virtual
 
 from ..compat import kombu as kombu_compat
@@ -141,8 +142,9 @@ EVENT_LOOP_POKE = 1.0
 #: then stop waiting in drain_events; ones made later are not affected.
 _shutdowns = 0
 
-#: The pid that loaded the revokes kept in ZooKeeper (see honour_kept_revokes).
-_revokes_loaded_by = 0
+#: The pid and session that loaded the revokes kept in ZooKeeper (see
+#: honour_kept_revokes).
+_revokes_loaded_by: tuple[int, int] = (0, 0)
 
 install_when_imported()   # a no-op if ``import celery_zk`` already did it
 
@@ -186,7 +188,7 @@ class Transport(virtual.Transport):
             else float(client.connect_timeout))
         self.layout = Layout(self.settings.root)
         self.store = QueueStore(self.handle, self.layout, self.settings.options)
-        self.bindings = Bindings(self.handle, self.layout)
+        self.bindings = Bindings(self.handle, self.layout, self.wake)
         self.auto_delete = AutoDeleteQueues(self.handle, self.layout, self.store)
         self.session = ConsumerSession(self.handle, self.layout, self.store)
         self.handoff = (HandOff(self.handle, self.layout, self.store)
@@ -201,6 +203,7 @@ class Transport(virtual.Transport):
         self._loop: Any = None   # the event loop (kombu hub) we are registered with
         self._poke: Any = None
         self._shutdowns_seen = _shutdowns
+        self._session_lost = False
         self.handle.add_listener(self._on_state)
 
     @staticmethod
@@ -249,10 +252,16 @@ class Transport(virtual.Transport):
         """In a Celery worker, once per process: the revokes kept in ZooKeeper
         join its revoked set before any task is delivered (celery_zk.features.revokes)."""
         global _revokes_loaded_by
-        if _revokes_loaded_by == os.getpid() or "celery.worker.state" not in sys.modules:
+        if "celery.worker.state" not in sys.modules:
             return
-        _revokes_loaded_by = os.getpid()
-        load_into_worker(self.handle.client, self.layout)
+        client = self.handle.client
+        # Again after a session expiry: the worker may have missed a broadcast
+        # revoke meanwhile (its pidbox queue was swept with its holders).
+        loaded = (os.getpid(), client.client_id[0] if client.client_id else 0)
+        if _revokes_loaded_by == loaded:
+            return
+        _revokes_loaded_by = loaded
+        load_into_worker(client, self.layout)
 
     def consuming_changed(self) -> None:
         """The queues this connection consumes changed: its consumer node says
@@ -284,6 +293,8 @@ class Transport(virtual.Transport):
 
     def _on_state(self, state: KazooState) -> None:
         # kazoo's event thread. After a session change the watches are gone.
+        if state == KazooState.LOST and self.inboxes:
+            self._session_lost = True   # drain_events raises it (see _deliver_one)
         for inbox in list(self.inboxes.values()):
             inbox.reset()
         self._wake.set()
@@ -328,10 +339,21 @@ class Transport(virtual.Transport):
 
     def _deliver_one(self) -> bool:
         """Deliver one message if one can be delivered now; True if it was."""
+        if self._session_lost:
+            # What this connection was given under the ended session is being
+            # given to others (recovery). Like a lost AMQP connection, say so:
+            # Celery then drops the messages it holds and has not started
+            # (prefetched, waiting on a countdown) and reconnects; without it
+            # a worker ran them after others had (the nemesis found it).
+            self._session_lost = False
+            raise SessionExpiredError(
+                "celery_zk: this connection's ZooKeeper session expired; the messages "
+                "given to it go to other consumers. Reconnect.")
         self._wake.clear()
-        # After a session expiry (else no-ops): queues first, then what routes to them.
+        # After a session expiry (else no-ops): queues first, then what routes to them
+        # (and bindings another session had made, gone with it).
         self.auto_delete.restore()
-        self.bindings.restore_ephemeral()
+        self.bindings.reclaim()
         try:
             assert self.cycle is not None
             self.cycle.get(kombu_compat.deliver_callback(self))

@@ -253,6 +253,19 @@ def connected_retry(client: KazooClient, func: Callable[..., T], *args: Any,
                 raise
 
 
+def synced(client: KazooClient, path: str) -> None:
+    """Make the server this client talks to catch up with the leader, before a
+    read that decides whether a write whose reply was lost happened.
+
+    A reconnect may land on a follower that is behind (cut off from the leader
+    when the reply was lost, say): without this, it can answer that a node
+    the write made does not exist, and the write is done a second time (seen
+    by the nemesis: one apply_async stored twice). ZooKeeper's sync is made
+    for exactly this.
+    """
+    client.retry(client.sync, path)
+
+
 def create_once(client: KazooClient, create: Callable[[], str],
                 find: Callable[[], str | None], maybe_made: bool = False) -> str:
     """Run ``create`` (see :func:`connected_retry`), making one node at most.
@@ -269,6 +282,7 @@ def create_once(client: KazooClient, create: Callable[[], str],
             pass   # the reply was lost: the node may exist, so look before each retry
 
     def attempt() -> str:
+        synced(client, "/")   # see synced: the look must see the lost write
         return find() or create()
 
     return connected_retry(client, attempt)

@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import ConnectionClosedError, NodeExistsError, NoNodeError
+from kazoo.protocol.states import EventType
 
 from .client import CONNECTION_ERRORS, Deferred, check_root, log_failure, make_client
 from .config import ZKSettings
@@ -109,6 +110,10 @@ class SharedSession:
         self._handles: weakref.WeakSet[ClientHandle] = weakref.WeakSet()
         self._listeners: list[Callable[[KazooState], None]] = []
         self._held: dict[str, set[str]] = {}   # shared ephemeral path -> lease tokens
+        self._borrowed: set[str] = set()   # held paths another session made (watched)
+        self._lost: set[str] = set()       # of those, gone: to make again (reclaim)
+        self._wakers: list[Callable[[], None]] = []
+        self._gone_cb = weak_callback(self._on_gone)
         self._singletons: dict[Any, Any] = {}
         self._on_close: list[Callable[[], None]] = []
         #: Roots whose existence and ACL a lease has checked (see client.check_root).
@@ -202,13 +207,58 @@ class SharedSession:
     def hold(self, lease: _Lease, path: str) -> None:
         """Create ephemeral ``path`` (if missing) and count ``lease`` as a holder."""
         with self._lock:   # against a last release deleting it meanwhile
-            client = self.client
-            try:
-                client.retry(client.create, path, ephemeral=True, makepath=True)
-            except NodeExistsError:
-                pass
+            self._make_held(self.client, path)
             self._held.setdefault(path, set()).add(lease.token)
             lease.held.add(path)
+
+    def _make_held(self, client: KazooClient, path: str) -> None:
+        try:
+            client.retry(client.create, path, ephemeral=True, makepath=True)
+            return
+        except NodeExistsError:
+            pass
+        # Another session's (a process killed a moment ago, whose session lives
+        # until its timeout, under the same node name; or another live holder):
+        # it goes with that session, and ours must be there then. Watched, and
+        # made again by reclaim() once it is gone.
+        stat = client.retry(client.exists, path, watch=self._gone_cb)
+        if stat is None:
+            self._make_held(client, path)   # gone meanwhile
+        elif stat.ephemeralOwner != client.client_id[0]:
+            self._borrowed.add(path)
+
+    def _on_gone(self, event: Any) -> None:
+        # kazoo's event thread: flag and wake, nothing else.
+        if event.type == EventType.DELETED and event.path in self._borrowed:
+            self._lost.add(event.path)
+            for wake in list(self._wakers):
+                wake()
+
+    def on_reclaim_needed(self, wake: Callable[[], None]) -> None:
+        """``wake`` is called (kazoo's thread) when an ephemeral node this session
+        holds but another session had made is gone: call :meth:`reclaim`."""
+        self._wakers.append(wake)
+
+    def remake_held(self, path: str) -> None:
+        """Make a held node again (after a session expiry), watching it if
+        another session has it."""
+        with self._lock:
+            self._make_held(self.client, path)
+
+    def reclaim(self) -> None:
+        """Make again the held nodes whose other session ended (from any thread
+        but kazoo's; a no-op unless some went)."""
+        if not self._lost:
+            return
+        with self._lock:
+            client = self.client
+            while self._lost:
+                path = self._lost.pop()
+                self._borrowed.discard(path)
+                if path in self._held:
+                    self._make_held(client, path)
+                    logger.info("celery_zk: made %s again: the session that had made it "
+                                "ended", path)
 
     def release_held(self, lease: _Lease, path: str) -> None:
         """Drop ``lease``'s count on ``path``; the last holder deletes it."""

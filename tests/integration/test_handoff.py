@@ -381,3 +381,44 @@ def test_an_ack_held_back_is_sent_before_the_connection_closes(
     # Neither still owned nor requeued by the close: the ack landed first.
     assert owned(zk_client, LAYOUT, "late-ack") == []
     assert waiting(zk_client, LAYOUT, "late-ack") == []
+
+
+def test_a_hand_off_whose_reply_was_lost_syncs_before_it_looks(
+        conn: Connection, zk_url: str, zk_client: KazooClient,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The multi committed and its reply was lost. Whether it committed is read
+    after a sync: a server behind the leader (reconnected to after a cut) could
+    answer no, and the message would be published a second time (the nemesis
+    saw one apply_async stored twice)."""
+    from kazoo.exceptions import ConnectionLoss
+
+    queue = Queue("lost", Exchange("lost", "direct"), "lost")
+    got: list[Any] = []
+    with consumer(conn, queue, got):
+        expect_idle(conn)
+        wait_until(lambda: offers(zk_client, "lost"), 5, 0.02, "no offer was made")
+        with Connection(apart(zk_url, "publisher")) as other:
+            client = other.transport.handle.client
+            real_transaction, synced_paths = client.transaction, []
+            monkeypatch.setattr(client, "sync",
+                                lambda path: synced_paths.append(path) or path)
+
+            def losing() -> Any:
+                txn = real_transaction()
+                real_commit = txn.commit
+
+                def commit() -> Any:
+                    results = real_commit()
+                    if not synced_paths and any("/offers/" in str(op.path)
+                                                for op in txn.operations):
+                        raise ConnectionLoss()   # committed; the reply lost
+                    return results
+                txn.commit = commit
+                return txn
+            monkeypatch.setattr(client, "transaction", losing)
+            Producer(other.channel()).publish("once", exchange=queue.exchange,
+                                              routing_key="lost")
+            assert synced_paths and "/owned/" in synced_paths[0]
+        conn.drain_events(timeout=5)
+    assert [body for body, _ in got] == ["once"]
+    assert waiting(zk_client, LAYOUT, "lost") == [] and owned(zk_client, LAYOUT, "lost") == []

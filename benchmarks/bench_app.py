@@ -13,7 +13,12 @@ The scripts start ``celery -A bench_app worker`` (``common.spawn_worker``) with:
 * ``BENCH_PREFETCH_MULTIPLIER``: Celery's ``worker_prefetch_multiplier``
   (default 4).
 * ``BENCH_CLAIMS_FILE``: at shutdown, celery_zk's claim counts of this process
-  (:data:`celery_zk.broker.queue.CLAIMS`: transactions, conflicts, messages) as JSON.
+  (:data:`celery_zk.broker.queue.CLAIMS`: transactions, conflicts, messages) as JSON;
+  nothing is written by a celery_zk that has no such counts.
+* ``BENCH_TALLY_FILE``: the ``bench.tally`` task marks its index there
+  (``benchmarks/tally.py``: one drain counted across many processes).
+* ``BENCH_GATE_FILE``: once ready, the worker waits for this file before its
+  consumer loop runs, so that K workers started one after another begin together.
 
 The client imports :func:`make_app` to get the same task names on any broker.
 """
@@ -28,6 +33,7 @@ from typing import Any
 
 from celery import Celery, Task
 from celery.signals import worker_ready, worker_shutdown
+from tally import record as record_tally
 
 import celery_zk  # noqa: F401  (registers the zk:// transport alias)
 
@@ -36,6 +42,7 @@ DRAIN = "bench.drain"
 ADD = "bench.add"
 MARK = "bench.mark"
 NOOP = "bench.noop"
+TALLY = "bench.tally"
 
 
 def _echo(self: Task, reply_queue: str, token: str) -> None:
@@ -90,6 +97,11 @@ def _noop(index: int) -> None:
     """Background load: a task that does nothing and publishes nothing."""
 
 
+def _tally(index: int) -> None:
+    """A no-op task that publishes nothing, counted across processes (``workers.py``)."""
+    record_tally(os.environ["BENCH_TALLY_FILE"], index)
+
+
 def make_app(broker: str, backend: str | None = None) -> Celery:
     app = Celery("bench_app", broker=broker, backend=backend or None, set_as_current=False)
     app.conf.update(
@@ -105,6 +117,7 @@ def make_app(broker: str, backend: str | None = None) -> Celery:
     app.task(name=ADD)(_add)
     app.task(name=MARK, ignore_result=True)(_mark)
     app.task(name=NOOP, ignore_result=True)(_noop)
+    app.task(name=TALLY, ignore_result=True)(_tally)
     return app
 
 
@@ -123,6 +136,11 @@ def _announce_ready(**_: Any) -> None:
     if path:
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(str(os.getpid()))
+    gate = os.environ.get("BENCH_GATE_FILE")
+    # Sent before the consumer loop's first turn: holding it here holds the
+    # worker's task execution (prefetched messages wait in the worker).
+    while gate and not os.path.exists(gate):
+        time.sleep(0.005)
 
 
 @worker_shutdown.connect
@@ -131,6 +149,9 @@ def _report_claims(**_: Any) -> None:
     if path:
         from dataclasses import asdict
 
-        from celery_zk.broker.queue import CLAIMS
+        try:
+            from celery_zk.broker.queue import CLAIMS
+        except ImportError:   # a transport without these counts: workers.py reads the server's
+            return
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(asdict(CLAIMS), fh)

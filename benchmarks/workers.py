@@ -214,16 +214,23 @@ class Run:
 
     def undisturbed(self, server: Server, label: str, k: int, pool: str, concurrency: int,
                     total: int) -> dict[str, Any]:
-        """:meth:`drain`, again (up to ``--retries`` times) when something else ran."""
+        """:meth:`drain`, again (up to ``--retries`` times) while something else ran;
+        the least disturbed attempt is kept, the others' figures noted in it."""
+        attempts: list[dict[str, Any]] = []
         for attempt in range(1 + self.args.retries):
             entry = self.drain(server, f"{label}-{attempt}" if attempt else label, k, pool,
                                concurrency, total)
             entry["attempt"] = attempt + 1
+            attempts.append(entry)
             if entry["busy_cores_before"] <= QUIET and entry["others_share"] <= FOREIGN:
                 break
             log(f"{server.name}: {label}: disturbed"
-                + ("; once more" if attempt < self.args.retries else "; kept as it is"))
-        return entry
+                + ("; once more" if attempt < self.args.retries else ""))
+        best = min(attempts, key=lambda e: (e["busy_cores_before"] > QUIET, e["others_share"]))
+        best["discarded"] = [{key: e[key] for key in ("attempt", "rate", "cpu_ms_per_task",
+                                                      "others_share", "busy_cores_before")}
+                             for e in attempts if e is not best]
+        return best
 
     def drain(self, server: Server, label: str, k: int, pool: str, concurrency: int,
               total: int) -> dict[str, Any]:

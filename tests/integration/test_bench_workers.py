@@ -24,7 +24,7 @@ def check_drain(entry: dict, tasks: int, processes: int | None = None) -> None:
     assert entry["rate"] > 0 and entry["elapsed"] > 0
     assert entry["cpu_ms_per_task"] >= 0 and entry["busy_cores"] >= 0
     assert 0 <= entry["others_share"] <= 1
-    assert entry["attempt"] == 1
+    assert entry["attempt"] == 1 and entry["discarded"] == []
 
 
 @pytest.mark.slow

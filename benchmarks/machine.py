@@ -76,8 +76,10 @@ def run_pids(groups: Iterable[int], pids: Iterable[int]) -> list[int]:
 
 
 def process_jiffies(pids: Iterable[int]) -> int:
-    """utime + stime of ``pids`` (all their threads), those still alive."""
-    return sum(int(f[11]) + int(f[12]) for f in map(_stat, pids) if f)
+    """utime + stime of ``pids`` (all their threads), those still alive, plus cutime +
+    cstime: their children already reaped (a worker stopped within the window)."""
+    return sum(int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])
+               for f in map(_stat, pids) if f)
 
 
 class CpuWindow:

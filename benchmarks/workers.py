@@ -345,8 +345,14 @@ class Run:
             log(f"{server.name}: latency, {label}")
             out["machine " + label] = quiet_check(f"{server.name} latency {label}",
                                                   self.args.settle)
+            # The worker and the load process start and end inside: ours as reaped children.
+            window = CpuWindow(run_pids([os.getpgid(pid) for pid in server.pids],
+                                        [*server.pids, os.getpid()]))
+            window.start()
             for shape, figures in broker.latency(self.args.samples, rate).items():
                 out[f"{shape} {label}"] = figures
+            window.stop()
+            out["machine " + label].update(window.report(f"{server.name} latency {label}"))
         return out
 
 

@@ -58,6 +58,8 @@ def test_quick_run_on_zk_writes_every_figure(tmp_path: Path) -> None:
     check_drain(zk["single"]["prefork -c 4"], 300)   # run by the pool's children
 
     latency = zk["latency"]
+    for state in ("idle", "loaded"):
+        assert 0 <= latency[f"machine {state}"]["others_share"] <= 1
     for shape in ("oneway idle", "oneway loaded", "get idle", "get loaded"):
         assert 0 < latency[shape]["p50"] <= latency[shape]["p99"]
         assert latency[shape]["n"] == 20

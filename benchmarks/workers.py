@@ -1,36 +1,16 @@
 """Throughput as worker processes are added: celery_zk against Redis and RabbitMQ (issue 26).
 
-One run measures each broker in turn, back to back in this process, with
-only that broker's server running: celery_zk (its launcher's ZooKeeper,
-server defaults), ``redis-server`` (no persistence) and a private RabbitMQ
-node (Debian's, durable queues as Celery declares them), each started on
-free ports and stopped at the end, also on Ctrl-C. Every worker is a real
-``celery worker`` running ``bench_app.py`` (default prefetch multiplier 4,
-early acks, no mingle, gossip or heartbeat).
+Each broker in turn, back to back in this process, only its server running
+(zk: server defaults; Redis: no persistence; RabbitMQ: Debian's, durable
+queues); real ``celery worker`` processes running ``bench_app.py``. See
+benchmarks/README.md, "Throughput as workers are added".
 
-(scaling) K = 1, 4, 16 worker processes (``-P threads -c 1``) drain one
-          queue of ``--tasks`` (6,000) no-op tasks that publish nothing and
-          have no result backend. The backlog is stored first; the workers
-          start and wait, ready, at a gate (``BENCH_GATE_FILE``) that opens
-          for all at once. tasks/s = tasks ÷ (last task start − first task
-          start, any process); CPU per task = busy jiffies of the whole
-          machine (``/proc/stat``: user+nice+system+irq+softirq+steal) over
-          the same span ÷ tasks. For zk also the failed (conflicting)
-          ZooKeeper transactions per delivered task, from the server's
-          transaction log (``txnlog.py``) and from the workers' own claim
-          counts (``celery_zk.broker.queue.CLAIMS``, while the transport has
-          them).
-(single)  one ``-P threads -c 4`` worker and one ``-P prefork -c 4`` worker
-          each drain ``--single-tasks`` (3,000) the same way.
-(latency) ``shapes.py``'s latency shapes on the same server: one-way,
-          ``delay().get()`` (zk: celery_zk's backend, Redis: Redis db 1,
-          RabbitMQ: ``rpc://``) and the reply round trip, each idle and
-          under ``--load`` (200) no-op tasks/s into the same queue.
-
-The machine must be otherwise idle (``machine.py``): before each measurement,
-with the workers ready at the gate, the script waits up to ``--settle``
-(120) s for under 0.5 busy cores, and a drain during which other processes
-used over 10% of the busy time is repeated (``--retries``, 2), then warned.
+(scaling) K = 1, 4, 16 workers ``-P threads -c 1`` drain one stored queue of
+          ``--tasks`` no-op tasks, started together at a gate: tasks/s, CPU
+          per task machine-wide (``machine.py``), for zk failed ZooKeeper
+          transactions per task (server's log, ``txnlog.py``; workers' CLAIMS).
+(single)  one ``-P threads -c 4`` and one ``-P prefork -c 4`` worker, the same way.
+(latency) ``shapes.py``'s latency shapes, idle and under ``--load`` tasks/s.
 
 Usage::
 
@@ -38,9 +18,8 @@ Usage::
         [--ks 1,4,16] [--tasks 6000] [--only scaling,single,latency]
         [--zk-option KEY=VALUE] [--json out.json]
 
-Against another checkout: ``cd /tmp && PYTHONPATH=/path/to/checkout
-/work/.../.venv/bin/python /path/to/benchmarks/workers.py`` (not from a
-repository: the workers would import its celery_zk).
+Against another checkout: ``PYTHONPATH=/path/to/checkout``, run from a
+directory that is no repository (the workers would import its celery_zk).
 """
 from __future__ import annotations
 

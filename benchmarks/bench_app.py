@@ -13,7 +13,12 @@ The scripts start ``celery -A bench_app worker`` (``common.spawn_worker``) with:
 * ``BENCH_PREFETCH_MULTIPLIER``: Celery's ``worker_prefetch_multiplier``
   (default 4).
 * ``BENCH_CLAIMS_FILE``: at shutdown, celery_zk's claim counts of this process
-  (:data:`celery_zk.broker.queue.CLAIMS`: transactions, conflicts, messages) as JSON.
+  (:data:`celery_zk.broker.queue.CLAIMS`: transactions, conflicts, messages) as JSON;
+  nothing is written by a celery_zk that has no such counts.
+* ``BENCH_TALLY_FILE``: the ``bench.tally`` task marks its index there
+  (``benchmarks/tally.py``: one drain counted across many processes).
+* ``BENCH_GATE_FILE``: once ready, the worker waits for this file before its
+  consumer loop runs, so that K workers started one after another begin together.
 
 The client imports :func:`make_app` to get the same task names on any broker.
 """
@@ -27,8 +32,9 @@ import time
 from typing import Any
 
 from celery import Celery, Task
-from celery.signals import worker_shutdown
+from celery.signals import worker_ready, worker_shutdown
 from common import announce_ready
+from tally import record as record_tally
 
 import celery_zk  # noqa: F401  (registers the zk:// transport alias)
 
@@ -39,6 +45,7 @@ MARK = "bench.mark"
 NOOP = "bench.noop"
 IDENTITY = "bench.identity"
 MAKE = "bench.make"
+TALLY = "bench.tally"
 
 
 def _echo(self: Task, reply_queue: str, token: str) -> None:
@@ -103,6 +110,11 @@ def _make(size: int) -> str:
     return "x" * size
 
 
+def _tally(index: int) -> None:
+    """A no-op task that publishes nothing, counted across processes (``workers.py``)."""
+    record_tally(os.environ["BENCH_TALLY_FILE"], index)
+
+
 def make_app(broker: str, backend: str | None = None) -> Celery:
     app = Celery("bench_app", broker=broker, backend=backend or None, set_as_current=False)
     app.conf.update(
@@ -120,6 +132,7 @@ def make_app(broker: str, backend: str | None = None) -> Celery:
     app.task(name=NOOP, ignore_result=True)(_noop)
     app.task(name=IDENTITY)(_identity)
     app.task(name=MAKE)(_make)
+    app.task(name=TALLY, ignore_result=True)(_tally)
     return app
 
 
@@ -135,12 +148,26 @@ if os.environ.get("BENCH_TIMELINE_FILE"):   # benchmarks/timeline.py's worker
 announce_ready("BENCH_READY_FILE")
 
 
+@worker_ready.connect
+def _wait_at_the_gate(**_: Any) -> None:
+    """After the ready file (announce_ready connected first): K workers started
+    one after another begin together (workers.py)."""
+    gate = os.environ.get("BENCH_GATE_FILE")
+    # Sent before the consumer loop's first turn: holding it here holds the
+    # worker's task execution (prefetched messages wait in the worker).
+    while gate and not os.path.exists(gate):
+        time.sleep(0.005)
+
+
 @worker_shutdown.connect
 def _report_claims(**_: Any) -> None:
     path = os.environ.get("BENCH_CLAIMS_FILE")
     if path:
         from dataclasses import asdict
 
-        from celery_zk.broker.queue import CLAIMS
+        try:
+            from celery_zk.broker.queue import CLAIMS
+        except ImportError:   # a transport without these counts: workers.py reads the server's
+            return
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(asdict(CLAIMS), fh)

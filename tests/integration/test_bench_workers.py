@@ -1,0 +1,96 @@
+"""benchmarks/workers.py end to end: a quick run on zk alone writes sane figures.
+
+Only the shape of the results is checked, never a timing: the figures depend
+on the machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "workers.py"
+
+
+def check_drain(entry: dict, tasks: int, processes: int | None = None) -> None:
+    assert entry["tasks"] == entry["distinct"] == tasks   # every task ran
+    assert entry["executions"] >= tasks
+    assert entry["processes"] >= 1 if processes is None else entry["processes"] == processes
+    assert entry["rate"] > 0 and entry["elapsed"] > 0
+    assert entry["cpu_ms_per_task"] >= 0 and entry["busy_cores"] >= 0
+    assert 0 <= entry["others_share"] <= 1
+    assert entry["attempt"] == 1 and entry["discarded"] == []
+
+
+@pytest.mark.slow
+def test_quick_run_on_zk_writes_every_figure(tmp_path: Path) -> None:
+    out = tmp_path / "workers.json"
+    # From another directory, the checkout by PYTHONPATH: as when comparing commits.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--brokers", "zk", "--ks", "1",
+         "--settle", "0", "--retries", "0", "--json", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "tasks/s" in run.stdout
+
+    data = json.loads(out.read_text())
+    assert data["machine"]["celery_zk"]["path"] == str(ROOT)
+    zk = data["results"]["zk"]
+    assert list(zk["scaling"]) == ["1"]
+    k1 = zk["scaling"]["1"]
+    check_drain(k1, 600, processes=1)
+    txns = k1["server_txns"]
+    assert txns["transactions"] > 0
+    assert txns["failed"] == txns["failed_multis"] + txns["failed_requests"]
+    assert sum(txns["errors"].values()) == txns["failed"]
+    assert k1["failed_per_message"] == txns["failed"] / 600
+    if "client_claims" in k1:   # while the transport counts its claims
+        assert k1["client_claims"]["conflicts"] <= k1["client_claims"]["transactions"]
+
+    check_drain(zk["single"]["threads -c 4"], 300, processes=1)
+    check_drain(zk["single"]["prefork -c 4"], 300)   # run by the pool's children
+
+    latency = zk["latency"]
+    for state in ("idle", "loaded"):
+        assert 0 <= latency[f"machine {state}"]["others_share"] <= 1
+    for shape in ("oneway idle", "oneway loaded", "get idle", "get loaded"):
+        assert 0 < latency[shape]["p50"] <= latency[shape]["p99"]
+        assert latency[shape]["n"] == 20
+
+
+def test_txnlog_counts_failed_transactions(zookeeper_server: object, zk_client: object) -> None:
+    """The server-side count reads what ZooKeeper logged: failed multis and requests."""
+    from kazoo.client import KazooClient
+    from kazoo.exceptions import NodeExistsError
+    data_dir = getattr(zookeeper_server, "data_dir", None)
+    if data_dir is None:
+        pytest.skip("an external ZooKeeper: its transaction log is not here")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import txnlog
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    client = zk_client
+    assert isinstance(client, KazooClient)
+    host, port = zookeeper_server.host, zookeeper_server.port  # type: ignore[attr-defined]
+    before = txnlog.last_zxid(host, port)
+    client.create("/a", b"")
+    for _ in range(3):   # the second op fails: the whole multi does
+        txn = client.transaction()
+        txn.create("/b", b"")
+        txn.delete("/missing")
+        txn.commit()
+    for _ in range(2):
+        with pytest.raises(NodeExistsError):
+            client.create("/a", b"")
+    counts = txnlog.count(data_dir, before, txnlog.last_zxid(host, port))
+    assert (counts.failed_multis, counts.failed_requests) == (3, 2)
+    assert counts.errors == {"multi NoNode": 3, "request NodeExists": 2}
+    assert counts.transactions == 6

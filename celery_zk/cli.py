@@ -364,3 +364,76 @@ def tree(ctx: click.Context, path: str, data: bool, timeout: float) -> None:
         except NoNodeError:
             raise click.ClickException(f"no node {full!r} (PATH is under the broker's "
                                        f"root {root!r})") from None
+
+
+@zk.group()
+def limit() -> None:
+    """Cluster-wide rate and concurrency limits (see docs/features.md).
+
+    TARGET is a task's name, or queue:NAME for a queue's rate. A change is
+    followed by every dispatcher at once, without a restart; a worker that
+    starts writes its app's zk_rate_limits and zk_concurrency_limits again.
+    """
+
+
+@limit.command("list")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts.")
+@timeout_option
+@click.pass_context
+def limit_list(ctx: click.Context, as_json: bool, timeout: float) -> None:
+    """Every limit, its use now, and what waits on it."""
+    from .ops.limits import limit_statuses
+    from .ops.report import format_limits
+
+    with _zk_broker(ctx, timeout) as transport, _clear_errors("limit list"):
+        client = transport.handle.client
+        statuses = limit_statuses(client, transport.layout,
+                                  status_queue_names(client, transport.layout))
+    if as_json:
+        click.echo(json.dumps([s.as_dict() for s in statuses], indent=2))
+    else:
+        click.echo(format_limits(statuses) if statuses else "no limits")
+
+
+@limit.command("set")
+@click.argument("target")
+@click.option("--rate", help="At most this many, Celery's syntax: 20/m, 5/s, 100/h.")
+@click.option("--concurrency", type=int, help="At most this many owned at once.")
+@click.option("--key", help="Concurrency per key: a template over the task's arguments, "
+                            "e.g. '{customer_id}' (applied where tasks are published).")
+@timeout_option
+@click.pass_context
+def limit_set(ctx: click.Context, target: str, rate: str | None, concurrency: int | None,
+              key: str | None, timeout: float) -> None:
+    """Set (or replace) the limit on TARGET."""
+    from .features.limits import LimitStore
+    from .ops.limits import make_limit, parse_limit_options
+
+    with _clear_errors("limit set"):
+        try:
+            new = make_limit(target, parse_limit_options(rate, concurrency, key))
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+    with _zk_broker(ctx, timeout) as transport, _clear_errors("limit set"):
+        LimitStore(transport.handle.client, transport.layout).set(new)
+    click.echo(f"limit on {target}: " + ", ".join(
+        f"{k} {v}" for k, v in (("rate", rate), ("concurrency", concurrency), ("key", key))
+        if v is not None))
+
+
+@limit.command("clear")
+@click.argument("target")
+@timeout_option
+@click.pass_context
+def limit_clear(ctx: click.Context, target: str, timeout: float) -> None:
+    """Remove the limit on TARGET."""
+    from .features.limits import LimitStore
+    from .ops.limits import make_limit
+
+    limit_spec = make_limit(target, {})
+    with _zk_broker(ctx, timeout) as transport, _clear_errors("limit clear"):
+        found = LimitStore(transport.handle.client, transport.layout).clear(
+            limit_spec.kind, limit_spec.name)
+    if not found:
+        raise click.ClickException(f"no limit on {target}; `celery zk limit list` shows them")
+    click.echo(f"limit on {target} cleared")

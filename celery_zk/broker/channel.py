@@ -14,11 +14,13 @@ import sys
 from queue import Empty
 from typing import Any
 
+from kombu.serialization import loads
 from kombu.transport import virtual
 from kombu.transport.virtual.base import queue_declare_ok_t
 
 from ..compat import kombu as kombu_compat
 from ..features.affinity import affinity_of
+from ..features.limits import limit_tokens
 from ..features.revokes import RevokeStore, control_command
 from ..zk.client import CONNECTION_ERRORS
 from ..zk.layout import parse_message_name
@@ -274,23 +276,39 @@ class Channel(virtual.Channel):
         transport = self.connection
         store = transport.store
         size = body_size(message)
+        task, limit_key = limit_tokens(message, transport.limits(), self._arguments)
         data = encode_message(message)
         priority = kombu_compat.priority_of(self, message)
         together = transport.publishing_together()
         if together is not None:   # stored when the group is (see publish_together)
-            together.append(store.new_message(queue, data, priority, affinity, size))
+            together.append(store.new_message(queue, data, priority, affinity, size, task,
+                                              limit_key))
             return
         if transport.unconfirmed is not None:
-            transport.unconfirmed.put(queue, data, priority, affinity, size)
+            transport.unconfirmed.put(queue, data, priority, affinity, size, task, limit_key)
             return
-        new = store.new_message(queue, data, priority, affinity, size)   # checks the size
+        new = store.new_message(queue, data, priority, affinity, size, task,
+                                limit_key)   # checks the size
         # A message with an affinity key waits where the dispatcher chooses a
         # consumer by its key: it is never handed to whichever consumer is idle.
-        # Nor is a big one, whose chunks' state its publish multi sets.
+        # Nor is a big one, whose chunks' state its publish multi sets, nor one
+        # a limit may hold back (the dispatcher applies limits).
         if (affinity is not None or new.big or transport.handoff is None
-                or not transport.handoff.give(new)):
+                or transport.limited(queue, task) or not transport.handoff.give(new)):
             store.put_new(new)
         transport.store.deferred.flush()   # the write they waited for has been made
+
+    def _arguments(self, message: dict[str, Any]) -> tuple[Any, Any]:
+        """A task message's ``(args, kwargs)``, decoded as the worker will (for a
+        limit's key: celery_zk.features.limits)."""
+        properties = message.get("properties") or {}
+        body = self.decode_body(message.get("body"), properties.get("body_encoding"))
+        content_type = message.get("content-type")
+        decoded = loads(body, content_type, message.get("content-encoding"),
+                        accept=[content_type])
+        if isinstance(decoded, (list, tuple)) and len(decoded) >= 2:
+            return decoded[0] or (), decoded[1] or {}
+        return (), {}   # Celery's protocol 1, or not a task
 
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:

@@ -33,14 +33,16 @@ import json
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from time import monotonic
 from typing import Any
 
-from kazoo.exceptions import ConnectionLoss, NoNodeError
+from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
 
 from ..features.affinity import Board, board_for
+from ..features.limit_gate import Gate
+from ..features.limits import LimitStore, book_for
 from ..features.locality import Waiting, choose
 from ..zk.client import CONNECTION_ERRORS, log_failure
 from ..zk.config import ZKOptions
@@ -155,10 +157,13 @@ class Dispatcher:
         self._generation = -1   # TreeWatches' connection generation our watches belong to
         self._tree = False
         self._rotation = 0
+        self._gate: Gate | None = None
+        self._given: dict[tuple[str, str], list[float]] = {}   # rate limits' give times
         self._unowned_cb = weak_callback(self._on_unowned)
         self._owned_cb = weak_callback(self._on_owned)
         self._child_cb = weak_callback(self._on_child_event)
         self._election_cb = weak_callback(self._on_election_event)
+        self._wake_cb = weak_callback(self.wake)
         session.add_listener(self._election_cb)   # a new connection: look again
         session.on_close(self.stop)
 
@@ -306,6 +311,7 @@ class Dispatcher:
 
     def _restart(self) -> None:
         """Forget what the watches told: list everything again next round."""
+        self._given.clear()   # read again: another dispatcher may have given meanwhile
         self._stale_listing = self._stale_consumers = True
         self._generation = -1
         for consumer in self.consumers.values():
@@ -451,29 +457,73 @@ class Dispatcher:
 
     def _plan(self, hungry: list[_Consumer]) -> tuple[dict[str, list[str]], float | None]:
         """Which names go to which consumer, in delivery order."""
-        names = self.head.names
+        self._gate = self._limits()
         if self.head.keyed:
             return self._plan_keyed(hungry)
+        names: Iterable[str] = self.head.names
+        if self._gate is not None:
+            names = self._admitted(self._gate)
         # One at a time, round the consumers: the first messages go to as many
         # consumers as there are, not all to the first.
         self._rotation = (self._rotation + 1) % len(hungry)
         order = hungry[self._rotation:] + hungry[:self._rotation]
         room = {c.id: c.free for c in order}
         plan: dict[str, list[str]] = {}
-        taken = 0
-        while taken < len(names) and any(room.values()):
+        waiting = iter(names)
+        while any(room.values()):
             for consumer in order:
-                if taken >= len(names):
-                    break
-                if room[consumer.id] > 0:
-                    plan.setdefault(consumer.id, []).append(names[taken])
-                    room[consumer.id] -= 1
-                    taken += 1
-        return plan, None
+                if room[consumer.id] <= 0:
+                    continue
+                name = next(waiting, None)
+                if name is None:
+                    return plan, self._retry_in()
+                plan.setdefault(consumer.id, []).append(name)
+                room[consumer.id] -= 1
+        return plan, self._retry_in()
+
+    # -- limits (celery_zk.features.limits) ------------------------------------------
+    def _limits(self) -> Gate | None:
+        """This round's gate, when a limit applies to the queue."""
+        book = book_for(self.session, self.layout)
+        book.listen(self._wake_cb)   # a limit changed at run time: look again
+        limits = book.current()
+        if not limits:
+            return None
+        owned = [m for c in self.consumers.values() for n in (c.entries | c.given)
+                 if (m := parse_message_name(n)) is not None]
+        store = LimitStore(self.session.client, self.layout)
+        for limit in limits:
+            ident = (limit.kind, limit.name)
+            if limit.rate and ident not in self._given:
+                self._given[ident] = store.given(limit)   # a dispatcher taking over
+        gate = Gate(limits, self.queue, owned, self._given)
+        return gate if gate.active else None
+
+    def _admitted(self, gate: Gate) -> Iterator[str]:
+        """The head in order, but what a limit holds back now."""
+        for name in list(self.head.names):
+            message = parse_message_name(name)
+            if message is not None and gate.admit(message):
+                yield name
+
+    def _retry_in(self) -> float | None:
+        return self._gate.retry_in if self._gate is not None else None
+
+    def _make_given_record(self, kind: str, name: str) -> None:
+        client = self.session.client
+        try:
+            client.retry(client.create, self.layout.limit_given(kind, name), b"[]")
+        except NodeExistsError:
+            pass
+        except NoNodeError:   # the limit was cleared meanwhile: the book reloads
+            self._given.pop((kind, name), None)
 
     def _plan_keyed(self, hungry: list[_Consumer]) -> tuple[dict[str, list[str]], float | None]:
         board = self._board()
-        left = list(self.head.names)
+        # Admitted up front: what a consumer's choice leaves out still counts, so
+        # a limit may give a little less this round, never more.
+        left = (list(self._admitted(self._gate)) if self._gate is not None
+                else list(self.head.names))
         plan: dict[str, list[str]] = {}
         retry_in: float | None = None
         for consumer in hungry:
@@ -488,6 +538,9 @@ class Dispatcher:
                 plan[consumer.id] = batch
                 chosen = set(batch)
                 left = [name for name in left if name not in chosen]
+        gated = self._retry_in()
+        if gated is not None and (retry_in is None or gated < retry_in):
+            retry_in = gated
         return plan, retry_in
 
     def _board(self) -> Board:
@@ -501,6 +554,12 @@ class Dispatcher:
         inside = store.read_inside(self.queue, [n for names in plan.values() for n in names])
         nodes = {cid: self.consumers[cid].node for cid in plan}
         txn, done = store.assignment(self.queue, plan, inside, nodes)
+        records = list(self._gate.records()) if self._gate is not None else []
+        for limit, times in records:
+            # In the multi that gives them: a dispatcher taking over sees them.
+            txn.set_data(self.layout.limit_given(limit.kind, limit.name),
+                         json.dumps(times).encode())
+            done.ops.append(("limit", limit.kind, limit.name))
         client = self.session.client
         try:
             results = txn.commit()
@@ -510,12 +569,17 @@ class Dispatcher:
             raise
         refused = store.settle(done, results)
         if refused is None:
+            for limit, times in records:
+                self._given[(limit.kind, limit.name)] = times
             given = done.given()
             for cid, names in given.items():
                 self.consumers[cid].given.update(names)
             self.head.discard(name for names in given.values() for name in names)
             return
         kind, cid, name = refused
+        if kind == "limit":   # its record of give times is missing: made, and again
+            self._make_given_record(cid, name)
+            return
         if kind == "check":   # gone, or stopped consuming the queue
             self.consumers.pop(cid, None)
             self._stale_consumers = True

@@ -118,7 +118,8 @@ class HandOff:
             return False
         consumer_id, _ = parsed
         layout, client, queue = self.layout, self.client, message.queue
-        name = handed_name(message.inverted_priority, message.generation, message.uid)
+        name = handed_name(message.inverted_priority, message.generation, message.uid,
+                           message.kind, message.task, message.limit_key)
         owned = layout.inbox_message(queue, consumer_id, name)
 
         def attempt() -> bool:

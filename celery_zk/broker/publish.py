@@ -52,6 +52,8 @@ class NewMessage:
     generation: int   # the bucket it goes to
     affinity: str | None = None   # its affinity key, as named (layout.affinity_token)
     kind: str = BODY_APART   # BODY_CHUNKED: its chunks are written (celery_zk.broker.big)
+    task: str | None = None        # its task's token (layout.task_token): for limits
+    limit_key: str | None = None   # its concurrency key's token (layout.limit_key_token)
 
     @property
     def big(self) -> bool:
@@ -106,7 +108,8 @@ class Publishing(StoreBase):
         return self.put_new(self.new_message(queue, data, priority))
 
     def new_message(self, queue: str, data: bytes, priority: int | None,
-                    affinity: str | None = None, size: int | None = None) -> NewMessage:
+                    affinity: str | None = None, size: int | None = None,
+                    task: str | None = None, limit_key: str | None = None) -> NewMessage:
         """A message ready to publish (its size checked, its node named);
         ``affinity``: its key's :func:`~celery_zk.zk.layout.affinity_token`;
         ``size``: its body's size, checked against the limit (default: all of
@@ -122,20 +125,22 @@ class Publishing(StoreBase):
             # Its chunks first: nothing leads to them until the publish's multi.
             data = prepare(self.client, self.layout, queue, uid, data, self.options.chunk_size)
             kind = BODY_CHUNKED
-        return self._named(queue, uid, data, inv, generation, affinity, kind)
+        return self._named(queue, uid, data, inv, generation, affinity, kind, task, limit_key)
 
     def _named(self, queue: str, uid: str, data: bytes, inv: int, generation: int,
-               affinity: str | None, kind: str = BODY_APART) -> NewMessage:
+               affinity: str | None, kind: str = BODY_APART, task: str | None = None,
+               limit_key: str | None = None) -> NewMessage:
         # ZooKeeper appends the sequence to this prefix.
-        path = self.layout.new_message_prefix(queue, inv, generation, uid, affinity, kind)
+        path = self.layout.new_message_prefix(queue, inv, generation, uid, affinity, kind,
+                                              task, limit_key)
         return NewMessage(queue, uid, path, self.layout.new_body(queue, inv, generation, uid),
-                          data, inv, generation, affinity, kind)
+                          data, inv, generation, affinity, kind, task, limit_key)
 
     def renamed(self, message: NewMessage, generation: int) -> NewMessage:
         """``message`` bound for another bucket of its queue and priority."""
         return self._named(message.queue, message.uid, message.data,
                            message.inverted_priority, generation, message.affinity,
-                           message.kind)
+                           message.kind, message.task, message.limit_key)
 
     def put_new(self, message: NewMessage, maybe_made: bool = False) -> str:
         """Store ``message`` once (``maybe_made``: an earlier attempt lost its reply)."""

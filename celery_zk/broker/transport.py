@@ -103,6 +103,7 @@ from kombu.transport import virtual
 
 from ..compat import kombu as kombu_compat
 from ..features.affinity import Board, board_for
+from ..features.limits import book_for
 from ..features.revokes import load_into_worker
 from ..zk.client import CONNECTION_ERRORS
 from ..zk.config import (
@@ -247,6 +248,15 @@ class Transport(virtual.Transport):
         if held is None or not self.settings.options.batch_groups:
             return None
         return held.setdefault(self.store, [])
+
+    def limits(self) -> list[Any]:
+        """The limits under our root (:mod:`celery_zk.features.limits`)."""
+        return book_for(self.handle.session, self.layout).current()
+
+    def limited(self, queue: str, task: str | None) -> bool:
+        """Whether a limit may hold back a message of ``task`` (its token) on
+        ``queue`` (then only the dispatcher may give it: no hand-off)."""
+        return book_for(self.handle.session, self.layout).holds(queue, task)
 
     def honour_kept_revokes(self) -> None:
         """In a Celery worker, once per process: the revokes kept in ZooKeeper

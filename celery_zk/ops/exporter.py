@@ -24,6 +24,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ..features.limits import parse_rate
 from .status import Status
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class StatusCollector(Collector):
         yield up
         yield from _queue_metrics(status)
         yield from _consumer_metrics(status)
+        yield from _limit_metrics(status)
         yield from _result_metrics(status)
         yield from _server_metrics(status)
         took = GaugeMetricFamily("celery_zk_scrape_duration_seconds",
@@ -110,6 +112,33 @@ def _queue_metrics(status: Status) -> Iterator[Any]:
         chunked.add_metric([queue.name], queue.chunked)
         chunked_bytes.add_metric([queue.name], queue.chunked_bytes)
     yield from (length, consumers, by_priority, owned, dead, oldest, chunked, chunked_bytes)
+
+
+def _limit_metrics(status: Status) -> Iterator[Any]:
+    labels = ["kind", "name"]
+    given = GaugeMetricFamily("celery_zk_limit_given_in_window",
+                              "Messages given under a rate limit in its current window.",
+                              labels=labels)
+    rate = GaugeMetricFamily("celery_zk_limit_rate",
+                             "A rate limit, in messages per its window.", labels=labels)
+    running = GaugeMetricFamily("celery_zk_limit_running",
+                                "Messages of a concurrency-limited task owned now.",
+                                labels=labels)
+    concurrency = GaugeMetricFamily("celery_zk_limit_concurrency",
+                                    "A concurrency limit.", labels=labels)
+    waiting = GaugeMetricFamily("celery_zk_limit_waiting",
+                                "Messages waiting at the queues' heads under a limit.",
+                                labels=labels)
+    for limit in status.limits:
+        key = [limit.kind, limit.name]
+        if limit.rate:
+            given.add_metric(key, limit.given_in_window or 0)
+            rate.add_metric(key, parse_rate(limit.rate)[0])
+        if limit.concurrency:
+            running.add_metric(key, limit.in_flight or 0)
+            concurrency.add_metric(key, limit.concurrency)
+        waiting.add_metric(key, limit.waiting)
+    yield from (given, rate, running, concurrency, waiting)
 
 
 def _consumer_metrics(status: Status) -> Iterator[Any]:

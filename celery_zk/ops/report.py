@@ -5,9 +5,10 @@ import time
 from collections.abc import Sequence
 
 from .dead_letters import DeadLetter
+from .limits import LimitStatus
 from .status import Status
 
-__all__ = ["format_dead", "format_status"]
+__all__ = ["format_dead", "format_limits", "format_status"]
 
 
 def age(seconds: float | None) -> str:
@@ -55,6 +56,8 @@ def format_status(status: Status, url: str) -> str:
         parts.append(table(["CONSUMER", "HOST", "PID", "QUEUES", "OWNED", "UP"], rows))
     else:
         parts.append("no consumers")
+    if status.limits:
+        parts += ["", format_limits(status.limits)]
     if status.results is not None:
         r = status.results
         parts += ["", f"results under {r.root}: {r.results:,} results, {r.groups:,} groups, "
@@ -97,6 +100,19 @@ def _size(value: object) -> str:
             return f"{size:,.0f} {unit}" if unit == "B" else f"{size:,.1f} {unit}"
         size /= 1024
     return f"{size:,.1f} GB"
+
+
+def format_limits(limits: list[LimitStatus]) -> str:
+    """The cluster-wide limits: each one, its use now, what waits on it."""
+    rows = []
+    for limit in limits:
+        rate = (f"{limit.given_in_window}/{limit.rate.partition('/')[0]} per "
+                f"{limit.rate.partition('/')[2] or 's'}" if limit.rate else "-")
+        running = (f"{limit.in_flight}/{limit.concurrency}"
+                   + (f" per {limit.key}" if limit.key else "")
+                   if limit.concurrency else "-")
+        rows.append([limit.kind, limit.name, rate, running, f"{limit.waiting:,}"])
+    return table(["LIMIT ON", "NAME", "RATE (GIVEN/LIMIT)", "RUNNING/LIMIT", "WAITING"], rows)
 
 
 def format_dead(queue: str, letters: list[DeadLetter]) -> str:

@@ -22,6 +22,8 @@ report costs a few pipelined round trips per queue, whatever its backlog.
   (one listing per shard in use, pipelined), which carry each payload's size.
   The bytes of plain (unchunked) results are not counted: that would be a
   stat per result; ``mntr``'s ``zk_approximate_data_size`` has the total.
+* Cluster-wide limits, their use and what waits on them
+  (:mod:`celery_zk.ops.limits`).
 * The server: ``mntr`` (or ``srvr``, the one four-letter word ZooKeeper
   allows by default) of every server in the connection string.
 """
@@ -53,6 +55,7 @@ from ..zk.layout import (
     split_owned_name,
     unescape,
 )
+from .limits import LimitStatus, limit_statuses
 
 __all__ = ["ConsumerStatus", "QueueStatus", "ResultsStatus", "Status", "collect",
            "server_health"]
@@ -113,10 +116,12 @@ class Status:
     results: ResultsStatus | None
     servers: dict[str, dict[str, Any]]
     took: float = 0.0
+    limits: list[LimitStatus] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "root": self.root,
+            "limits": [limit.as_dict() for limit in self.limits],
             "queues": [{"name": q.name, "waiting": q.waiting_total,
                         "waiting_by_priority": {str(p): n for p, n in sorted(q.waiting.items())},
                         "owned": q.owned_total, "owned_by_consumer": q.owned,
@@ -151,8 +156,10 @@ def collect(client: KazooClient, layout: Layout, hosts: str,
     results = (_results(results_client or client, results_layout, result_expires, now)
                if results_layout is not None else None)
     servers = server_health(hosts) if health else {}
+    limits = limit_statuses(client, layout, names,
+                            {q.name: q.waiting_total for q in queue_status}, now)
     return Status(layout.root, queue_status, consumers, results, servers,
-                  time.monotonic() - started)
+                  time.monotonic() - started, limits)
 
 
 def queue_names(client: KazooClient, layout: Layout) -> list[str]:

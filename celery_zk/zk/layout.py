@@ -107,7 +107,8 @@ BODY_CHUNKED = "c"  # as "n", and bigger than chunk_size: its body node holds a
                     # manifest, the bytes are chunks under chunks/{uid}
 BODY_INSIDE = "m"   # in the name's own node (celery_zk before 0.2)
 _MESSAGE_RE = re.compile(
-    r"^([mnc])(\d)-(\d{10})-([0-9a-f]{1,32})(?:@([^/~]+?))?-(r?)(\d{10})$")
+    r"^([mnc])(\d)-(\d{10})-([0-9a-f]{1,32})(?:\.([0-9a-f]{8}))?(?:!([0-9a-f]{8}))?"
+    r"(?:@([^/~]+?))?-(r?)(\d{10})$")
 # Before buckets: flat in unowned/, the requeue sequential too.
 _FLAT_MESSAGE_RE = re.compile(r"^m(\d)-([0-9a-f]{1,32})-(?:r(\d{10})-)?(\d{10})$")
 _BUCKET_RE = re.compile(r"^p(\d)-(\d{10})$")
@@ -155,6 +156,8 @@ class MessageName(NamedTuple):
     affinity: str | None = None   # its affinity key as named (affinity_token)
     body_apart: bool = False   # its body is in bodies/ (an "n" or "c" name), not in its node
     chunked: bool = False      # its body is chunked (a "c" name): see Layout.chunks
+    task: str | None = None    # its task's token (task_token), for limits
+    limit_key: str | None = None   # its concurrency key's token (limit_key_token)
 
     @property
     def kind(self) -> str:
@@ -208,12 +211,27 @@ def same_priority(bucket: str, other: str) -> bool:
 
 
 def message_prefix(inverted_priority: int, generation: int, uid: str,
-                   affinity: str | None = None, kind: str = BODY_APART) -> str:
+                   affinity: str | None = None, kind: str = BODY_APART,
+                   task: str | None = None, limit_key: str | None = None) -> str:
     """Name prefix of a new message; ZooKeeper appends the sequence.
     ``affinity``: an :func:`affinity_token`. ``kind``: where the body is
-    (:data:`BODY_APART`, :data:`BODY_CHUNKED` or :data:`BODY_INSIDE`)."""
+    (:data:`BODY_APART`, :data:`BODY_CHUNKED` or :data:`BODY_INSIDE`).
+    ``task``/``limit_key``: a :func:`task_token` and a :func:`limit_key_token`,
+    which a dispatcher applies limits by (celery_zk.features.limits)."""
+    tokens = (f".{task}" if task else "") + (f"!{limit_key}" if limit_key else "")
     key = f"@{affinity}" if affinity else ""
-    return f"{kind}{inverted_priority}-{generation:0{SEQ_DIGITS}d}-{uid}{key}-"
+    return f"{kind}{inverted_priority}-{generation:0{SEQ_DIGITS}d}-{uid}{tokens}{key}-"
+
+
+def task_token(task_name: str) -> str:
+    """How a task's name appears in its messages' names: 8 hex digits of a hash
+    (names must stay short; limits are looked up by it)."""
+    return hashlib.sha1(task_name.encode()).hexdigest()[:8]
+
+
+def limit_key_token(key: str) -> str:
+    """How a concurrency limit's key (one customer id, say) appears in names."""
+    return hashlib.sha1(key.encode()).hexdigest()[:8]
 
 
 def affinity_token(key: object) -> str:
@@ -251,7 +269,7 @@ def requeued_name(message: MessageName) -> str:
     marked requeued, with the sequence that keeps its place."""
     generation = message.generation or 0
     return (message_prefix(message.inverted_priority, generation, message.uid,
-                           message.affinity, message.kind)
+                           message.affinity, message.kind, message.task, message.limit_key)
             + f"r{message.order:0{SEQ_DIGITS}d}")
 
 
@@ -259,9 +277,9 @@ def parse_message_name(name: str) -> MessageName | None:
     """Parse a waiting-message name; ``None`` for nodes celery_zk did not write."""
     match = _MESSAGE_RE.match(name)
     if match:
-        kind, inv, generation, uid, affinity, requeued, seq = match.groups()
+        kind, inv, generation, uid, task, limit, affinity, requeued, seq = match.groups()
         return MessageName(int(inv), int(generation), uid, int(seq), bool(requeued), int(seq),
-                           affinity, kind != BODY_INSIDE, kind == BODY_CHUNKED)
+                           affinity, kind != BODY_INSIDE, kind == BODY_CHUNKED, task, limit)
     match = _FLAT_MESSAGE_RE.match(name)
     if not match:
         return None
@@ -284,7 +302,8 @@ def sort_messages(names: list[str]) -> tuple[list[str], list[str]]:
 
 
 def handed_name(inverted_priority: int, generation: int, uid: str,
-                kind: str = BODY_APART) -> str:
+                kind: str = BODY_APART, task: str | None = None,
+                limit_key: str | None = None) -> str:
     """The name a message handed straight to an idle consumer gets.
 
     It never waited in a bucket, so it has no sequence: zero. Its body is in
@@ -292,7 +311,8 @@ def handed_name(inverted_priority: int, generation: int, uid: str,
     the front of that bucket: it was handed over while the queue was empty,
     ahead of its priority's later arrivals, where it belongs.
     """
-    return message_prefix(inverted_priority, generation, uid, kind=kind) + "0" * SEQ_DIGITS
+    return (message_prefix(inverted_priority, generation, uid, kind=kind, task=task,
+                           limit_key=limit_key) + "0" * SEQ_DIGITS)
 
 
 def offer_name(consumer_id: str, token: str) -> str:
@@ -485,10 +505,12 @@ class Layout:
 
     def new_message_prefix(self, queue: str, inverted_priority: int, generation: int,
                            uid: str, affinity: str | None = None,
-                           kind: str = BODY_APART) -> str:
+                           kind: str = BODY_APART, task: str | None = None,
+                           limit_key: str | None = None) -> str:
         """The path a new message is created at (ZooKeeper appends the sequence)."""
         return join(self.bucket(queue, bucket_name(inverted_priority, generation)),
-                    message_prefix(inverted_priority, generation, uid, affinity, kind))
+                    message_prefix(inverted_priority, generation, uid, affinity, kind, task,
+                                   limit_key))
 
     # -- bodies: written once, deleted by the ack ------------------------------
     def bodies(self, queue: str) -> str:
@@ -660,6 +682,29 @@ class Layout:
         digest = hashlib.sha1(f"{header}\0{value}".encode()).hexdigest()
         key = REVOKED_STAMP + digest
         return join(self.revoked, result_shard(key), key)
+
+    # -- cluster-wide limits (celery_zk.features.limits) -------------------------------
+    @property
+    def limits(self) -> str:
+        return join(self.root, "limits")
+
+    def limit(self, kind: str, name: str) -> str:
+        """A limit on a task (``kind`` "t") or a queue ("q"); data: its settings."""
+        return join(self.limits, f"{kind}{OWNER_SEP}{escape(name)}")
+
+    def limit_given(self, kind: str, name: str) -> str:
+        """When the last messages under a rate limit were given (a dispatcher
+        that takes over goes on from there)."""
+        return join(self.limit(kind, name), "given")
+
+    def limit_started(self, kind: str, name: str) -> str:
+        """When the last tasks under a rate limit started (the workers' record)."""
+        return join(self.limit(kind, name), "started")
+
+    @staticmethod
+    def parse_limit_name(name: str) -> tuple[str, str] | None:
+        kind, sep, escaped = name.partition(OWNER_SEP)
+        return (kind, unescape(escaped)) if sep and kind in ("t", "q") else None
 
     # -- data affinity (celery_zk.features.affinity) ------------------------------------
     @property

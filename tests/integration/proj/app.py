@@ -270,3 +270,14 @@ def slow_digest(value: str, seconds: float) -> list[object]:
     if not os.environ.get("SLOW_DIGEST_FAST"):
         time.sleep(seconds)
     return [len(value), hashlib.sha256(value.encode()).hexdigest()]
+
+
+@app.task(acks_late=True)
+def timed(value: object, seconds: float = 0.0, customer: str = "") -> object:
+    """Records when it started and ended (limits' tests measure windows and overlaps)."""
+    started = time.time()
+    if seconds:
+        time.sleep(seconds)
+    _record("timed", {"value": value, "start": started, "end": time.time(),
+                      "customer": customer})
+    return value

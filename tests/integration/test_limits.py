@@ -1,0 +1,164 @@
+"""Cluster-wide rate and concurrency limits (issue 29), on a real server with
+real workers (threads and prefork), workers added and killed meanwhile."""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_zk.exceptions import ZKConfigurationError
+from celery_zk.features.limit_gate import Gate
+from celery_zk.features.limits import Limit, parse_rate
+from celery_zk.zk.layout import message_prefix, parse_message_name, task_token
+
+from .workers import Worker, celery_cli, read_log, wait_until
+
+TIMED = "proj.app.timed"
+
+
+@pytest.fixture
+def app(zk_url: str) -> Iterator[Celery]:
+    client_app = Celery("limits", broker=zk_url, set_as_current=False)
+    yield client_app
+    client_app.close()
+
+
+def runs(task_log: Path) -> list[dict[str, Any]]:
+    return [entry["value"] for entry in read_log(task_log) if entry["kind"] == "timed"]
+
+
+def wait_for_limit(zk_url: str) -> None:
+    def there() -> bool:
+        listed = celery_cli(["zk", "limit", "list", "--json"], zk_url)
+        return listed.returncode == 0 and TIMED in listed.stdout
+    wait_until(there, 30, 0.5, message="the workers did not write their limits")
+
+
+def most_in_any_window(starts: list[float], seconds: float) -> int:
+    starts = sorted(starts)
+    best, first = 0, 0
+    for last, at in enumerate(starts):
+        while at - starts[first] >= seconds:
+            first += 1
+        best = max(best, last - first + 1)
+    return best
+
+
+def most_at_once(spans: list[tuple[float, float]]) -> int:
+    events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+    now = best = 0
+    for _, step in events:
+        now += step
+        best = max(best, now)
+    return best
+
+
+def test_rates_parse_as_celery_writes_them() -> None:
+    assert parse_rate("20/m") == (20, 60.0)
+    assert parse_rate("5/s") == (5, 1.0) and parse_rate("5") == (5, 1.0)
+    assert parse_rate("0.5/s") == (1, 2.0)
+    assert parse_rate("100/h") == (100, 3600.0)
+    for bad in ("fast", "0/s", "-1/m", "3/week", "nan/s"):
+        with pytest.raises(ZKConfigurationError, match="rate"):
+            parse_rate(bad)
+    with pytest.raises(ZKConfigurationError, match="at least 1"):
+        Limit("t", "x", concurrency=0)
+
+
+def test_the_gate_holds_what_is_over_and_lets_the_rest_by() -> None:
+    limited, other = task_token("limited"), task_token("other")
+
+    def name(task: str, seq: int, key: str | None = None) -> Any:
+        return parse_message_name(message_prefix(9, 0, f"{seq:x}", task=task,
+                                                 limit_key=key) + f"{seq:010d}")
+
+    gate = Gate([Limit("t", "limited", rate="2/s")], "q", owned=[],
+                given={("t", "limited"): [99.5]}, now=100.0)
+    admitted = [gate.admit(name(t, i)) for i, t in enumerate([limited, other, limited,
+                                                               limited, other])]
+    assert admitted == [True, True, False, False, True]   # 1 left in the window
+    assert gate.retry_in is not None and 0 < gate.retry_in <= 0.5
+    gate = Gate([Limit("t", "limited", concurrency=1, key="{0}")], "q",
+                owned=[name(limited, 1, "aaaaaaaa")], given={}, now=0)
+    assert [gate.admit(name(limited, 2, k)) for k in ("aaaaaaaa", "bbbbbbbb", "bbbbbbbb")] \
+        == [False, True, False]
+
+
+@pytest.mark.slow
+def test_a_rate_limit_holds_across_workers_added_and_killed(
+        app: Celery, start_worker: Callable[..., Worker], zk_url: str,
+        task_log: Path) -> None:
+    """5/s on one task across three workers (threads and prefork, one killed
+    and one added meanwhile): at most 5 start in any second; the other tasks of
+    the queue are not held up behind them."""
+    conf = json.dumps({"zk_rate_limits": {TIMED: "5/s"}})
+    env = {"CELERY_ZK_TEST_CONF": conf}
+    a = start_worker(zk_url, log=task_log, name="a", concurrency=2, env=env)
+    start_worker(zk_url, log=task_log, name="b", pool="prefork", concurrency=2, env=env)
+    wait_for_limit(zk_url)
+    limited = [app.send_task(TIMED, args=(i,)) for i in range(40)]
+    others = [app.send_task("proj.app.record", args=(f"free-{i}",)) for i in range(100)]
+    wait_until(lambda: {f"free-{i}" for i in range(100)} <= {
+        e["value"] for e in read_log(task_log) if e["kind"] == "record"}, 30,
+        message="the unlimited tasks were held up")
+    assert len(runs(task_log)) < 40   # the limited ones still trickle
+    a.kill()
+    start_worker(zk_url, log=task_log, name="c", concurrency=2, env=env)
+    wait_until(lambda: len({r["value"] for r in runs(task_log)}) == 40, 60,
+               message="not every limited task ran")
+    starts = [r["start"] for r in runs(task_log)]
+    assert most_in_any_window(starts, 1.0) <= 5, sorted(starts)
+    assert limited and others
+
+
+@pytest.mark.slow
+def test_a_concurrency_limit_per_task_and_per_key(
+        app: Celery, start_worker: Callable[..., Worker], zk_url: str,
+        task_log: Path) -> None:
+    """At most 2 of the task at once over three workers, and at most 1 per
+    customer; a worker killed with one running gives its slot back."""
+    conf = {"zk_concurrency_limits": {TIMED: {"limit": 1, "key": "{2}"}}}
+    env = {"CELERY_ZK_TEST_CONF": json.dumps(conf)}
+    for name in "abc":
+        start_worker(zk_url, log=task_log, name=name, concurrency=2, env=env)
+    wait_for_limit(zk_url)   # written by the workers; the publisher fills its key
+    for i in range(12):
+        app.send_task(TIMED, args=(i, 0.4, "acme" if i % 2 else "globex"))
+    wait_until(lambda: len(runs(task_log)) == 12, 60, message="not every task ran")
+    done = runs(task_log)
+    for customer in ("acme", "globex"):
+        spans = [(r["start"], r["end"]) for r in done if r["customer"] == customer]
+        assert most_at_once(spans) == 1, spans
+    assert most_at_once([(r["start"], r["end"]) for r in done]) == 2
+
+
+@pytest.mark.slow
+def test_a_limit_changed_at_run_time_takes_effect_without_a_restart(
+        app: Celery, start_worker: Callable[..., Worker], zk_url: str,
+        task_log: Path) -> None:
+    start_worker(zk_url, log=task_log, name="a", concurrency=4)
+    setting = celery_cli(["zk", "limit", "set", TIMED, "--concurrency", "1"], zk_url)
+    assert setting.returncode == 0, setting.stderr
+    for i in range(6):
+        app.send_task(TIMED, args=(i, 0.3))
+    wait_until(lambda: len(runs(task_log)) == 6, 60)
+    assert most_at_once([(r["start"], r["end"]) for r in runs(task_log)]) == 1
+    listed = celery_cli(["zk", "limit", "list", "--json"], zk_url)
+    assert json.loads(listed.stdout)[0]["concurrency"] == 1
+    status = celery_cli(["zk", "status"], zk_url)
+    assert "RUNNING/LIMIT" in status.stdout and TIMED in status.stdout
+    cleared = celery_cli(["zk", "limit", "clear", TIMED], zk_url)
+    assert cleared.returncode == 0, cleared.stderr
+    for i in range(6, 14):
+        app.send_task(TIMED, args=(i, 0.3))
+    wait_until(lambda: len(runs(task_log)) == 14, 60)
+    later = [(r["start"], r["end"]) for r in runs(task_log) if r["value"] >= 6]
+    assert most_at_once(later) >= 2   # no limit any more: the four threads share them
+    bad = celery_cli(["zk", "limit", "set", TIMED, "--rate", "fast"], zk_url)
+    assert bad.returncode != 0 and "not a rate" in bad.stderr
+    time.sleep(0)

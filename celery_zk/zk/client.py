@@ -31,6 +31,7 @@ from kazoo.security import OPEN_ACL_UNSAFE, make_digest_acl
 
 from ..exceptions import ZKAuthError, ZKConfigurationError, ZKConnectionError
 from .config import ZKSettings
+from .handler import PollingHandler
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ def make_client(settings: ZKSettings, connect_timeout: float | None = None) -> K
         connection_retry=KazooRetry(max_tries=-1, max_delay=2.0),
         command_retry=KazooRetry(max_tries=10, delay=0.05, max_delay=2.0, deadline=max(
             opts.session_timeout, 5.0)),
+        handler=PollingHandler(),
         **kwargs,
     )
     why = _start(client, settings.hosts, timeout,

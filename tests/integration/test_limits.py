@@ -3,7 +3,6 @@ real workers (threads and prefork), workers added and killed meanwhile."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -161,4 +160,3 @@ def test_a_limit_changed_at_run_time_takes_effect_without_a_restart(
     assert most_at_once(later) >= 2   # no limit any more: the four threads share them
     bad = celery_cli(["zk", "limit", "set", TIMED, "--rate", "fast"], zk_url)
     assert bad.returncode != 0 and "not a rate" in bad.stderr
-    time.sleep(0)

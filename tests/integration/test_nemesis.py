@@ -21,24 +21,6 @@ ROOT = Path(__file__).resolve().parents[2]
 NEMESIS = ROOT / "benchmarks" / "nemesis.py"
 SEED = int(os.environ.get("CELERY_ZK_NEMESIS_SEED", "27"))
 
-#: Broker bugs found by the nemesis and left to the broker's rewrite (issue 26); see
-#: docs/nemesis.md. A violation they explain makes the test an expected failure
-#: (shown by ``pytest -ra``), never a pass; anything else fails it.
-#: B1: a worker whose earlier session was still alive when it bound its pidbox
-#: queue (restarted under the same name within the session timeout, or told
-#: "expired" by a resumed stale leader) loses that binding when the old session
-#: expires, and hears no broadcast (revokes included) from then on.
-#: B3: a worker whose session expired misses the broadcasts sent meanwhile (its
-#: pidbox queue is swept) and does not read the revokes kept in ZooKeeper again,
-#: while it still runs the messages it held under the old session (B2).
-#: B4: a hand-off cut off from the leader commits after its retry fell back to an
-#: ordinary publish: one apply_async, two messages.
-KNOWN_BROKER_BUGS = {
-    "B1": ("no longer receive broadcasts", "its worker no longer receives broadcasts"),
-    "B3": ("its worker never got the broadcast",),
-    "B4": ("a second message without a publish retry",),
-}
-
 
 def run_short(tmp_path: Path) -> dict[str, Any]:
     report = tmp_path / "nemesis.json"
@@ -75,9 +57,5 @@ def test_the_short_nemesis_loses_nothing(tmp_path: Path, record_property: Any) -
     recovery = [(f["kind"], f["recover_s"], f["caught_up_s"]) for f in result["faults"]]
     assert all(caught_up is not None for _, _, caught_up in recovery), recovery
     assert left_behind() == []
-    unexplained = [v for v in result["violations"]
-                   if not any(p in v for patterns in KNOWN_BROKER_BUGS.values() for p in patterns)]
-    assert unexplained == [], result["violations"]
-    known = [v for v in result["violations"] if v not in unexplained]
-    if known:
-        pytest.xfail(f"known broker bugs (docs/nemesis.md): {known}")
+    # B1-B4 (docs/nemesis.md) are fixed: every violation fails the test.
+    assert result["violations"] == [], result["violations"]

@@ -18,6 +18,7 @@ from kazoo.client import KazooClient
 from kombu import Connection
 
 from celery_zk.zk import session as zk_session
+from celery_zk.zk.handler import PollingHandler
 from celery_zk.zk.layout import Layout
 
 from .sessions import count, process_tree, session_ports, sessions_by_pid
@@ -173,6 +174,8 @@ def test_connections_of_a_process_share_one_session_and_own_their_nodes(
             reply(conn.channel()).declare()
             conn.transport.session.ensure_registered()
         assert first.transport.handle.client is second.transport.handle.client
+        # its connection thread waits with one poll() (celery_zk.zk.handler)
+        assert isinstance(first.transport.handle.client.handler, PollingHandler)
         layout = Layout("/")
         assert len(zk_client.get_children(layout.consumers)) == 2
         assert len(zk_client.get_children(layout.holders("shared-reply"))) == 2

@@ -1,0 +1,62 @@
+"""kazoo's threading handler, waiting on its sockets with ``poll()``.
+
+kazoo's connection thread waits for its socket through ``handler.select``
+about five times per request and reply (the loop, a write, the two reads of
+a packet: its length, then its body). kazoo's own ``select`` (since 2.7, to
+lift ``select()``'s limit of file descriptors below 1024) builds an epoll
+selector, registers the sockets, waits once and closes it, on every call:
+four system calls and a few Python objects each time. ``poll()`` has no such
+limit and is one system call. In a raw-kazoo model of the dispatcher this
+was the largest single saving of client CPU (see benchmarks/README.md, "The
+dispatch model"). ``select`` is a method of kazoo's handler interface, so
+this is a public override, not a private name.
+"""
+from __future__ import annotations
+
+import math
+import select
+from collections.abc import Sequence
+from typing import Any
+
+from kazoo.handlers.threading import SequentialThreadingHandler
+
+__all__ = ["PollingHandler"]
+
+_READ = select.POLLIN | select.POLLPRI
+_WRITE = select.POLLOUT
+#: Reported whatever was asked for: the socket is closed or failed, and the
+#: next read or write on it says how (kazoo's epoll-based select does the same).
+_TROUBLE = select.POLLERR | select.POLLHUP | select.POLLNVAL
+
+
+def _fd(fileobj: Any) -> int:
+    return fileobj if isinstance(fileobj, int) else int(fileobj.fileno())
+
+
+class PollingHandler(SequentialThreadingHandler):
+    """:class:`~kazoo.handlers.threading.SequentialThreadingHandler` whose
+    ``select`` is one ``poll()``, with ``select()``'s signature and results."""
+
+    def select(self, rlist: Sequence[Any], wlist: Sequence[Any], xlist: Sequence[Any],
+               timeout: float | None = None) -> tuple[list[Any], list[Any], list[Any]]:
+        if timeout is not None:
+            if not isinstance(timeout, (int, float)):
+                raise TypeError("timeout must be a number")
+            if timeout < 0:
+                raise ValueError("timeout must be non-negative")
+        masks: dict[int, int] = {}
+        for fileobj in rlist:
+            fd = _fd(fileobj)
+            masks[fd] = masks.get(fd, 0) | _READ
+        for fileobj in wlist:
+            fd = _fd(fileobj)
+            masks[fd] = masks.get(fd, 0) | _WRITE
+        poller = select.poll()
+        for fd, mask in masks.items():
+            poller.register(fd, mask)
+        # Rounded up: a wait of 0.4 ms must not become a busy poll(0).
+        wait = None if timeout is None else math.ceil(timeout * 1000)
+        ready = dict(poller.poll(wait))
+        readable = [f for f in rlist if ready.get(_fd(f), 0) & (_READ | _TROUBLE)]
+        writable = [f for f in wlist if ready.get(_fd(f), 0) & (_WRITE | _TROUBLE)]
+        return readable, writable, []

@@ -9,6 +9,7 @@ import pickle
 import zlib
 
 import pytest
+from kombu.exceptions import SerializerNotInstalled
 from kombu.serialization import dumps
 
 from celery_zk.exceptions import PayloadError, ZKConfigurationError
@@ -48,7 +49,12 @@ def test_a_broken_manifest_is_a_clear_error_naming_the_node(data: bytes) -> None
 
 def test_nothing_celery_encodes_starts_like_a_manifest() -> None:
     meta = {"status": "SUCCESS", "result": "\0" * 10, "task_id": "t"}
-    encoded = [dumps(meta, serializer=name)[2] for name in ("json", "pickle", "yaml")]
+    encoded = []
+    for name in ("json", "pickle", "yaml"):
+        try:
+            encoded.append(dumps(meta, serializer=name)[2])
+        except SerializerNotInstalled:   # yaml needs PyYAML, which Celery does not pull
+            assert name == "yaml"
     encoded += [pickle.dumps(meta, protocol=p) for p in range(2, pickle.HIGHEST_PROTOCOL + 1)]
     encoded += [zlib.compress(b"x"), bz2.compress(b"x"), gzip.compress(b"x"),
                 lzma.compress(b"x")]

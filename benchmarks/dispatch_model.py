@@ -208,8 +208,8 @@ def part_latency(zk: ZooKeeperServer, args: argparse.Namespace, out: dict[str, A
         print("  " + line)
 
 
-#: One change after another (dispatch-names): label, tuning, refill_at.
-def _ladder() -> list[tuple[str, Tuning, int]]:
+#: One change after another (dispatch-names): label, tuning, refill_at, dispatcher.
+def _ladder() -> list[tuple[str, Tuning, int, str]]:
     steps: list[tuple[str, dict[str, Any]]] = [
         ("1 reads one at a time (what pipelining saves)", {"reads": "seq"}),
         ("2 + plain select() in kazoo's loop", {"handler": "select"}),
@@ -222,17 +222,18 @@ def _ladder() -> list[tuple[str, Tuning, int]]:
         ("9 + batch marks: a read, a hand-off, an ack per batch", {"batches": True}),
         ("10 + one move, one ack multi in flight at a time", {"one_in_flight": True}),
     ]
-    ladder = [("0 baseline: child watches, pipelined gets", BASELINE, 2)]
+    ladder = [("0 baseline: child watches, pipelined gets", BASELINE, 2, "thread")]
     tuning = BASELINE
     for label, change in steps:
         if label.startswith("1 "):   # a step back, not kept
-            ladder.append((label, replace(BASELINE, **change), 2))
+            ladder.append((label, replace(BASELINE, **change), 2, "thread"))
             continue
         tuning = replace(tuning, **change)
-        ladder.append((label, tuning, 2))
+        ladder.append((label, tuning, 2, "thread"))
     assert tuning == TUNED, "the last step of the ladder is the tuned client"
-    ladder.append(("11 tuned, refilled at 1 free credit", TUNED, 1))
-    ladder.append(("12 tuned, refilled only when empty", TUNED, 4))
+    ladder.append(("11 tuned, refilled at 1 free credit", TUNED, 1, "thread"))
+    ladder.append(("12 tuned, refilled only when empty", TUNED, 4, "thread"))
+    ladder.append(("13 tuned, the dispatcher a process of its own", TUNED, 2, "process"))
     return ladder
 
 
@@ -240,8 +241,8 @@ def part_ladder(zk: ZooKeeperServer, args: argparse.Namespace, out: dict[str, An
     rows: list[list[str]] = []
     figs: list[dict[str, Any]] = []
     for k in args.ladder_ks:
-        for label, tuning, refill_at in _ladder():
-            run = Run("dispatch-names", k, args.messages, tuning, dispatcher=args.dispatcher,
+        for label, tuning, refill_at, dispatcher in _ladder():
+            run = Run("dispatch-names", k, args.messages, tuning, dispatcher=dispatcher,
                       refill_at=refill_at)
             measure(zk, run, label, figs, rows)
     out["ladder"] = figs

@@ -50,6 +50,8 @@ Parts (``--parts``, default all):
   straight into an idle consumer's inbox in place of the offer it left.
 * ``ladder``: dispatch-names at K = 16 (``--ladder-ks``), one client-cost
   change after another.
+* ``sizes``: dispatch-copy against dispatch-names, tuned, with bodies of
+  ``--sizes`` bytes (600, 8,000, 32,000; fewer messages as they grow).
 
 The model itself is the package ``benchmarks/dispatch/``: ``config`` (tuning,
 names, counters), ``consumers``, ``dispatcher``, ``processes`` (entry points,
@@ -69,10 +71,10 @@ Options: ``--quick`` (2,000 messages, 60 latency samples: a check that every
 part works, figures not meant to be quoted), ``--variants``, ``--ks``,
 ``--parts``, ``--tuning baseline|tuned|both`` (for table and steady),
 ``--messages`` (20,000), ``--steady-messages`` (8,000), ``--rate`` (400/s),
-``--samples`` (300), ``--ladder-ks`` (16), ``--dispatcher thread|process``,
-``--refill-at`` (free credits before a consumer is refilled, 2),
-``--no-warm-run``, ``--json FILE``, and ZooKeeper's
-``--zk-force-sync``/``--zk-jvm-flag``. Every run checks exactly-once
+``--samples`` (300), ``--ladder-ks`` (16, also the sizes part's K),
+``--sizes``, ``--dispatcher thread|process``, ``--refill-at`` (free credits
+before a consumer is refilled, 2), ``--no-warm-run``, ``--json FILE``, and
+ZooKeeper's ``--zk-force-sync``/``--zk-jvm-flag``. Every run checks exactly-once
 delivery; a run that fails it is marked ``!`` and makes the exit status 1.
 """
 from __future__ import annotations
@@ -249,6 +251,22 @@ def part_ladder(zk: ZooKeeperServer, args: argparse.Namespace, out: dict[str, An
     show("per-message client cost, one change at a time (dispatch-names)", rows)
 
 
+def part_sizes(zk: ZooKeeperServer, args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Item 4 of the issue: does copying bodies cost the dispatcher when they grow?"""
+    rows: list[list[str]] = []
+    figs: list[dict[str, Any]] = []
+    for size in args.sizes:
+        # Fewer messages as they grow: the backlog must fit ZooKeeper's 512 MB heap.
+        count = min(args.messages, max(1_000, 64_000_000 // size))
+        for variant in ("dispatch-copy", "dispatch-names"):
+            for k in args.ladder_ks:
+                run = Run(variant, k, count, TUNED, size=size, dispatcher=args.dispatcher,
+                          refill_at=args.refill_at)
+                measure(zk, run, f"{variant} {size:,} B", figs, rows)
+    out["sizes"] = figs
+    show("bodies copied by the dispatcher, or stored once (tuned)", rows)
+
+
 def _for_variant(tuning: Tuning, variant: str) -> Tuning:
     """selfclaim has no inbox and no dispatcher: only its reads and client path vary."""
     if variant == "selfclaim":
@@ -257,7 +275,7 @@ def _for_variant(tuning: Tuning, variant: str) -> Tuning:
     return tuning
 
 
-PARTS = ("table", "steady", "watch", "latency", "ladder")
+PARTS = ("table", "steady", "watch", "latency", "ladder", "sizes")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=400.0,
                         help="steady publisher, messages/s (default 400)")
     parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument("--sizes", default="600,8000,32000",
+                        help="message sizes of the sizes part, bytes")
     parser.add_argument("--dispatcher", choices=("thread", "process"), default="thread")
     parser.add_argument("--refill-at", type=int, default=2,
                         help="free credits a consumer needs before the dispatcher refills it")
@@ -288,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
     args.ks = [int(k) for k in args.ks.split(",") if k]
     args.ladder_ks = [int(k) for k in args.ladder_ks.split(",") if k]
+    args.sizes = [int(size) for size in args.sizes.split(",") if size]
     parts = [p for p in args.parts.split(",") if p]
     if set(parts) - set(PARTS):
         parser.error(f"unknown part(s); choose from {', '.join(PARTS)}")
@@ -321,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                     part_latency(zk, args, out)
                 elif part == "ladder":
                     part_ladder(zk, args, out)
+                elif part == "sizes":
+                    part_sizes(zk, args, out)
         finally:
             if args.json:
                 with open(args.json, "w", encoding="utf-8") as fh:

@@ -19,6 +19,7 @@ ACK_MAX = 16              # acks in one multi at most
 ACK_DELAY = 0.005         # ... or the oldest waited this long
 LISTING_MAX_AGE = 1.0     # selfclaim: celery_zk's listing_max_age
 MOVE_MAX = 64             # dispatcher: messages in one multi at most
+MOVE_BYTES = 512_000      # ... and bytes of bodies in one multi
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 

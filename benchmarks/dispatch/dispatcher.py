@@ -11,7 +11,17 @@ from kazoo.client import KazooClient
 from kazoo.protocol.states import WatchedEvent
 
 from . import wire
-from .config import BATCH_END, BUCKET_SIZE, MOVE_MAX, Counts, Paths, Run, consumer_ids, seq_of
+from .config import (
+    BATCH_END,
+    BUCKET_SIZE,
+    MOVE_BYTES,
+    MOVE_MAX,
+    Counts,
+    Paths,
+    Run,
+    consumer_ids,
+    seq_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +227,9 @@ class Dispatcher:
         credit, cids, waiting = self.run_.credit, self.cids, self.waiting
         copy = not self.run_.names
         marks = self.tuning.batches
+        # ZooKeeper drops the connection of a request beyond jute.maxbuffer (1 MB):
+        # moves that carry bodies are fewer per multi.
+        most = max(1, min(MOVE_MAX, MOVE_BYTES // (self.run_.size + 200))) if copy else MOVE_MAX
         while waiting:
             if self.tuning.one_in_flight and self.moving:
                 return   # its landing wakes us; what frees meanwhile goes in the next one
@@ -227,12 +240,12 @@ class Dispatcher:
             if not free:
                 return
             if copy:
-                self._read_ahead(min(MOVE_MAX, sum(n for _, n in free)) + MOVE_MAX)
+                self._read_ahead(min(most, sum(n for _, n in free)) + most)
             ops: list[Any] = []
             moved: list[tuple[str, str]] = []
             paths = self.paths
             for cid, n in free:
-                take = min(n, len(waiting), MOVE_MAX - len(moved))
+                take = min(n, len(waiting), most - len(moved))
                 if take <= 0:
                     break
                 inbox = paths.inbox(cid)

@@ -236,6 +236,8 @@ def _ladder() -> list[tuple[str, Tuning, int, str]]:
     ladder.append(("11 tuned, refilled at 1 free credit", TUNED, 1, "thread"))
     ladder.append(("12 tuned, refilled only when empty", TUNED, 4, "thread"))
     ladder.append(("13 tuned, the dispatcher a process of its own", TUNED, 2, "process"))
+    ladder.append(("14 tuned, credit from child watches + listing", replace(
+        TUNED, credit_watch="child"), 2, "thread"))
     return ladder
 
 

@@ -195,9 +195,9 @@ def part_latency(zk: ZooKeeperServer, args: argparse.Namespace, out: dict[str, A
         run = Run(variant, k, 0, tuning, mode=mode, dispatcher=args.dispatcher,
                   refill_at=args.refill_at)
         res = idle_latency(zk, run, args.samples)
-        label = (f"{'(a) dispatcher' if mode == 'latency-dispatch' else '(b) direct'} "
-                 f"{variant if mode == 'latency-dispatch' else ''} "
-                 f"{'tuned' if tuning.inline else 'baseline'} unowned={tuning.unowned_watch}")
+        client = "tuned" if tuning.inline else "baseline"
+        label = (f"(a) dispatcher {variant} {client} unowned={tuning.unowned_watch}"
+                 if mode == "latency-dispatch" else f"(b) direct {client}")
         res["label"] = label
         results.append(res)
         log(f"{label}: p50 {res['p50_ms']:.2f} ms, p99 {res['p99_ms']:.2f} ms "

@@ -27,12 +27,18 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 from ..zk.layout import Layout, MessageName
 from .limits import QUEUE, TASK, Book, Limit, book_for, parse_rate
 
-__all__ = ["START_MARGIN", "Gate", "hold_rate_at_start"]
+__all__ = ["GIVE_MARGIN", "START_MARGIN", "Gate", "hold_rate_at_start"]
 
 logger = logging.getLogger(__name__)
 
 #: Seconds added to a rate limit's window where tasks start (see hold_rate_at_start).
 START_MARGIN = 0.05
+#: Seconds added to a rate limit's window where the dispatcher gives: more than
+#: START_MARGIN, so gives come a little slower than starts may. Were they as
+#: fast, the starts' longer window would fall behind over a long backlog, and
+#: tasks waiting in hold_rate_at_start would fill the pool's slots, holding up
+#: the unlimited tasks behind them.
+GIVE_MARGIN = 2 * START_MARGIN
 #: How long a start's write took to be answered lately, in this process.
 _latency = 0.0
 
@@ -68,6 +74,7 @@ class Gate:
     def _rate_room(self, limit: Limit) -> int:
         """How many more may be given now; when none, notes when one may."""
         count, seconds = parse_rate(limit.rate or "")
+        seconds += GIVE_MARGIN
         ident = (limit.kind, limit.name)
         times = sorted(t for t in self.given.get(ident, []) if t > self.now - seconds)
         times += [self.now] * self.taken.get(ident, 0)

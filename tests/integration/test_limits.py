@@ -11,7 +11,7 @@ import pytest
 from celery import Celery
 
 from celery_zk.exceptions import ZKConfigurationError
-from celery_zk.features.limit_gate import Gate
+from celery_zk.features.limit_gate import GIVE_MARGIN, START_MARGIN, Gate
 from celery_zk.features.limits import Limit, parse_rate
 from celery_zk.zk.layout import message_prefix, parse_message_name, task_token
 
@@ -81,11 +81,38 @@ def test_the_gate_holds_what_is_over_and_lets_the_rest_by() -> None:
     admitted = [gate.admit(name(t, i)) for i, t in enumerate([limited, other, limited,
                                                                limited, other])]
     assert admitted == [True, True, False, False, True]   # 1 left in the window
-    assert gate.retry_in is not None and 0 < gate.retry_in <= 0.5
+    assert gate.retry_in is not None and 0 < gate.retry_in <= 0.5 + GIVE_MARGIN
     gate = Gate([Limit("t", "limited", concurrency=1, key="{0}")], "q",
                 owned=[name(limited, 1, "aaaaaaaa")], given={}, now=0)
     assert [gate.admit(name(limited, 2, k)) for k in ("aaaaaaaa", "bbbbbbbb", "bbbbbbbb")] \
         == [False, True, False]
+
+
+def test_gives_never_outpace_what_starts_allow() -> None:
+    """Over a long backlog the dispatcher gives no faster than workers may start:
+    starts count a window START_MARGIN longer, and were gives as fast, tasks
+    waiting for their start would pile up in the pool's slots and hold up the
+    unlimited tasks behind them (seen in benchmarks/limits.py)."""
+    token = task_token("limited")
+    count, seconds = 20, 1.0
+    given: dict[tuple[str, str], list[float]] = {}
+    gives: list[float] = []
+    now = 1000.0
+    while now < 1030.0:   # a dispatcher round every 5 ms, 30 s of backlog
+        gate = Gate([Limit("t", "limited", rate=f"{count}/s")], "q", owned=[],
+                    given=given, now=now)
+        seq = len(gives)
+        while gate.admit(parse_message_name(message_prefix(9, 0, f"{seq:x}", task=token)
+                                            + f"{seq:010d}")):
+            gives.append(now)
+            seq += 1
+        for limit, times in gate.records():
+            given[(limit.kind, limit.name)] = times
+        now += 0.005
+    window = seconds + START_MARGIN
+    most = max(sum(1 for t in gives if start <= t < start + window) for start in gives)
+    assert most <= count
+    assert len(gives) >= 30 * count * seconds / (seconds + GIVE_MARGIN) - count
 
 
 @pytest.mark.slow

@@ -276,6 +276,8 @@ def slow_digest(value: str, seconds: float) -> list[object]:
 def timed(value: object, seconds: float = 0.0, customer: str = "") -> object:
     """Records when it started and ended (limits' tests measure windows and overlaps)."""
     started = time.time()
+    # Its start too: a run killed midway leaves no "timed" line.
+    _record("timed-start", {"value": value, "start": started, "customer": customer})
     if seconds:
         time.sleep(seconds)
     _record("timed", {"value": value, "start": started, "end": time.time(),

@@ -151,6 +151,12 @@ class Acking(StoreBase):
         if first:
             self.deferred.later(self._send_acks)
 
+    def acks_landed(self, timeout: float) -> bool:
+        """Wait for the acks sent on the background thread (big messages, and
+        retries after a lost reply): a connection that closes deletes its
+        consumer node, which every one of them checks. False on timeout."""
+        return self._ack_retries.join(timeout)
+
     def _send_acks(self) -> None:
         with self._acks_lock:
             acks, self._acks = self._acks, []

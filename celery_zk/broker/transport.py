@@ -317,6 +317,9 @@ class Transport(virtual.Transport):
         try:
             if self.handle.started:
                 self.store.deferred.flush()   # acks held back must land before we go
+                if not self.store.acks_landed(timeout=self.settings.options.session_timeout):
+                    logger.warning("celery_zk: closing before every ack landed; the "
+                                   "messages not acked will run again (at-least-once)")
             if self.unconfirmed is not None and not self.unconfirmed.flush(
                     timeout=2 * self.settings.options.session_timeout):
                 logger.error("celery_zk: closing with %d unconfirmed publish(es) in flight",

@@ -335,6 +335,20 @@ class RedoThread(Generic[T]):
                 item = self._items.popleft()
             self._work(item)
 
+    def join(self, timeout: float) -> bool:
+        """Wait until the work submitted so far is done; False if ``timeout``
+        seconds passed first (or when called from the thread itself)."""
+        deadline = monotonic() + timeout
+        while True:
+            with self._lock:
+                thread = self._thread
+            if thread is None:
+                return True
+            left = deadline - monotonic()
+            if thread is threading.current_thread() or left <= 0:
+                return False
+            thread.join(left)
+
 
 class Deferred:
     """Background writes held back briefly, so they do not delay the write that matters.

@@ -229,6 +229,28 @@ def test_a_publisher_killed_between_chunks_leaves_nothing_for_good(
     assert len(containers(zk_client, "orphans")) == 1
 
 
+def test_a_big_ack_lands_before_the_connection_closes(
+        zk_url: str, zk_client: KazooClient) -> None:
+    """A big message's ack (chunks listed, then one multi, on a background thread)
+    is checked against the consumer's node, which closing the connection deletes:
+    closing right after the ack waits for it, or the message stayed owned with
+    its chunks and nobody left to put it back."""
+    queue = Queue("closing", Exchange("closing", "direct"), "closing")
+    got: list[Any] = []
+    for attempt in range(3):
+        got.clear()
+        with Connection(f"{zk_url}?handoff=false") as conn:
+            Producer(conn.channel()).publish(text(3 * MB, attempt), exchange=queue.exchange,
+                                             routing_key="closing", declare=[queue])
+            with Consumer(conn, [queue], callbacks=[lambda body, m: (got.append(body),
+                                                                       m.ack())]):
+                conn.drain_events(timeout=20)
+            assert len(got) == 1
+        # Closed: the ack has landed (no waiting here).
+        assert owned(zk_client, LAYOUT, "closing") == [], attempt
+        assert containers(zk_client, "closing") == [], attempt
+
+
 def test_a_big_message_of_a_killed_worker_is_recovered_whole(
         app: Celery, worker: Callable[..., Worker], zk_client: KazooClient,
         zk_url: str) -> None:

@@ -15,7 +15,7 @@ from kazoo.exceptions import (
     RuntimeInconsistency,
 )
 
-from celery_zk.zk.client import Deferred, log_failure, multi_failure
+from celery_zk.zk.client import Deferred, RedoThread, log_failure, multi_failure
 
 log = logging.getLogger("celery_zk.test")
 
@@ -82,3 +82,26 @@ def test_deferred_flush_sends_now_and_survives_a_failing_send() -> None:
     deferred.flush()
     assert sent == [1]
     deferred.close()
+
+
+def test_a_redo_thread_can_be_waited_for() -> None:
+    """Closing a connection waits for the acks its RedoThread still has to send."""
+    done: list[int] = []
+    release = threading.Event()
+
+    def work(item: int) -> None:
+        if item == 3:
+            release.wait(5)
+        else:
+            time.sleep(0.05)
+        done.append(item)
+
+    redo: RedoThread[int] = RedoThread("test-redo", work)
+    assert redo.join(0.01)   # nothing submitted
+    redo.submit(1)
+    redo.submit(2)
+    assert redo.join(5) and done == [1, 2]
+    redo.submit(3)
+    assert not redo.join(0.05)   # still at work
+    release.set()
+    assert redo.join(5) and done == [1, 2, 3]

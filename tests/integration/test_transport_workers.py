@@ -1,6 +1,7 @@
 """The zk:// broker under real ``celery worker`` processes and the celery CLI."""
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 from celery import Celery
 from kazoo.client import KazooClient
 
-from celery_zk.zk.layout import Layout, parse_consumer_name, unescape
+from celery_zk.zk.layout import Layout, parse_consumer_name, parse_queue_consumer, unescape
 
 from .queues import owned, owners, waiting
 from .workers import HERE, celery_cli, executed_values, read_log, wait_until
@@ -76,6 +77,12 @@ def test_sigkill_one_of_two_workers_loses_nothing(zk_url: str, start_worker: Any
                     if q.startswith(f"{n}@") and q.endswith(".pidbox")]
                 for n in ("doomed", "survivor")}
     assert all(len(queues) == 1 for queues in pidboxes.values()), pidboxes
+    # The doomed worker joined the queue first, so it runs the queue's dispatcher:
+    # killing it kills the dispatcher mid-drain, and the survivor has to take over.
+    joined = sorted(((parse_queue_consumer(name) or (0, ""))[0], name) for name in
+                    zk_client.get_children(LAYOUT.queue_consumers("celery")))
+    first, _ = zk_client.get(LAYOUT.queue_consumer("celery", joined[0][1]))
+    assert json.loads(first)["pid"] == doomed.pid, joined
     doomed.kill()
     killed = time.monotonic()
     wait_until(lambda: len({parse_consumer_name(n)

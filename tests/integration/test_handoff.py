@@ -47,8 +47,8 @@ def expect_idle(conn: Connection) -> None:
 
 @pytest.fixture
 def zk_url(zk_url: str) -> str:
-    """Hand-off is off by default since 0.2: these tests turn it on, for the
-    consumers (offers) and the publishers (which take them) alike."""
+    """Hand-off on, for the consumers (offers) and the publishers (which take
+    them) alike, whatever the default."""
     return f"{zk_url}?handoff=true"
 
 

@@ -73,6 +73,19 @@ app.conf.task_publish_retry_policy = {**app.conf.task_publish_retry_policy,
                                       "errback": _on_publish_retry}
 
 
+class _RepublishedAfterLostReply(logging.Handler):
+    """celery_zk itself publishes again when a publish's reply was lost and the
+    message is not found (stored, consumed and acked already, it is a second
+    copy): journalled like kombu's retries."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("celery_zk: the reply to a"):
+            _on_publish_retry(RuntimeError(record.getMessage()), 0.0)
+
+
+logging.getLogger("celery_zk.broker").addHandler(_RepublishedAfterLostReply(logging.WARNING))
+
+
 def _record(task: Task, event: str, **extra: Any) -> None:
     request = task.request
     tag = (getattr(request, "properties", None) or {}).get("delivery_tag") or ""

@@ -11,7 +11,8 @@ end is read by :mod:`nemesis_state`. The properties:
   any further execution is a redelivery after a lost owner;
 * a second execution only follows a lost owner (the same message, redelivered,
   its owner hit by a fault or killed mid-task) or a publish retry (a second
-  message, after kombu retried the publish);
+  message, after kombu retried the publish, or after celery_zk published again
+  because a publish's reply was lost and its message was no longer to be found);
 * no task started after its revoke returned (the revoke is stored in
   ZooKeeper before its broadcast goes out).
 """

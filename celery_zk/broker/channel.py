@@ -159,7 +159,7 @@ class Channel(virtual.Channel):
         # Register before anything is given to us: an owned message must always
         # name a session.
         self.connection.session.ensure_registered()
-        self.connection.honour_kept_revokes()
+        self.connection.prepare_worker()
         if no_ack:
             self._no_ack_queues.add(queue)
         result = super().basic_consume(queue, no_ack, *args, **kwargs)

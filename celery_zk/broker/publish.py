@@ -226,17 +226,32 @@ class Publishing(StoreBase):
                 found = self._find_uids(chunk)
                 if any(found):
                     return found
+                # Stored, and already given to a consumer (the dispatcher moves a
+                # name within milliseconds): still in its inbox unless acked.
+                found = self._find_in_inboxes(chunk)
+                if any(found):
+                    return found
+                logger.warning(
+                    "celery_zk: the reply to a publish was lost and its message(s) %s are "
+                    "not stored; publishing again (had they been stored and already "
+                    "consumed and acked, they run twice: at-least-once)",
+                    ", ".join(message.uid for message in chunk[:8]))
             txn = client.transaction()
             ends = []   # the index of each message's last op: its name's create
             for message in chunk:
                 message.add_to(txn, self.layout)
                 ends.append(len(txn.operations) - 1)
-            maybe_made = True
+            looked, maybe_made = maybe_made, True
             results = txn.commit()
             maybe_made = False
             failure = multi_failure(results)
             if failure is None:
                 return [results[end].rpartition("/")[2] for end in ends]
+            if looked and isinstance(failure[1], NodeExistsError):
+                # A body of ours exists: the lost attempt was stored after all and
+                # its name moved between our lookup and this multi. Look again.
+                maybe_made = True
+                return None
             if isinstance(failure[1], NoNodeError):
                 # Its bucket (or the bodies' twin) is gone: deleted when empty,
                 # or never made (a queue declared by an earlier release).
@@ -282,6 +297,29 @@ class Publishing(StoreBase):
                 parsed = parse_message_name(name)
                 if parsed is not None:
                     found[parsed.uid] = name
+        return [found.get(message.uid) for message in chunk]
+
+    def _find_in_inboxes(self, chunk: list[NewMessage]) -> list[str | None]:
+        """The names of ``chunk``'s messages found in their queues' inboxes (one
+        pipelined round per queue: a listing of ``owned/``, then of each inbox)."""
+        client, layout = self.client, self.layout
+        found: dict[str, str] = {}
+        for queue in {message.queue for message in chunk}:
+            try:
+                inboxes = client.get_children(layout.owned(queue))
+            except NoNodeError:
+                continue
+            listings = [client.get_children_async(layout.inbox(queue, inbox))
+                        for inbox in inboxes]
+            for listing in listings:
+                try:
+                    names = listing.get()
+                except NoNodeError:
+                    continue
+                for name in names:
+                    parsed = parse_message_name(name)
+                    if parsed is not None:
+                        found[parsed.uid] = name
         return [found.get(message.uid) for message in chunk]
 
     def _find_tail(self, queue: str, inv: int) -> int:

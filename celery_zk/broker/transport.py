@@ -100,6 +100,7 @@ from kazoo.client import KazooState
 from kazoo.exceptions import SessionExpiredError
 from kombu.transport import virtual
 
+from ..compat import celery as celery_compat
 from ..compat import kombu as kombu_compat
 from ..features.affinity import Board, board_for
 from ..features.limits import book_for
@@ -143,7 +144,7 @@ EVENT_LOOP_POKE = 1.0
 _shutdowns = 0
 
 #: The pid and session that loaded the revokes kept in ZooKeeper (see
-#: honour_kept_revokes).
+#: prepare_worker).
 _revokes_loaded_by: tuple[int, int] = (0, 0)
 
 install_when_imported()   # a no-op if ``import celery_zk`` already did it
@@ -257,12 +258,15 @@ class Transport(virtual.Transport):
         ``queue`` (then only the dispatcher may give it: no hand-off)."""
         return book_for(self.handle.session, self.layout).holds(queue, task)
 
-    def honour_kept_revokes(self) -> None:
-        """In a Celery worker, once per process: the revokes kept in ZooKeeper
-        join its revoked set before any task is delivered (celery_zk.features.revokes)."""
+    def prepare_worker(self) -> None:
+        """In a Celery worker, before any task is delivered: the revokes kept in
+        ZooKeeper join its revoked set (celery_zk.features.revokes), once per
+        process and session, and its thread pool drops what it has not started
+        when the connection is lost (:func:`celery_compat.flush_unstarted_thread_tasks`)."""
         global _revokes_loaded_by
         if "celery.worker.state" not in sys.modules:
             return
+        celery_compat.flush_unstarted_thread_tasks()
         client = self.handle.client
         # Again after a session expiry: the worker may have missed a broadcast
         # revoke meanwhile (its pidbox queue was swept with its holders).

@@ -22,6 +22,16 @@
   publishing a group) removes the waiter, whose ``get()`` then hangs.
   :func:`is_stray_copy` tells such a copy by the map's shape (Celery 5.7
   keeps every waiter and fixed it itself).
+* **Thread pool flush**, ``celery.concurrency.thread.TaskPool`` (its
+  ``on_apply`` returning an ``ApplyResult`` whose ``f`` is the
+  ``concurrent.futures`` future): when the broker connection is lost Celery
+  calls ``pool.flush()`` to drop tasks handed to the pool and not started
+  (their messages go to other workers, and their acks could not be sent).
+  prefork does that; the thread pool's ``flush`` does nothing, so such a task
+  ran later anyway, after its redelivery elsewhere and even after a revoke the
+  worker learnt on reconnecting (the nemesis found it).
+  :func:`flush_unstarted_thread_tasks` gives it a ``flush`` that cancels the
+  futures not yet running. Fallback: Celery's behaviour, with a warning.
 """
 from __future__ import annotations
 
@@ -32,8 +42,8 @@ from typing import Any
 
 from . import PrivateAPIChanged, describe
 
-__all__ = ["BACKEND_HOOKS", "is_lazy", "is_stray_copy", "missing", "wrap_group_apply_tasks",
-           "wrap_url_masking"]
+__all__ = ["BACKEND_HOOKS", "flush_unstarted_thread_tasks", "is_lazy", "is_stray_copy",
+           "missing", "wrap_group_apply_tasks", "wrap_url_masking"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +148,67 @@ def wrap_url_masking(hide: Callable[[str], str], schemes: frozenset[str]) -> boo
     return True
 
 
+def _thread_pool_problem() -> str | None:
+    try:
+        from celery.concurrency import base, thread
+    except ImportError:   # pragma: no cover - every supported Celery has it
+        return "celery.concurrency.thread.TaskPool"
+    pool = getattr(thread, "TaskPool", None)
+    if pool is None or not callable(getattr(pool, "on_apply", None)):
+        return "celery.concurrency.thread.TaskPool.on_apply"
+    if not callable(getattr(thread, "ApplyResult", None)):
+        return "celery.concurrency.thread.ApplyResult"
+    if not callable(getattr(base.BasePool, "flush", None)):
+        return "celery.concurrency.base.BasePool.flush"
+    return None
+
+
+def flush_unstarted_thread_tasks() -> bool:
+    """Give Celery's thread pool a ``flush`` that cancels the tasks it has not
+    started (idempotent; see above). False, Celery's left as it is, when its
+    thread pool is not the one this was written against or flushes itself."""
+    from concurrent.futures import Future
+
+    from celery.concurrency import base, thread
+
+    problem = _thread_pool_problem()
+    if problem is not None:
+        logger.warning("%s", _changed(
+            problem, "to drop the tasks a thread pool has not started when the broker "
+            "connection is lost", "Such tasks run after their redelivery elsewhere."))
+        return False
+    pool = thread.TaskPool
+    if getattr(pool.flush, "_celery_zk", False):
+        return True
+    if pool.flush is not base.BasePool.flush:
+        return False   # Celery's own flush
+    original = pool.on_apply
+
+    def on_apply(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        future = getattr(result, "f", None)
+        if isinstance(future, Future):
+            unstarted = self.__dict__.setdefault("_celery_zk_unstarted", set())
+            unstarted.add(future)   # set.add/discard: atomic, any thread
+            future.add_done_callback(unstarted.discard)
+        return result
+
+    def flush(self: Any) -> None:
+        dropped = sum(future.cancel()   # False once it runs: it is left to finish
+                      for future in list(self.__dict__.get("_celery_zk_unstarted", ())))
+        if dropped:
+            logger.warning("celery_zk: the broker connection was lost: %d task(s) the "
+                           "thread pool had not started are dropped; their messages go "
+                           "to other workers (or here again)", dropped)
+
+    on_apply._celery_zk = True  # type: ignore[attr-defined]
+    flush._celery_zk = True  # type: ignore[attr-defined]
+    on_apply.__wrapped__ = original  # type: ignore[attr-defined]
+    pool.on_apply = on_apply
+    pool.flush = flush
+    return True
+
+
 def is_stray_copy(pending_results: Any, result: Any) -> bool:
     """Whether ``result`` is not the object waiting on its task id in a pending
     map that holds one object per id (Celery before 5.7; see above)."""
@@ -169,6 +240,10 @@ def missing(backend: Any = None) -> list[str]:
         problems.append(str(_changed(f"celery.app.utils.{' or '.join(URL_MASKERS)}",
                                      "to mask zk:// URL options in reports",
                                      "Only user:password@ is masked.")))
+    problem = _thread_pool_problem()
+    if problem is not None:
+        problems.append(str(_changed(problem, "to drop a thread pool's unstarted tasks on "
+                                     "a lost connection", "They run after redelivery.")))
     for module, cls, name in BACKEND_HOOKS:
         owner = getattr(importlib.import_module(module), cls, None)
         if not callable(getattr(owner, name, None)):

@@ -559,6 +559,41 @@ def test_after_its_session_expired_a_prefork_worker_drops_what_it_held_unstarted
 
 
 @pytest.mark.slow
+def test_after_its_session_expired_a_thread_worker_drops_what_its_pool_had_not_started(
+        zookeeper_server: Any, zk_chroot: str, start_worker: Any, task_log: Path,
+        observer: Any) -> None:
+    """The thread pool's variant of the test above: Celery hands every task it
+    receives to the pool at once, where all but the running one wait. When A's
+    session has expired and Celery resets the connection, those must be dropped
+    (prefork's flush does that; the thread pool's did nothing), not run after B
+    ran them, nor after a revoke A learnt on reconnecting (the nemesis found it)."""
+    url = f"{zookeeper_server.url}{zk_chroot}{ROOT}?session_timeout=2"
+    a = start_worker(url, log=task_log, name="a", pool="threads", concurrency=1)
+    values = list(range(6))
+    send_all(url, "slow_record", values, 3)   # acks_late, 3 s each
+    zk = observer(f"{zookeeper_server.hosts}{zk_chroot}")
+    wait_until(lambda: len(owned(zk)) >= 4, 30, message="A holds too little")
+    time.sleep(0.5)   # Celery has received what A holds: one runs, the rest wait in the pool
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        b = start_worker(url, log=task_log, name="b", pool="threads", concurrency=4)
+        wait_until(lambda: set(values) <= set(executed_values(task_log)), 60,
+                   message="B did not run what A held")
+        assert b.proc is not None
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    time.sleep(10)   # A is back; whatever its pool would run again, it runs now
+    counts = executed_values(task_log)
+    twice = [v for v in values if counts[v] > 1]
+    # The one A was running when paused runs twice (at-least-once), and one more:
+    # its sleep ended during the pause, so it returns at once and the pool starts
+    # the next before A's consumer sees the expiry. Without the flush every one
+    # waiting in its pool ran again (4 here).
+    assert len(twice) <= 2, (twice, a.output()[-3000:])
+    assert "the thread pool had not started are dropped" in a.output(), a.output()[-3000:]
+
+
+@pytest.mark.slow
 def test_a_revoke_made_while_a_worker_was_away_is_honoured_when_it_is_back(
         zookeeper_server: Any, zk_chroot: str, start_worker: Any, task_log: Path) -> None:
     """A's session expires while it is paused; its pidbox queue is swept, so the

@@ -432,3 +432,45 @@ def test_a_hand_off_whose_reply_was_lost_syncs_before_it_looks(
     assert waiting(zk_client, LAYOUT, "lost") == []
     # Acks are coalesced: the delete commits a few milliseconds after ack().
     wait_until(lambda: owned(zk_client, LAYOUT, "lost") == [], 5, 0.02, "the ack never landed")
+
+
+def test_a_publish_whose_reply_was_lost_finds_its_message_in_an_inbox(
+        zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The publish's multi committed and its reply was lost; before the publisher
+    looked, the dispatcher had moved the message into a consumer's inbox. It is
+    found there, not stored a second time (the nemesis saw one apply_async run
+    twice: the lookup searched only the bucket it was published to)."""
+    from kazoo.exceptions import ConnectionLoss
+
+    url = zk_url.replace("handoff=true", "handoff=false")   # through the dispatcher
+    queue = Queue("moved", Exchange("moved", "direct"), "moved")
+    got: list[Any] = []
+    with Connection(url) as conn, consumer(conn, queue, got, ack=False):
+        expect_idle(conn)
+        with Connection(apart(url, "publisher")) as other:
+            client = other.transport.handle.client
+            real_transaction, lost = client.transaction, []
+
+            def losing() -> Any:
+                txn = real_transaction()
+                real_commit = txn.commit
+
+                def commit() -> Any:
+                    results = real_commit()
+                    if not lost and any("/unowned/" in str(op.path) for op in txn.operations):
+                        lost.append(True)
+                        wait_until(lambda: owned(zk_client, LAYOUT, "moved"), 5, 0.01,
+                                   "the dispatcher never gave the message")
+                        raise ConnectionLoss()   # committed; the reply lost
+                    return results
+                txn.commit = commit
+                return txn
+            monkeypatch.setattr(client, "transaction", losing)
+            Producer(other.channel()).publish("once", exchange=queue.exchange,
+                                              routing_key="moved")
+            assert lost
+        conn.drain_events(timeout=5)
+        expect_idle(conn)   # no second copy
+        assert len(owned(zk_client, LAYOUT, "moved")) == 1
+        assert waiting(zk_client, LAYOUT, "moved") == []
+    assert [body for body, _ in got] == ["once"]

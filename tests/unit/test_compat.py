@@ -168,3 +168,43 @@ def test_kombu_without_a_qos_internal_refuses_to_start(monkeypatch: pytest.Monke
         kombu_compat.require()
     assert "kombu" in str(excinfo.value) and "virtual.QoS._flush" in str(excinfo.value)
     assert "cannot run on this kombu" in str(excinfo.value)
+
+
+def test_a_thread_pool_flush_drops_what_it_has_not_started() -> None:
+    """Celery's real thread pool: one task runs, two wait; the flush Celery calls
+    on a lost connection cancels the two, the running one finishes."""
+    import threading
+
+    from celery.concurrency import thread
+
+    assert celery_compat.flush_unstarted_thread_tasks()
+    assert celery_compat.flush_unstarted_thread_tasks()   # idempotent
+    pool = thread.TaskPool(limit=1)
+    pool.start()
+    release, ran = threading.Event(), []
+    try:
+        first = pool.apply_async(lambda: (release.wait(10), ran.append("first")))
+        queued = [pool.apply_async(lambda i=i: ran.append(i)) for i in range(2)]
+        pool.flush()
+        release.set()
+        first.wait(10)
+        for result in queued:
+            assert result.f.cancelled()
+        assert ran == ["first"]
+        later = pool.apply_async(lambda: ran.append("later"))   # the pool goes on
+        later.wait(10)
+        assert ran == ["first", "later"]
+    finally:
+        release.set()
+        pool.stop()
+
+
+def test_a_thread_pool_without_on_apply_is_named(monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    from celery.concurrency import thread
+
+    monkeypatch.delattr(thread, "ApplyResult")
+    assert any("ApplyResult" in problem for problem in celery_compat.missing())
+    with caplog.at_level(logging.WARNING):
+        assert not celery_compat.flush_unstarted_thread_tasks()
+    assert "thread pool" in caplog.text

@@ -39,6 +39,7 @@ from typing import Any
 
 from celery import Celery
 from common import Processes, RedisServer, child_env, write_json
+from spans import most_at_once, most_in_any_window
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACED, FREE = "limits.paced", "limits.free"
@@ -73,25 +74,6 @@ def free() -> None:
 
 
 # -- the benchmark ---------------------------------------------------------------------
-def most_in_any_window(starts: list[float], seconds: float) -> int:
-    starts = sorted(starts)
-    best = first = 0
-    for last, at in enumerate(starts):
-        while at - starts[first] >= seconds:
-            first += 1
-        best = max(best, last - first + 1)
-    return best
-
-
-def most_at_once(spans: list[tuple[float, float]]) -> int:
-    events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
-    now = best = 0
-    for _, step in events:
-        now += step
-        best = max(best, now)
-    return best
-
-
 def _read(path: str) -> dict[str, list[tuple[float, float]]]:
     out: dict[str, list[tuple[float, float]]] = {"paced": [], "free": []}
     try:

@@ -227,7 +227,10 @@ class Dispatcher:
 
     def _elect(self) -> None:
         with self._lock:
-            if self.leading and (self._thread is None or not self._thread.is_alive()):
+            # _thread is cleared only by the thread itself, under this lock, once it
+            # has found us not leading: a thread on its way out (stopping its
+            # watches) still counts, and looks again before it goes.
+            if self.leading and self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name=f"celery_zk-dispatch-{self.queue}")
                 self._thread.start()
@@ -265,7 +268,24 @@ class Dispatcher:
 
     # -- the dispatcher thread ------------------------------------------------------
     def _run(self) -> None:
-        logger.debug("celery_zk: dispatching queue %r", self.queue)
+        try:
+            while True:
+                logger.debug("celery_zk: dispatching queue %r", self.queue)
+                self._dispatch_while_leading()
+                self._stop_watches()
+                with self._lock:
+                    if not self.leading:
+                        logger.debug("celery_zk: no longer dispatching queue %r", self.queue)
+                        return
+                # Leading again while we stopped (a consumer that left and joined
+                # again, a queue swept and declared again): go on. Leaving here
+                # instead left a queue without a dispatcher until its consumers
+                # changed again, and a lone consumer (a worker's pidbox queue) for good.
+        finally:
+            with self._lock:
+                self._thread = None   # under the lock, after the last look: see _elect
+
+    def _dispatch_while_leading(self) -> None:
         timeout: float | None = None
         while self.leading:
             self._wake.wait(timeout)
@@ -286,8 +306,6 @@ class Dispatcher:
                             "retrying in 1 s", self.queue, level=logging.ERROR)
                 self._restart()
                 timeout = 1.0
-        self._stop_watches()
-        logger.debug("celery_zk: no longer dispatching queue %r", self.queue)
 
     def _stop_watches(self) -> None:
         """No longer the dispatcher: the watches would only pile up events."""

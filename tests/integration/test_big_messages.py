@@ -20,24 +20,15 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from celery_zk.broker import big
 from celery_zk.exceptions import MessageTooLarge
 from celery_zk.ops.dead_letters import DeadLetters
-from celery_zk.pytest_plugin import kazoo_client
 from celery_zk.zk.layout import Layout, parse_message_name
 from celery_zk.zk.payload import is_manifest
 
+from .big import text, wipe  # noqa: F401  (wipe: an autouse fixture)
 from .queues import body_path, owned, waiting
 from .workers import Worker, wait_until
 
 MB = 1_000_000
 LAYOUT = Layout("/")   # as the zk_client fixture sees it: chrooted at the URL's path
-
-
-@pytest.fixture(autouse=True)
-def wipe(zookeeper_server: Any, zk_chroot: str) -> Iterator[None]:
-    """Big payloads are deleted after each test: the tests share one server, whose
-    heap holds every byte."""
-    yield
-    with kazoo_client(zookeeper_server.hosts) as root:
-        root.delete(zk_chroot, recursive=True)
 
 
 @pytest.fixture
@@ -46,12 +37,6 @@ def app(zk_url: str) -> Iterator[Celery]:
     yield client_app
     client_app.backend.close()
     client_app.close()
-
-
-def text(size: int, seed: int = 0) -> str:
-    import random
-
-    return random.Random(seed).randbytes(size // 2 + 1).hex()[:size]
 
 
 def digest(value: str) -> list[Any]:

@@ -22,24 +22,15 @@ from celery_zk.exceptions import PayloadError, ResultTooLarge
 from celery_zk.ops.exporter import StatusCollector
 from celery_zk.ops.report import format_status
 from celery_zk.ops.status import collect
-from celery_zk.pytest_plugin import kazoo_client
 from celery_zk.zk.layout import Layout
 from celery_zk.zk.payload import is_manifest, parse_manifest
 
+from .big import text, wipe  # noqa: F401  (wipe: an autouse fixture)
 from .workers import Worker
 
 TASK = "proj.app."
 MB = 1_000_000
 CHUNK = 128 * 1024   # the default chunk_size
-
-
-@pytest.fixture(autouse=True)
-def wipe(zookeeper_server: Any, zk_chroot: str) -> Iterator[None]:
-    """Big payloads are deleted after each test: the tests share one server, whose
-    heap holds every byte."""
-    yield
-    with kazoo_client(zookeeper_server.hosts) as root:
-        root.delete(zk_chroot, recursive=True)
 
 
 @pytest.fixture
@@ -60,12 +51,6 @@ def backend(app: Celery) -> ZooKeeperBackend:
 
 def send(app: Celery, name: str, *args: Any) -> Any:
     return app.send_task(TASK + name, args)
-
-
-def text(size: int, seed: int = 0) -> str:
-    """What proj.app.big_text returns."""
-    import random
-    return random.Random(seed).randbytes(size // 2 + 1).hex()[:size]
 
 
 def pattern(size: int, seed: int) -> str:

@@ -91,8 +91,8 @@ def leaders(queue: str) -> list[Dispatcher]:
     import gc
 
     return [d for d in gc.get_objects() if isinstance(d, Dispatcher)
-            and d.queue == queue and d.leading and d._thread is not None
-            and d._thread.is_alive()]
+            and d.queue == queue and d.leading and (thread := d._thread) is not None
+            and thread.is_alive()]
 
 
 def test_one_dispatcher_feeds_every_consumer_without_a_conflict(
@@ -298,3 +298,47 @@ def test_bodies_are_written_once_and_only_names_move(
             got[0].ack()
             wait_until(lambda: zk_client.exists(body) is None, 5)
     assert owned(zk_client, layout, "names") == []
+
+
+def test_a_consumer_that_leaves_and_joins_while_its_dispatcher_stops_is_served(
+        zk_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone consumer leaves its queue and joins again (its session expired, or its
+    queue was swept and declared again) while its dispatcher thread is on its way
+    out, stopping its watches. The thread must look again before it goes: else
+    the queue has no dispatcher until its consumers change, which for a lone
+    consumer (a worker's pidbox queue) is never, and it hears nothing again (the
+    nemesis found such a worker with hand-off off)."""
+    queue = queue_of("rejoin")
+    stopping = threading.Event()
+    real_stop = Dispatcher._stop_watches
+
+    def slow_stop(self: Dispatcher) -> None:
+        if self.queue == "rejoin" and not stopping.is_set():
+            stopping.set()
+            time.sleep(1.0)   # a slow unwatch: the join below lands meanwhile
+        real_stop(self)
+    monkeypatch.setattr(Dispatcher, "_stop_watches", slow_stop)
+    got: list[Any] = []
+    url = f"{zk_url}?handoff=false"   # only the dispatcher gives: no offers to fall back on
+    with Connection(url) as conn, Consumer(conn, [queue], prefetch_count=2,
+                                           callbacks=[lambda body, m: (got.append(body),
+                                                                       m.ack())]):
+        publish(conn, queue, ["before"])
+        conn.drain_events(timeout=5)
+        inbox = conn.transport.inbox("rejoin")
+        dispatcher, consumer_id = inbox._dispatcher(), inbox.consumer_id
+        assert consumer_id is not None
+        wait_until(lambda: leaders("rejoin") == [dispatcher], 5, message="not dispatching")
+        wake = dispatcher.members[consumer_id]
+        dispatcher.leave(consumer_id)
+        assert stopping.wait(5), "the dispatcher thread did not stop"
+        dispatcher.join(consumer_id, wake)   # while the old thread stops its watches
+        time.sleep(1.5)
+        publish(conn, queue, ["after"])
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            try:
+                conn.drain_events(timeout=0.5)
+            except OSError:
+                pass
+    assert [body["v"] for body in got] == ["before", "after"]

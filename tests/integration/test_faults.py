@@ -517,7 +517,7 @@ def test_a_worker_restarted_under_its_name_hears_broadcasts_after_the_old_sessio
     dead process's ephemeral binding (same name) still exists; it must make its
     own once that one goes with the old session, or it hears no revoke and no
     `celery inspect` again."""
-    url = f"{zookeeper_server.url}{zk_chroot}{ROOT}?session_timeout=4"
+    url = f"{zookeeper_server.url}{zk_chroot}{ROOT}?session_timeout=4&handoff=false"
     first = start_worker(url, log=task_log, name="same", concurrency=1)
     first.kill()
     start_worker(url, log=task_log, name="same", concurrency=1)   # the same node name

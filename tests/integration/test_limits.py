@@ -2,6 +2,7 @@
 real workers (threads and prefork), workers added and killed meanwhile."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,22 @@ from .workers import Worker, celery_cli, read_log, wait_until
 TIMED = "proj.app.timed"
 
 
+def _load_spans() -> Any:
+    """benchmarks/spans.py, which benchmarks/limits.py counts with too (by path:
+    benchmarks/ is not a package)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "spans.py"
+    spec = importlib.util.spec_from_file_location("celery_zk_bench_spans", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_spans = _load_spans()
+most_in_any_window = _spans.most_in_any_window
+most_at_once = _spans.most_at_once
+
+
 @pytest.fixture
 def app(zk_url: str) -> Iterator[Celery]:
     client_app = Celery("limits", broker=zk_url, set_as_current=False)
@@ -37,25 +54,6 @@ def wait_for_limit(zk_url: str) -> None:
         listed = celery_cli(["zk", "limit", "list", "--json"], zk_url)
         return listed.returncode == 0 and TIMED in listed.stdout
     wait_until(there, 30, 0.5, message="the workers did not write their limits")
-
-
-def most_in_any_window(starts: list[float], seconds: float) -> int:
-    starts = sorted(starts)
-    best, first = 0, 0
-    for last, at in enumerate(starts):
-        while at - starts[first] >= seconds:
-            first += 1
-        best = max(best, last - first + 1)
-    return best
-
-
-def most_at_once(spans: list[tuple[float, float]]) -> int:
-    events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
-    now = best = 0
-    for _, step in events:
-        now += step
-        best = max(best, now)
-    return best
 
 
 def test_rates_parse_as_celery_writes_them() -> None:

@@ -167,9 +167,7 @@ def report(args: argparse.Namespace, work_dir: str, cluster: Cluster, faults: li
 
     completions = sorted(t for t in (history.first_end(i) for i in history.expected
                                      if i not in history.revoked) if t is not None)
-    due_and_done = sorted((meta.get("due", meta["t"]), history.first_end(task_id))
-                          for task_id, meta in history.expected.items()
-                          if task_id not in history.revoked)
+    due_and_done = history.due_and_done()
     steady = [m for m in history.expected.values() if m["kind"] != "countdown"
               and m["kind"] != "revoke"]
     offered = len(steady) / max(1e-9, publishing[1] - publishing[0])

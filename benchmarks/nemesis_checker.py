@@ -18,6 +18,7 @@ end is read by :mod:`nemesis_state`. The properties:
 """
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,6 +100,15 @@ class History:
     def first_end(self, task_id: str) -> float | None:
         ends = self.ends.get(task_id)
         return min(e["t"] for e in ends) if ends else None
+
+    def due_and_done(self) -> list[tuple[float, float | None]]:
+        """(when each task not revoked was due, when it first completed: None if
+        never), by due time: what the catch-up after a heal is measured on."""
+        pairs = [(meta.get("due", meta["t"]), self.first_end(task_id))
+                 for task_id, meta in self.expected.items() if task_id not in self.revoked]
+        # A task never completed (lost) sorts after its peers: None is not comparable.
+        return sorted(pairs, key=lambda pair: (pair[0], math.inf if pair[1] is None
+                                               else pair[1]))
 
 
 def _owner_cause(host: str, since: float, until: float, ended: bool,

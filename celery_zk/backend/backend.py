@@ -317,8 +317,14 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         if not gid:
             return None
         counter = self._counter(str(gid))
-        counted, size, lazy = counter.increment(str(request.id),
-                                                getattr(request, "group_index", None))
+        counted, size, lazy, stalled = counter.increment(
+            str(request.id), getattr(request, "group_index", None))
+        if counted is None and stalled:
+            logger.warning("celery_zk: chord %s: every part is counted but the body was "
+                           "never sent (the worker that counted the last part stopped "
+                           "first); part %s, run again, sends it", gid, request.id)
+            send_chord_body(self, request, counter, lazy)
+            return None
         if counted is None:
             logger.warning("celery_zk: chord %s part %s was already counted; ignoring "
                            "the duplicate", gid, request.id)

@@ -60,6 +60,9 @@ class Count(NamedTuple):
     size: int | None
     #: The header was a generator (see the module docstring).
     lazy: bool
+    #: Counted before, and every part is counted but the body was never sent:
+    #: the worker that counted the last part stopped before sending it.
+    stalled: bool = False
 
 
 class ChordCounter:
@@ -252,7 +255,12 @@ class ChordCounter:
         if isinstance(error, BadVersionError):
             raise ForceRetryError()  # another part was counted meanwhile
         if isinstance(error, NodeExistsError):
-            return Count(self._already_counted(part_path, token), size, lazy)
+            counted = self._already_counted(part_path, token)
+            # A part run again (its message redelivered): if the count is
+            # complete, the run is not done yet (~done was absent above) and its
+            # body may never have been sent; sending falls to this part.
+            stalled = counted is None and size is not None and count - 1 >= size
+            return Count(counted, size, lazy, stalled)
         if isinstance(error, NoNodeError):  # counter deleted: chord completed
             return Count(None, size, lazy)
         raise error

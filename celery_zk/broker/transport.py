@@ -310,6 +310,10 @@ class Transport(virtual.Transport):
         # kazoo's event thread. After a session change the watches are gone.
         if state == KazooState.LOST and self.inboxes:
             self._session_lost = True   # drain_events raises it (see _deliver_one)
+            # What was delivered under the lost session goes to others: a thread
+            # pool must not start it, not even in the instant before Celery's
+            # consumer hears of it (it flushes the pool then too).
+            celery_compat.drop_unstarted_thread_tasks()
         for inbox in list(self.inboxes.values()):
             inbox.reset()
         self._wake.set()

@@ -32,18 +32,24 @@
   worker learnt on reconnecting (the nemesis found it).
   :func:`flush_unstarted_thread_tasks` gives it a ``flush`` that cancels the
   futures not yet running. Fallback: Celery's behaviour, with a warning.
+  Celery calls ``flush`` only once its consumer has noticed the lost
+  connection, and a pool thread freed meanwhile may start one more (the
+  nemesis saw a revoked task start in those 0.6 s), so the transport also
+  calls :func:`drop_unstarted_thread_tasks` the instant its session is lost.
 """
 from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from . import PrivateAPIChanged, describe
 
-__all__ = ["BACKEND_HOOKS", "flush_unstarted_thread_tasks", "is_lazy", "is_stray_copy",
-           "missing", "wrap_group_apply_tasks", "wrap_url_masking"]
+__all__ = ["BACKEND_HOOKS", "drop_unstarted_thread_tasks", "flush_unstarted_thread_tasks",
+           "is_lazy", "is_stray_copy", "missing", "wrap_group_apply_tasks",
+           "wrap_url_masking"]
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +169,17 @@ def _thread_pool_problem() -> str | None:
     return None
 
 
+#: The thread pools of this process whose unstarted tasks are tracked.
+_thread_pools: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def drop_unstarted_thread_tasks() -> int:
+    """Cancel what every thread pool of this process has not started (the
+    broker session they were delivered under is gone); how many. Never blocks:
+    safe on kazoo's event thread."""
+    return sum(pool.flush() or 0 for pool in list(_thread_pools))
+
+
 def flush_unstarted_thread_tasks() -> bool:
     """Give Celery's thread pool a ``flush`` that cancels the tasks it has not
     started (idempotent; see above). False, Celery's left as it is, when its
@@ -188,18 +205,20 @@ def flush_unstarted_thread_tasks() -> bool:
         result = original(self, *args, **kwargs)
         future = getattr(result, "f", None)
         if isinstance(future, Future):
+            _thread_pools.add(self)
             unstarted = self.__dict__.setdefault("_celery_zk_unstarted", set())
             unstarted.add(future)   # set.add/discard: atomic, any thread
             future.add_done_callback(unstarted.discard)
         return result
 
-    def flush(self: Any) -> None:
+    def flush(self: Any) -> int:
         dropped = sum(future.cancel()   # False once it runs: it is left to finish
                       for future in list(self.__dict__.get("_celery_zk_unstarted", ())))
         if dropped:
             logger.warning("celery_zk: the broker connection was lost: %d task(s) the "
                            "thread pool had not started are dropped; their messages go "
                            "to other workers (or here again)", dropped)
+        return dropped
 
     on_apply._celery_zk = True  # type: ignore[attr-defined]
     flush._celery_zk = True  # type: ignore[attr-defined]

@@ -331,3 +331,43 @@ def test_a_dropped_copy_of_a_result_does_not_end_the_wait(
     app.backend.add_pending_result(result)
     app.backend.remove_pending_result(app.AsyncResult(result.id))   # a copy's __del__
     assert result.get(timeout=30) == "waited"
+
+
+def test_a_chord_body_is_sent_by_its_last_part_run_again_after_its_worker_stopped(
+        app: Celery, worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker that counted a chord's last part stopped before it sent the body
+    (the nemesis killed one there: the body never ran). The part's message is
+    redelivered and the task runs again; its count is refused as a duplicate,
+    and it must send the body then."""
+    from types import SimpleNamespace
+
+    import celery_zk.backend.backend as backend_module
+
+    worker()   # runs the body
+    backend = app.backend
+    assert isinstance(backend, ZooKeeperBackend)
+    header = [sig(app, "add", 1, 1, queue="nowhere"), sig(app, "add", 2, 2, queue="nowhere")]
+    body = sig(app, "tsum").set(task_id="stalled-body")
+    result = chord(header)(body)   # the header waits where no worker looks
+    group_id = result.parent.id
+    parts = [r.id for r in result.parent.results]
+    real_send, sent = backend_module.send_chord_body, []
+
+    def stops_first(*args: Any, **kwargs: Any) -> None:
+        if not sent:
+            sent.append("stopped")
+            raise SystemExit("the worker stops before it sends the body")
+        real_send(*args, **kwargs)
+    monkeypatch.setattr(backend_module, "send_chord_body", stops_first)
+
+    def part_done(index: int, value: int) -> None:   # what the worker's trace does
+        request = SimpleNamespace(id=parts[index], group=group_id, group_index=index,
+                                  chord=dict(body), ignore_result=False)
+        backend.mark_as_done(parts[index], value, request=request)
+
+    part_done(0, 2)
+    with pytest.raises(SystemExit):
+        part_done(1, 4)                    # the last part: counted, then the worker stops
+    assert app.AsyncResult("stalled-body").state == states.PENDING
+    part_done(1, 4)                        # redelivered and run again
+    assert result.get(timeout=30) == 6

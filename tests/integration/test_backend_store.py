@@ -274,21 +274,24 @@ def test_chord_counter_counts_each_part_once(backend: ZooKeeperBackend) -> None:
 
     counter = ChordCounter(backend.client, backend.layout, "chord-1")
     assert [counter.increment(f"part-{i}", i) for i in range(3)] == [
-        (1, None, False), (2, None, False), (3, None, False)]
-    assert counter.increment("part-1") == (None, None, False)  # redelivered header task
+        (1, None, False, False), (2, None, False, False), (3, None, False, False)]
+    # a redelivered header task
+    assert counter.increment("part-1") == (None, None, False, False)
     assert counter.value() == 3
     assert counter.set_size(5)   # Celery's set_chord_size: the parts it waits for
-    assert counter.increment("part-4", 4) == (4, 5, False)
+    assert counter.increment("part-4", 4) == (4, 5, False, False)
     counter.add()                # Task.add_to_chord: one more part to wait for
-    assert counter.increment("part-3", 3) == (5, 6, False)
+    assert counter.increment("part-3", 3) == (5, 6, False, False)
+    assert counter.increment("part-3", 3) == (None, 6, False, False)   # not complete yet
     assert counter.parts() == [f"part-{i}" for i in range(5)]   # header order
     assert counter.value() == 5
     assert not ChordCounter(backend.client, backend.layout, "no-such").set_size(2)
     counter.finish()
-    assert counter.increment("part-5") == (None, 6, False)   # a finished run counts nothing
+    # a finished run counts nothing
+    assert counter.increment("part-5") == (None, 6, False, False)
     counter.start(lazy=True, fresh=False)   # the chord applied again: a new run
     assert counter.value() == 0 and counter.parts() == []
-    assert counter.increment("part-0", 0) == (1, None, True)
+    assert counter.increment("part-0", 0) == (1, None, True, False)
 
     racing = ChordCounter(backend.client, backend.layout, "chord-2")
     counts: list[int | None] = []
@@ -299,6 +302,23 @@ def test_chord_counter_counts_each_part_once(backend: ZooKeeperBackend) -> None:
     for thread in threads:
         thread.join()
     assert sorted(c for c in counts if c is not None) == list(range(1, 21))
+
+
+def test_a_part_run_again_after_the_last_count_finds_the_run_stalled(
+        backend: ZooKeeperBackend) -> None:
+    """Every part counted, no body sent (its sender stopped): a part that runs
+    again says so, and only until the run is finished."""
+    from celery_zk.backend.chord import ChordCounter
+
+    counter = ChordCounter(backend.client, backend.layout, "chord-3")
+    counter.start(lazy=False, fresh=True)   # the chord is applied
+    assert counter.set_size(2)
+    assert counter.increment("p0", 0) == (1, 2, False, False)
+    assert counter.increment("p1", 1) == (2, 2, False, False)   # the last: sends the body
+    assert counter.increment("p1", 1) == (None, 2, False, True)  # ...it never did
+    assert counter.increment("p0", 0) == (None, 2, False, True)
+    counter.finish()
+    assert counter.increment("p1", 1) == (None, 2, False, False)
 
 
 def test_a_chord_with_a_repeated_header_task_id_is_refused_before_sending(

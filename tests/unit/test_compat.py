@@ -183,7 +183,9 @@ def test_a_thread_pool_flush_drops_what_it_has_not_started() -> None:
     pool.start()
     release, ran = threading.Event(), []
     try:
-        first = pool.apply_async(lambda: (release.wait(10), ran.append("first")))
+        started = threading.Event()
+        first = pool.apply_async(lambda: (started.set(), release.wait(10), ran.append("first")))
+        assert started.wait(10)
         queued = [pool.apply_async(lambda i=i: ran.append(i)) for i in range(2)]
         pool.flush()
         release.set()
@@ -193,6 +195,17 @@ def test_a_thread_pool_flush_drops_what_it_has_not_started() -> None:
         assert ran == ["first"]
         later = pool.apply_async(lambda: ran.append("later"))   # the pool goes on
         later.wait(10)
+        assert ran == ["first", "later"]
+        # The transport's drop, the instant its session is lost: every pool's.
+        release.clear()
+        running = threading.Event()
+        blocker = pool.apply_async(lambda: (running.set(), release.wait(10)))
+        assert running.wait(10)
+        waiting = [pool.apply_async(lambda: ran.append("dropped")) for _ in range(3)]
+        assert celery_compat.drop_unstarted_thread_tasks() == 3
+        release.set()
+        blocker.wait(10)
+        assert all(result.f.cancelled() for result in waiting)
         assert ran == ["first", "later"]
     finally:
         release.set()

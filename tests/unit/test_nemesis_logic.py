@@ -192,3 +192,15 @@ def test_recovery_is_measured_from_the_heal(nemesis: dict[str, ModuleType]) -> N
     due_and_done = [(1.0, 2.0), (104.0, 112.5), (120.0, None)]
     assert recovery.caught_up_after(105.0, 140, due_and_done) == 7.5
     assert recovery.caught_up_after(121.0, 140, due_and_done) is None
+
+
+def test_a_task_never_completed_does_not_break_the_catch_up_measure(
+        nemesis: dict[str, ModuleType]) -> None:
+    """A chord's body and its parts share a publish time; a lost body (never
+    completed) must sort among them, not crash the report (it did)."""
+    checker = nemesis["checker"]
+    publisher = [{"e": "publish", "kind": "chord", "id": "body", "seq": 1, "t": 1.0,
+                  "parts": ["p1", "p2"], "group": "g"}]
+    executions = _execution("p1", "w1", 2, TAG) + _execution("p2", "w2", 3, SECOND)
+    history = checker.History.build(publisher, executions)
+    assert history.due_and_done() == [(1.0, 2.01), (1.0, 3.01), (1.0, None)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kazoo.client import TransactionRequest
@@ -286,41 +287,40 @@ class Publishing(StoreBase):
         return max(gone.generation, self._find_tail(gone.queue, gone.inverted_priority))
 
     def _find_uids(self, chunk: list[NewMessage]) -> list[str | None]:
-        """The stored names of ``chunk``'s messages (None where not found)."""
-        found: dict[str, str] = {}
-        for parent in {self.layout.parent(message.path) for message in chunk}:
+        """The stored names of ``chunk``'s messages in the buckets they were
+        published to (None where not found)."""
+        found = self._names_by_uid({self.layout.parent(message.path) for message in chunk})
+        return [found.get(message.uid) for message in chunk]
+
+    def _find_in_inboxes(self, chunk: list[NewMessage]) -> list[str | None]:
+        """The names of ``chunk``'s messages found in their queues' inboxes (a
+        listing of ``owned/`` per queue, then one pipelined round of inboxes)."""
+        client, layout = self.client, self.layout
+        inboxes: list[str] = []
+        for queue in {message.queue for message in chunk}:
             try:
-                names = self.client.get_children(parent)
+                inboxes += [layout.inbox(queue, consumer)
+                            for consumer in client.get_children(layout.owned(queue))]
+            except NoNodeError:
+                continue
+        found = self._names_by_uid(inboxes)
+        return [found.get(message.uid) for message in chunk]
+
+    def _names_by_uid(self, directories: Iterable[str]) -> dict[str, str]:
+        """``{uid: name}`` of the messages in ``directories``, listed in one
+        pipelined round (a directory that does not exist holds none)."""
+        listings = [self.client.get_children_async(path) for path in directories]
+        found: dict[str, str] = {}
+        for listing in listings:
+            try:
+                names = listing.get()
             except NoNodeError:
                 continue
             for name in names:
                 parsed = parse_message_name(name)
                 if parsed is not None:
                     found[parsed.uid] = name
-        return [found.get(message.uid) for message in chunk]
-
-    def _find_in_inboxes(self, chunk: list[NewMessage]) -> list[str | None]:
-        """The names of ``chunk``'s messages found in their queues' inboxes (one
-        pipelined round per queue: a listing of ``owned/``, then of each inbox)."""
-        client, layout = self.client, self.layout
-        found: dict[str, str] = {}
-        for queue in {message.queue for message in chunk}:
-            try:
-                inboxes = client.get_children(layout.owned(queue))
-            except NoNodeError:
-                continue
-            listings = [client.get_children_async(layout.inbox(queue, inbox))
-                        for inbox in inboxes]
-            for listing in listings:
-                try:
-                    names = listing.get()
-                except NoNodeError:
-                    continue
-                for name in names:
-                    parsed = parse_message_name(name)
-                    if parsed is not None:
-                        found[parsed.uid] = name
-        return [found.get(message.uid) for message in chunk]
+        return found
 
     def _find_tail(self, queue: str, inv: int) -> int:
         """The newest bucket of a priority, made if there is none (or it is full),

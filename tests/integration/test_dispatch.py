@@ -46,6 +46,18 @@ def publish(conn: Connection, queue: Queue, values: list[Any],
                          declare=[queue], **extra)
 
 
+def drain_until(conn: Connection, got: list[Any], count: int, timeout: float,
+                poll: float = 1.0) -> None:
+    """Drain ``conn`` until ``got`` holds ``count`` messages or ``timeout`` passed
+    (the caller asserts what arrived)."""
+    deadline = time.monotonic() + timeout
+    while len(got) < count and time.monotonic() < deadline:
+        try:
+            conn.drain_events(timeout=poll)
+        except OSError:   # socket.timeout: nothing this round
+            pass
+
+
 class Drainer(threading.Thread):
     """One consumer connection with a session of its own, acking what it gets."""
 
@@ -183,12 +195,7 @@ def test_a_dead_consumers_inbox_goes_back_each_message_to_its_place(
         with Consumer(survivor, [queue], prefetch_count=1,
                       callbacks=[lambda body, message: (rest.append(body["v"]),
                                                         message.ack())]):
-            deadline = time.monotonic() + 30
-            while len(rest) < 7 and time.monotonic() < deadline:
-                try:
-                    survivor.drain_events(timeout=1)
-                except OSError:
-                    pass
+            drain_until(survivor, rest, 7, 30)
     assert rest == [0, 1, 2, 3, 4, 5, "late"]
     assert owned(zk_client, layout, "dies") == []
     # Its inbox directory went with it.
@@ -237,12 +244,7 @@ def test_messages_stored_by_the_previous_release_are_delivered(
         got: list[Any] = []
         with Consumer(conn, [queue], prefetch_count=1,
                       callbacks=[lambda body, message: (got.append(body["v"]), message.ack())]):
-            deadline = time.monotonic() + 30
-            while len(got) < 3 and time.monotonic() < deadline:
-                try:
-                    conn.drain_events(timeout=1)
-                except OSError:
-                    pass
+            drain_until(conn, got, 3, 30)
     # The owned one goes back ahead of the waiting one (an older sequence).
     assert got == ["owned-old", "waiting-old", "new"]
     assert owned(zk_client, layout, "upgrade") == [] and waiting(zk_client, layout,
@@ -335,10 +337,5 @@ def test_a_consumer_that_leaves_and_joins_while_its_dispatcher_stops_is_served(
         dispatcher.join(consumer_id, wake)   # while the old thread stops its watches
         time.sleep(1.5)
         publish(conn, queue, ["after"])
-        deadline = time.monotonic() + 10
-        while len(got) < 2 and time.monotonic() < deadline:
-            try:
-                conn.drain_events(timeout=0.5)
-            except OSError:
-                pass
+        drain_until(conn, got, 2, 10, poll=0.5)
     assert [body["v"] for body in got] == ["before", "after"]

@@ -526,6 +526,32 @@ def test_a_worker_restarted_under_its_name_hears_broadcasts_after_the_old_sessio
     assert "same@" in ping.stdout, ping.stdout + ping.stderr
 
 
+def _pause_a_past_its_session(zookeeper_server: Any, zk_chroot: str, start_worker: Any,
+                              task_log: Path, observer: Any, pool: str, settle: float,
+                              back: float) -> tuple[list[Any], Any]:
+    """Worker A (``pool``, -c 1) holds acks_late tasks of 3 s; paused ``settle`` s
+    after it holds 4, past its 2 s session; B runs everything; A is resumed and
+    given ``back`` s to run again what it would. The values run twice, and A."""
+    url = f"{zookeeper_server.url}{zk_chroot}{ROOT}?session_timeout=2"
+    a = start_worker(url, log=task_log, name="a", pool=pool, concurrency=1)
+    values = list(range(6))
+    send_all(url, "slow_record", values, 3)   # acks_late, 3 s each
+    zk = observer(f"{zookeeper_server.hosts}{zk_chroot}")
+    wait_until(lambda: len(owned(zk)) >= 4, 30, message="A holds too little")
+    time.sleep(settle)
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        b = start_worker(url, log=task_log, name="b", pool=pool, concurrency=4)
+        wait_until(lambda: set(values) <= set(executed_values(task_log)), 60,
+                   message="B did not run what A held")
+        assert b.proc is not None
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    time.sleep(back)   # A is back; whatever it would run again, it runs now
+    counts = executed_values(task_log)
+    return [v for v in values if counts[v] > 1], a
+
+
 @pytest.mark.slow
 def test_after_its_session_expired_a_prefork_worker_drops_what_it_held_unstarted(
         zookeeper_server: Any, zk_chroot: str, start_worker: Any, task_log: Path,
@@ -534,23 +560,8 @@ def test_after_its_session_expired_a_prefork_worker_drops_what_it_held_unstarted
     back its transport says the connection was lost, and Celery drops the
     messages it had prefetched and not started (prefork reserves them outside
     the pool) instead of running them a second time."""
-    url = f"{zookeeper_server.url}{zk_chroot}{ROOT}?session_timeout=2"
-    a = start_worker(url, log=task_log, name="a", pool="prefork", concurrency=1)
-    values = list(range(6))
-    send_all(url, "slow_record", values, 3)   # acks_late, 3 s each
-    zk = observer(f"{zookeeper_server.hosts}{zk_chroot}")
-    wait_until(lambda: len(owned(zk)) >= 4, 30, message="A holds too little")
-    os.kill(a.pid, signal.SIGSTOP)
-    try:
-        b = start_worker(url, log=task_log, name="b", pool="prefork", concurrency=4)
-        wait_until(lambda: set(values) <= set(executed_values(task_log)), 60,
-                   message="B did not run what A held")
-        assert b.proc is not None
-    finally:
-        os.kill(a.pid, signal.SIGCONT)
-    time.sleep(8)   # A is back; whatever it would run again, it runs now
-    counts = executed_values(task_log)
-    twice = [v for v in values if counts[v] > 1]
+    twice, a = _pause_a_past_its_session(zookeeper_server, zk_chroot, start_worker,
+                                         task_log, observer, "prefork", settle=0.0, back=8)
     # The one A was running when paused may run twice (at-least-once), and one
     # more: the pool may take the next before A's consumer sees the expiry
     # (the pool's pipe and the transport's wake-up are read in either order).
@@ -567,24 +578,9 @@ def test_after_its_session_expired_a_thread_worker_drops_what_its_pool_had_not_s
     session has expired and Celery resets the connection, those must be dropped
     (prefork's flush does that; the thread pool's did nothing), not run after B
     ran them, nor after a revoke A learnt on reconnecting (the nemesis found it)."""
-    url = f"{zookeeper_server.url}{zk_chroot}{ROOT}?session_timeout=2"
-    a = start_worker(url, log=task_log, name="a", pool="threads", concurrency=1)
-    values = list(range(6))
-    send_all(url, "slow_record", values, 3)   # acks_late, 3 s each
-    zk = observer(f"{zookeeper_server.hosts}{zk_chroot}")
-    wait_until(lambda: len(owned(zk)) >= 4, 30, message="A holds too little")
-    time.sleep(0.5)   # Celery has received what A holds: one runs, the rest wait in the pool
-    os.kill(a.pid, signal.SIGSTOP)
-    try:
-        b = start_worker(url, log=task_log, name="b", pool="threads", concurrency=4)
-        wait_until(lambda: set(values) <= set(executed_values(task_log)), 60,
-                   message="B did not run what A held")
-        assert b.proc is not None
-    finally:
-        os.kill(a.pid, signal.SIGCONT)
-    time.sleep(10)   # A is back; whatever its pool would run again, it runs now
-    counts = executed_values(task_log)
-    twice = [v for v in values if counts[v] > 1]
+    # settle: Celery has received what A holds: one runs, the rest wait in the pool.
+    twice, a = _pause_a_past_its_session(zookeeper_server, zk_chroot, start_worker,
+                                         task_log, observer, "threads", settle=0.5, back=10)
     # The one A was running when paused runs twice (at-least-once), and one more:
     # its sleep ended during the pause, so it returns at once and the pool starts
     # the next before A's consumer sees the expiry. Without the flush every one

@@ -5,7 +5,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -43,6 +43,33 @@ def publish(zk_url: str, queue: Queue, *bodies: Any, **kwargs: Any) -> None:
 def expect_idle(conn: Connection) -> None:
     with pytest.raises(socket.timeout):
         conn.drain_events(timeout=0.3)
+
+
+def lose_the_reply(monkeypatch: pytest.MonkeyPatch, client: KazooClient,
+                   matches: Callable[[Any], bool],
+                   meanwhile: Callable[[], None] = lambda: None) -> list[bool]:
+    """The first multi of ``client`` whose operations ``matches`` commits, then
+    (after ``meanwhile``) its reply is lost: ConnectionLoss. The list returned
+    gets an entry when that happened."""
+    from kazoo.exceptions import ConnectionLoss
+
+    real_transaction, lost = client.transaction, []
+
+    def losing() -> Any:
+        txn = real_transaction()
+        real_commit = txn.commit
+
+        def commit() -> Any:
+            results = real_commit()
+            if not lost and matches(txn):
+                lost.append(True)
+                meanwhile()
+                raise ConnectionLoss()   # committed; the reply lost
+            return results
+        txn.commit = commit
+        return txn
+    monkeypatch.setattr(client, "transaction", losing)
+    return lost
 
 
 @pytest.fixture
@@ -398,8 +425,6 @@ def test_a_hand_off_whose_reply_was_lost_syncs_before_it_looks(
     after a sync: a server behind the leader (reconnected to after a cut) could
     answer no, and the message would be published a second time (the nemesis
     saw one apply_async stored twice)."""
-    from kazoo.exceptions import ConnectionLoss
-
     queue = Queue("lost", Exchange("lost", "direct"), "lost")
     got: list[Any] = []
     with consumer(conn, queue, got):
@@ -407,23 +432,11 @@ def test_a_hand_off_whose_reply_was_lost_syncs_before_it_looks(
         wait_until(lambda: offers(zk_client, "lost"), 5, 0.02, "no offer was made")
         with Connection(apart(zk_url, "publisher")) as other:
             client = other.transport.handle.client
-            real_transaction, synced_paths = client.transaction, []
+            synced_paths: list[str] = []
             monkeypatch.setattr(client, "sync",
                                 lambda path: synced_paths.append(path) or path)
-
-            def losing() -> Any:
-                txn = real_transaction()
-                real_commit = txn.commit
-
-                def commit() -> Any:
-                    results = real_commit()
-                    if not synced_paths and any("/offers/" in str(op.path)
-                                                for op in txn.operations):
-                        raise ConnectionLoss()   # committed; the reply lost
-                    return results
-                txn.commit = commit
-                return txn
-            monkeypatch.setattr(client, "transaction", losing)
+            lose_the_reply(monkeypatch, client, lambda txn: any(
+                "/offers/" in str(op.path) for op in txn.operations))
             Producer(other.channel()).publish("once", exchange=queue.exchange,
                                               routing_key="lost")
             assert synced_paths and "/owned/" in synced_paths[0]
@@ -440,32 +453,17 @@ def test_a_publish_whose_reply_was_lost_finds_its_message_in_an_inbox(
     looked, the dispatcher had moved the message into a consumer's inbox. It is
     found there, not stored a second time (the nemesis saw one apply_async run
     twice: the lookup searched only the bucket it was published to)."""
-    from kazoo.exceptions import ConnectionLoss
-
     url = zk_url.replace("handoff=true", "handoff=false")   # through the dispatcher
     queue = Queue("moved", Exchange("moved", "direct"), "moved")
     got: list[Any] = []
     with Connection(url) as conn, consumer(conn, queue, got, ack=False):
         expect_idle(conn)
         with Connection(apart(url, "publisher")) as other:
-            client = other.transport.handle.client
-            real_transaction, lost = client.transaction, []
-
-            def losing() -> Any:
-                txn = real_transaction()
-                real_commit = txn.commit
-
-                def commit() -> Any:
-                    results = real_commit()
-                    if not lost and any("/unowned/" in str(op.path) for op in txn.operations):
-                        lost.append(True)
-                        wait_until(lambda: owned(zk_client, LAYOUT, "moved"), 5, 0.01,
-                                   "the dispatcher never gave the message")
-                        raise ConnectionLoss()   # committed; the reply lost
-                    return results
-                txn.commit = commit
-                return txn
-            monkeypatch.setattr(client, "transaction", losing)
+            lost = lose_the_reply(
+                monkeypatch, other.transport.handle.client,
+                lambda txn: any("/unowned/" in str(op.path) for op in txn.operations),
+                meanwhile=lambda: wait_until(lambda: owned(zk_client, LAYOUT, "moved"), 5,
+                                             0.01, "the dispatcher never gave the message"))
             Producer(other.channel()).publish("once", exchange=queue.exchange,
                                               routing_key="moved")
             assert lost

@@ -120,6 +120,7 @@ from ..zk.config import (
 from ..zk.layout import Layout
 from ..zk.session import ClientHandle
 from ..zk.watches import TreeWatches
+from . import start_gate
 from .autodelete import AutoDeleteQueues
 from .bindings import Bindings
 from .channel import Channel
@@ -158,6 +159,7 @@ def _on_worker_shutting_down(**_: Any) -> None:
     # interrupted drain_events with a lock held: flag it, take no lock.
     global _shutdowns
     _shutdowns += 1
+    start_gate.close_all()   # a pool's stop waits for starts that wait for a server
 
 
 class Transport(virtual.Transport):
@@ -264,11 +266,15 @@ class Transport(virtual.Transport):
         """In a Celery worker, before any task is delivered: the revokes kept in
         ZooKeeper join its revoked set (celery_zk.features.revokes), once per
         process and session, and its thread pool drops what it has not started
-        when the connection is lost (:func:`celery_compat.flush_unstarted_thread_tasks`)."""
+        when the connection is lost (:func:`celery_compat.flush_unstarted_thread_tasks`)
+        and starts a task only while its session is known live (:mod:`.start_gate`)."""
         global _revokes_loaded_by
         if "celery.worker.state" not in sys.modules:
             return
-        celery_compat.flush_unstarted_thread_tasks()
+        if celery_compat.flush_unstarted_thread_tasks():
+            # A pool thread asks before each start whether the session it was
+            # delivered under lives (cut off, or back from a pause: start_gate).
+            celery_compat.gate_thread_task_starts(start_gate.start_gate(self.handle.session))
         client = self.handle.client
         # Again after a session expiry: the worker may have missed a broadcast
         # revoke meanwhile (its pidbox queue was swept with its holders).

@@ -36,6 +36,12 @@
   connection, and a pool thread freed meanwhile may start one more (the
   nemesis saw a revoked task start in those 0.6 s), so the transport also
   calls :func:`drop_unstarted_thread_tasks` the instant its session is lost.
+  A task a pool thread takes up while the worker is cut off or just back from
+  a pause is asked about at its start instead (:func:`gate_thread_task_starts`,
+  :mod:`celery_zk.broker.start_gate`): that relies on ``on_apply``'s
+  parameters (:data:`ON_APPLY_PARAMETERS`) and on ``apply_target`` calling
+  ``accept_callback`` before the task, outside its ``try``; a start refused
+  there ends ``apply_target`` before the task, as a cancelled future would.
 """
 from __future__ import annotations
 
@@ -43,18 +49,21 @@ import inspect
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from . import PrivateAPIChanged, describe
 
-__all__ = ["BACKEND_HOOKS", "drop_unstarted_thread_tasks", "flush_unstarted_thread_tasks",
-           "is_lazy", "is_stray_copy", "missing", "wrap_group_apply_tasks",
-           "wrap_url_masking"]
+__all__ = ["BACKEND_HOOKS", "StartRefused", "drop_unstarted_thread_tasks",
+           "flush_unstarted_thread_tasks", "gate_thread_task_starts", "is_lazy",
+           "is_stray_copy", "missing", "wrap_group_apply_tasks", "wrap_url_masking"]
 
 logger = logging.getLogger(__name__)
 
 #: The leading parameters of ``group._apply_tasks`` the group wrapper relies on.
 APPLY_TASKS_PARAMETERS = ["self", "tasks", "producer", "app"]
+
+#: The leading parameters of the thread pool's ``on_apply`` the start gate relies on.
+ON_APPLY_PARAMETERS = ["self", "target", "args", "kwargs", "callback", "accept_callback"]
 
 #: The names of ``celery.app.utils`` Celery has masked URLs with, newest first.
 URL_MASKERS = ("sanitize_url", "maybe_sanitize_url")
@@ -162,6 +171,8 @@ def _thread_pool_problem() -> str | None:
     pool = getattr(thread, "TaskPool", None)
     if pool is None or not callable(getattr(pool, "on_apply", None)):
         return "celery.concurrency.thread.TaskPool.on_apply"
+    if list(inspect.signature(pool.on_apply).parameters)[:6] != ON_APPLY_PARAMETERS:
+        return f"celery.concurrency.thread.TaskPool.on_apply({', '.join(ON_APPLY_PARAMETERS)})"
     if not callable(getattr(thread, "ApplyResult", None)):
         return "celery.concurrency.thread.ApplyResult"
     if not callable(getattr(base.BasePool, "flush", None)):
@@ -171,6 +182,48 @@ def _thread_pool_problem() -> str | None:
 
 #: The thread pools of this process whose unstarted tasks are tracked.
 _thread_pools: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+class StartGate(Protocol):
+    """What decides whether a task handed to a thread pool may start."""
+
+    def ticket(self) -> Any:
+        """Taken when the task is handed over (in the consumer's thread)."""
+
+    def admit(self, ticket: Any) -> bool:
+        """Asked in the pool thread right before the task starts; may block."""
+
+
+class StartRefused(Exception):
+    """Ends Celery's ``apply_target`` before the task (nobody reads it: the
+    future is dropped, as a cancelled one would be)."""
+
+
+#: The gate of this process's thread pools (None: every task starts).
+_start_gate: StartGate | None = None
+
+
+def gate_thread_task_starts(gate: StartGate | None) -> None:
+    """Ask ``gate`` before each task a thread pool of this process starts
+    (:func:`flush_unstarted_thread_tasks` installs the hook)."""
+    global _start_gate
+    _start_gate = gate
+
+
+def _gated(gate: StartGate, accept: Callable[..., Any] | None) -> Callable[..., Any]:
+    ticket = gate.ticket()
+
+    def accept_if_admitted(pid: Any, time_accepted: float) -> Any:
+        if not gate.admit(ticket):
+            request = getattr(accept, "__self__", None)   # Celery's Request, for the log
+            logger.warning("celery_zk: task %s[%s] not started: it was delivered under a "
+                           "ZooKeeper session that has ended; its message went back to "
+                           "the queue", getattr(request, "name", "?"),
+                           getattr(request, "id", "?"))
+            raise StartRefused("delivered under a ZooKeeper session that has ended")
+        return accept(pid, time_accepted) if accept else None
+
+    return accept_if_admitted
 
 
 def drop_unstarted_thread_tasks() -> int:
@@ -201,8 +254,12 @@ def flush_unstarted_thread_tasks() -> bool:
         return False   # Celery's own flush
     original = pool.on_apply
 
-    def on_apply(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
+    def on_apply(self: Any, target: Any, args: Any = None, kwargs: Any = None,
+                 callback: Any = None, accept_callback: Any = None, **options: Any) -> Any:
+        gate = _start_gate
+        if gate is not None:
+            accept_callback = _gated(gate, accept_callback)
+        result = original(self, target, args, kwargs, callback, accept_callback, **options)
         future = getattr(result, "f", None)
         if isinstance(future, Future):
             _thread_pools.add(self)

@@ -142,6 +142,11 @@ class SharedSession:
     def started(self) -> bool:
         return self._client is not None
 
+    @property
+    def current_client(self) -> KazooClient | None:
+        """The client if there is one, never making one (None once closed)."""
+        return self._client
+
     def _on_state(self, state: KazooState) -> None:
         # kazoo's event thread: the listeners only flag and wake.
         for listener in list(self._listeners):

@@ -212,6 +212,61 @@ def test_a_thread_pool_flush_drops_what_it_has_not_started() -> None:
         pool.stop()
 
 
+def test_a_thread_pool_asks_the_start_gate_before_each_task() -> None:
+    """Celery's real thread pool with the start gate hooked in: the ticket is
+    taken when the task is handed over, the gate asked in the pool thread; a
+    refused task runs neither itself nor Celery's accept and done callbacks."""
+    from celery.concurrency import thread
+
+    class Gate:
+        def __init__(self) -> None:
+            self.tickets = iter(range(100))
+            self.refuse: set[int] = set()
+            self.asked: list[int] = []
+
+        def ticket(self) -> int:
+            return next(self.tickets)
+
+        def admit(self, ticket: int) -> bool:
+            self.asked.append(ticket)
+            return ticket not in self.refuse
+
+    assert celery_compat.flush_unstarted_thread_tasks()
+    gate = Gate()
+    gate.refuse = {1}
+    celery_compat.gate_thread_task_starts(gate)
+    pool = thread.TaskPool(limit=1)
+    pool.start()
+    events: list[tuple[str, int]] = []
+    try:
+        results = [pool.apply_async(lambda i=i: events.append(("ran", i)),
+                                    callback=lambda _, i=i: events.append(("done", i)),
+                                    accept_callback=lambda *_, i=i: events.append(("accepted", i)))
+                   for i in range(3)]
+        for result in results:
+            result.wait(10)
+        assert gate.asked == [0, 1, 2]
+        assert events == [("accepted", 0), ("ran", 0), ("done", 0),
+                          ("accepted", 2), ("ran", 2), ("done", 2)]
+        assert isinstance(results[1].f.exception(), celery_compat.StartRefused)
+        # Without an accept callback of Celery's the gate is asked all the same.
+        pool.apply_async(lambda: events.append(("ran", 3))).wait(10)
+        assert gate.asked[-1] == 3 and events[-1] == ("ran", 3)
+    finally:
+        celery_compat.gate_thread_task_starts(None)
+        pool.stop()
+
+
+def test_a_thread_pool_whose_on_apply_changed_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery.concurrency import thread
+
+    def on_apply(self: object, target: object, **options: object) -> None: ...
+
+    monkeypatch.setattr(thread.TaskPool, "on_apply", on_apply)
+    assert any("on_apply(self, target, args, kwargs, callback, accept_callback)" in problem
+               for problem in celery_compat.missing())
+
+
 def test_a_thread_pool_without_on_apply_is_named(monkeypatch: pytest.MonkeyPatch,
                                                  caplog: pytest.LogCaptureFixture) -> None:
     from celery.concurrency import thread

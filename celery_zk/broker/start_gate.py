@@ -1,0 +1,173 @@
+"""A task starts only while the session it was delivered under is known live.
+
+A message in a worker's inbox belongs to the worker's ZooKeeper session: when
+that session ends, recovery gives the message to another worker, and a revoke
+broadcast meanwhile may never reach this one. Celery's thread pool hands every
+task it receives to its executor at once, and a pool thread starts the next
+one the moment it is free. Two gaps let it start a task the worker no longer
+owns (the nemesis found both):
+
+* **Cut off** (``SUSPENDED``): the client is looking for a server and cannot
+  know whether the session lives. After ``session_timeout`` the ensemble ends
+  it, but the client hears so only when it reaches a server again. A task
+  started meanwhile may be running elsewhere already, or revoked. So a start
+  waits here until the client is connected again (the session lived: start)
+  or hears that it expired (do not start).
+* **Paused** (SIGSTOP, a VM frozen, swapping): for the paused process no time
+  passes, so on waking the client still says ``CONNECTED`` for the few
+  milliseconds it takes to find that its session has expired, and a pool
+  thread freed by the pause starts the next task in those. A
+  :class:`PauseMonitor` notices a pause as a late tick (as HBase's
+  JvmPauseMonitor does); after one, a start first makes one round trip
+  (``sync``): it can succeed only on a connection whose session lives.
+
+A task that must not start is dropped before Celery accepts it, as a thread
+pool's ``flush`` drops it (:func:`celery_zk.compat.celery.gate_thread_task_starts`):
+its message went back to the queue with the session.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from typing import Any
+
+from kazoo.client import KazooState
+
+from ..zk.session import SharedSession
+
+__all__ = ["PauseMonitor", "StartGate", "close_all", "start_gate"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a tick may be late before the process counts as having been paused.
+#: Far below any session timeout (ZooKeeper's least is 4 s), far above a busy
+#: interpreter's scheduling delays.
+PAUSE = 1.0
+#: Seconds between the monitor's ticks.
+TICK = 0.1
+#: Seconds a waiting start sleeps between looks (state changes wake it at once).
+RECHECK = 0.5
+
+
+class PauseMonitor:
+    """A daemon thread that ticks every :data:`TICK` s and notes when a tick
+    came :data:`PAUSE` s late: the whole process was stopped meanwhile."""
+
+    def __init__(self, pause: float = PAUSE) -> None:
+        self.pause = pause
+        self.tick = time.monotonic()
+        #: monotonic time a pause was noticed (by the thread's late tick).
+        self.paused_at = float("-inf")
+        self._thread = threading.Thread(target=self._run, name="celery_zk-pause-monitor",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            before = time.monotonic()
+            time.sleep(TICK)
+            now = time.monotonic()
+            if now - before > self.pause:
+                self.paused_at = now
+                logger.warning("celery_zk: this process was stopped for %.1f s (a pause, "
+                               "SIGSTOP or a frozen host); tasks start again once its "
+                               "ZooKeeper session is known to live", now - before)
+            self.tick = now
+
+    def paused_since(self, since: float) -> bool:
+        """Whether the process may have been paused after ``since`` (a monotonic
+        time): a pause was noticed then, or the ticks are late right now (the
+        caller woke before the monitor did)."""
+        return self.paused_at >= since or time.monotonic() - self.tick > self.pause
+
+
+class StartGate:
+    """Admits a task's start under one shared session (one per process)."""
+
+    def __init__(self, session: SharedSession, monitor: PauseMonitor | None = None) -> None:
+        self.session = session
+        self.monitor = monitor or PauseMonitor()
+        self.verified_at = time.monotonic()
+        self.closing = False
+        self._changed = threading.Condition()
+        #: The session last connected (kazoo's ``client_id`` is None while
+        #: SUSPENDED, when the session may well live); None once it is lost.
+        self.known: int | None = None
+        session.add_listener(self._on_state)
+        client = session.current_client
+        if client is not None:
+            self._on_state(client.state)
+
+    def _on_state(self, state: KazooState) -> None:
+        # kazoo's event thread: note the session, wake the starts that wait.
+        client = self.session.current_client
+        if state == KazooState.CONNECTED and client is not None and client.client_id:
+            self.known = client.client_id[0]
+        elif state == KazooState.LOST:
+            self.known = None
+        with self._changed:
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """The worker is going: starts that wait for a server give up within
+        :data:`RECHECK` s (their messages go back with the session). Takes no
+        lock: Celery calls it from a signal handler."""
+        self.closing = True
+
+    def ticket(self) -> int | None:
+        """The session a task is handed to the pool under (None: none now)."""
+        return self.known
+
+    def admit(self, ticket: int | None) -> bool:
+        """Whether a task handed over under ``ticket`` may start now; blocks while
+        the client is cut off. Runs in a pool thread, never in kazoo's."""
+        while True:
+            client = self.session.current_client
+            if ticket is None or client is None:
+                return False
+            state, client_id = client.state, client.client_id
+            if state == KazooState.LOST or (client_id and client_id[0] != ticket):
+                return False   # that session ended: its messages went to others
+            if state == KazooState.SUSPENDED or not client_id:   # (None: changing state)
+                if self.closing:
+                    return False   # a worker shutting down waits for no server
+                with self._changed:
+                    self._changed.wait(RECHECK)
+                continue
+            if not self.monitor.paused_since(self.verified_at):
+                return True
+            self._verify(client)
+
+    def _verify(self, client: Any) -> None:
+        """One round trip after a pause: only a live session answers it."""
+        started = time.monotonic()
+        try:
+            client.sync_async("/").get(timeout=max(self.session.settings.options.session_timeout,
+                                                   RECHECK))
+        except Exception as exc:   # lost, expired, timed out: the state tells, next look
+            logger.debug("celery_zk: the session check after a pause failed: %r", exc)
+            with self._changed:
+                self._changed.wait(RECHECK / 10)
+            return
+        if self.verified_at < started:
+            self.verified_at = started
+
+
+#: Every gate of this process (one per session that has a worker's consumer).
+_gates: weakref.WeakSet[StartGate] = weakref.WeakSet()
+
+
+def start_gate(session: SharedSession) -> StartGate:
+    """The gate of ``session`` (one per session, made on first use)."""
+    gate = session.singleton(StartGate, lambda: StartGate(session))
+    _gates.add(gate)
+    return gate
+
+
+def close_all() -> None:
+    """The worker is shutting down: no start waits for a server any more (a
+    thread pool's stop waits for its threads). Safe in a signal handler."""
+    for gate in list(_gates):
+        gate.close()

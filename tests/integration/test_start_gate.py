@@ -1,0 +1,112 @@
+"""The start gate (celery_zk.broker.start_gate) on a real server, cut off by a
+proxy: a start waits while the client cannot know whether its session lives,
+goes ahead when the same session comes back, and is refused once it expired."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kazoo.client import KazooState
+
+from celery_zk.broker.start_gate import StartGate, close_all, start_gate
+from celery_zk.zk.config import parse_url
+from celery_zk.zk.session import ClientHandle
+
+from .tcpproxy import TCPProxy
+from .workers import wait_until
+
+
+@pytest.fixture
+def proxied(zookeeper_server: Any, zk_chroot: str) -> Iterator[tuple[TCPProxy, ClientHandle]]:
+    host, port = zookeeper_server.hosts.rsplit(":", 1)
+    with TCPProxy(host, int(port)) as proxy:
+        # session_name: a session of its own, not one another test's handle shares
+        handle = ClientHandle(parse_url(
+            f"zk://{proxy.hosts}{zk_chroot}?session_timeout=4&session_name=gate-{zk_chroot[-8:]}"))
+        handle.connect()
+        try:
+            yield proxy, handle
+        finally:
+            handle.close()
+
+
+def _admit_in_a_thread(gate: StartGate, ticket: int | None) -> list[bool]:
+    answer: list[bool] = []
+    threading.Thread(target=lambda: answer.append(gate.admit(ticket)), daemon=True).start()
+    return answer
+
+
+def _cut(proxy: TCPProxy, handle: ClientHandle) -> None:
+    proxy.blackhole()
+    wait_until(lambda: handle.client.state == KazooState.SUSPENDED, 15,
+               message="the client never noticed it was cut off")
+
+
+def test_a_start_waits_while_cut_off_and_goes_ahead_when_the_session_comes_back(
+        proxied: tuple[TCPProxy, ClientHandle]) -> None:
+    proxy, handle = proxied
+    gate = start_gate(handle.session)
+    assert start_gate(handle.session) is gate   # one per session
+    ticket = gate.ticket()
+    assert ticket is not None and gate.admit(ticket)
+    _cut(proxy, handle)
+    answer = _admit_in_a_thread(gate, ticket)
+    time.sleep(1.0)
+    assert answer == []   # it waits: the session may live or not
+    proxy.heal()          # back within the session timeout: the same session
+    wait_until(lambda: answer, 15, message="the start never went ahead")
+    assert answer == [True] and gate.ticket() == ticket
+
+
+def test_a_start_under_a_session_that_expired_is_refused(
+        proxied: tuple[TCPProxy, ClientHandle]) -> None:
+    proxy, handle = proxied
+    gate = start_gate(handle.session)
+    ticket = gate.ticket()
+    _cut(proxy, handle)
+    answer = _admit_in_a_thread(gate, ticket)
+    time.sleep(6)         # past the 4 s session: the ensemble ends it
+    assert answer == []
+    proxy.heal()
+    wait_until(lambda: answer, 15, message="the start was never answered")
+    assert answer == [False]
+    wait_until(lambda: gate.ticket() is not None, 15, message="no new session")
+    assert gate.ticket() != ticket and gate.admit(gate.ticket())
+
+
+def test_a_start_after_a_pause_checks_its_session_first(
+        proxied: tuple[TCPProxy, ClientHandle]) -> None:
+    """A pause is what the monitor notices; the check is one round trip."""
+    _, handle = proxied
+    gate = start_gate(handle.session)
+    ticket = gate.ticket()
+    syncs: list[str] = []
+    client = handle.client
+    real = client.sync_async
+    client.sync_async = lambda path: (syncs.append(path), real(path))[1]  # type: ignore[method-assign]
+    try:
+        assert gate.admit(ticket) and syncs == []
+        gate.monitor.paused_at = time.monotonic()   # as the monitor's late tick sets it
+        assert gate.admit(ticket) and len(syncs) == 1
+        assert gate.admit(ticket) and len(syncs) == 1   # checked once per pause
+    finally:
+        del client.sync_async
+
+
+def test_a_worker_shutting_down_waits_for_no_server(
+        proxied: tuple[TCPProxy, ClientHandle]) -> None:
+    """Celery's thread pool stops by waiting for its threads: one waiting for a
+    server that may never come would hold the shutdown."""
+    proxy, handle = proxied
+    gate = start_gate(handle.session)
+    ticket = gate.ticket()
+    _cut(proxy, handle)
+    answer = _admit_in_a_thread(gate, ticket)
+    time.sleep(0.5)
+    assert answer == []
+    close_all()   # worker_shutting_down
+    wait_until(lambda: answer, 5, message="the start still waits")
+    assert answer == [False]

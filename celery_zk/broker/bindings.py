@@ -167,15 +167,15 @@ class Bindings:
         if state == KazooState.LOST:
             self._tables.clear()  # watches died with the session
 
-    def reclaim(self) -> None:
+    def reclaim(self) -> bool:
         """Make again the ephemeral bindings we hold that another session had
         made and that went with it (a worker restarted under the same name
         within its old session's timeout): from the drain loop, a no-op unless
         one went. Without this such a worker heard no broadcast (revokes,
-        ``celery inspect``) once its old session expired."""
+        ``celery inspect``) once its old session expired. True when one was
+        made again: what was broadcast while it was gone never came."""
         self.restore_ephemeral()
-        if self._reclaiming is not None:
-            self._reclaiming.reclaim()
+        return self._reclaiming is not None and bool(self._reclaiming.reclaim())
 
     def _recreate(self, client: KazooClient) -> None:
         for path in list(self._ephemeral):

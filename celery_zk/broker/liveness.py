@@ -38,6 +38,26 @@ from .queue import QueueStore
 
 logger = logging.getLogger(__name__)
 
+#: Every consuming connection's identity in this process (see delivered_under).
+_identities: weakref.WeakSet[ConsumerSession] = weakref.WeakSet()
+
+
+def delivered_under(delivery_tag: str) -> tuple[bool, int | None]:
+    """Whether ``delivery_tag`` names a message in a consumer's inbox, and the
+    session (its id) of the live registration of this process it was given to;
+    None when that registration ended (its session was lost, its connection
+    closed): the message went back to its queue."""
+    ours = False
+    for identity in list(_identities):
+        try:
+            owner = identity.layout.split_owned_path(delivery_tag)[1]
+        except ValueError:
+            continue
+        ours = True
+        if identity._valid and owner == identity.consumer_id:
+            return True, identity.session_id
+    return ours, None
+
 
 class ConsumerSession:
     """One connection's identity as a consumer."""
@@ -48,6 +68,8 @@ class ConsumerSession:
         self.store = store
         self.consumer_id: str | None = None
         self.node_path: str | None = None
+        #: The ZooKeeper session the registration was made in.
+        self.session_id: int | None = None
         self._valid = False
         self._pid = 0
         self._lock = threading.Lock()
@@ -55,6 +77,7 @@ class ConsumerSession:
         self._recovery: Recovery | None = None
         self._queues: frozenset[str] = frozenset()
         handle.add_listener(self._on_state)
+        _identities.add(self)
 
     # -- identity -------------------------------------------------------------------
     def ensure_registered(self) -> tuple[str, str]:
@@ -86,6 +109,7 @@ class ConsumerSession:
                     lambda: path if client.exists(path) else None)
         self.node_path = path
         self.handle.own(self.node_path)   # deleted when this connection goes, however
+        self.session_id = client.client_id[0] if client.client_id else None
         self.consumer_id = consumer_id
         self._nodes[consumer_id] = self.node_path
         logger.debug("celery_zk: registered consumer %s", self.node_path)

@@ -36,6 +36,7 @@ from typing import Any
 from kazoo.client import KazooState
 
 from ..zk.session import SharedSession
+from .liveness import delivered_under
 
 __all__ = ["PauseMonitor", "StartGate", "close_all", "start_gate"]
 
@@ -116,9 +117,16 @@ class StartGate:
         lock: Celery calls it from a signal handler."""
         self.closing = True
 
-    def ticket(self) -> int | None:
-        """The session a task is handed to the pool under (None: none now)."""
-        return self.known
+    def ticket(self, delivery_tag: str | None) -> int | None:
+        """The session a task's message was delivered under (None: that
+        registration has ended). Not the session now: Celery may hand the pool
+        a task it received before a session loss it has not yet heard of (a
+        countdown coming due)."""
+        if delivery_tag is not None:
+            ours, session_id = delivered_under(delivery_tag)
+            if ours:
+                return session_id
+        return self.known   # a message not in an inbox: the session now
 
     def admit(self, ticket: int | None) -> bool:
         """Whether a task handed over under ``ticket`` may start now; blocks while

@@ -381,7 +381,11 @@ class Transport(virtual.Transport):
         # After a session expiry (else no-ops): queues first, then what routes to them
         # (and bindings another session had made, gone with it).
         self.auto_delete.restore()
-        self.bindings.reclaim()
+        if self.bindings.reclaim() and "celery.worker.state" in sys.modules:
+            # Broadcasts sent while the binding was gone reached nobody here;
+            # the revokes among them are kept in ZooKeeper (the nemesis saw a
+            # worker cut off at that moment run 7 revoked tasks).
+            load_into_worker(self.handle.client, self.layout)
         try:
             assert self.cycle is not None
             self.cycle.get(kombu_compat.deliver_callback(self))

@@ -42,6 +42,14 @@
   parameters (:data:`ON_APPLY_PARAMETERS`) and on ``apply_target`` calling
   ``accept_callback`` before the task, outside its ``try``; a start refused
   there ends ``apply_target`` before the task, as a cancelled future would.
+  The gate is told the message's delivery tag, read from the ``Request``
+  whose bound ``on_accepted`` Celery passes as ``accept_callback`` (its
+  ``message`` property): which registration, so which session, the message
+  was delivered to. Fallback: the session the task is handed over under.
+  The same wrapper asks ``Request.revoked()`` again right before the start,
+  as Celery does when it hands the task over: a revoke that came while the
+  task waited behind others in the pool is honoured (prefork's children take
+  a task only when free, so nothing waits there).
 """
 from __future__ import annotations
 
@@ -177,6 +185,11 @@ def _thread_pool_problem() -> str | None:
         return "celery.concurrency.thread.ApplyResult"
     if not callable(getattr(base.BasePool, "flush", None)):
         return "celery.concurrency.base.BasePool.flush"
+    from celery.worker.request import Request
+    if not (callable(getattr(Request, "on_accepted", None))
+            and callable(getattr(Request, "revoked", None))
+            and isinstance(getattr(Request, "message", None), property)):
+        return "celery.worker.request.Request.on_accepted, .revoked and .message"
     return None
 
 
@@ -187,8 +200,9 @@ _thread_pools: weakref.WeakSet[Any] = weakref.WeakSet()
 class StartGate(Protocol):
     """What decides whether a task handed to a thread pool may start."""
 
-    def ticket(self) -> Any:
-        """Taken when the task is handed over (in the consumer's thread)."""
+    def ticket(self, delivery_tag: str | None) -> Any:
+        """Taken when the task is handed over (in the consumer's thread), with
+        its message's delivery tag when Celery's request shows it."""
 
     def admit(self, ticket: Any) -> bool:
         """Asked in the pool thread right before the task starts; may block."""
@@ -210,17 +224,30 @@ def gate_thread_task_starts(gate: StartGate | None) -> None:
     _start_gate = gate
 
 
+def _delivery_tag(request: Any) -> str | None:
+    """The delivery tag of a Celery ``Request`` (``request.message``, a kombu
+    Message); None for anything else."""
+    tag = getattr(getattr(request, "message", None), "delivery_tag", None)
+    return tag if isinstance(tag, str) else None
+
+
 def _gated(gate: StartGate, accept: Callable[..., Any] | None) -> Callable[..., Any]:
-    ticket = gate.ticket()
+    # Celery passes its Request's bound on_accepted: the request, its message.
+    request = getattr(accept, "__self__", None)
+    ticket = gate.ticket(_delivery_tag(request))
 
     def accept_if_admitted(pid: Any, time_accepted: float) -> Any:
         if not gate.admit(ticket):
-            request = getattr(accept, "__self__", None)   # Celery's Request, for the log
             logger.warning("celery_zk: task %s[%s] not started: it was delivered under a "
                            "ZooKeeper session that has ended; its message went back to "
                            "the queue", getattr(request, "name", "?"),
                            getattr(request, "id", "?"))
             raise StartRefused("delivered under a ZooKeeper session that has ended")
+        revoked = getattr(request, "revoked", None)
+        if callable(revoked) and revoked():
+            # Revoked (or expired) while it waited in the pool: Celery looked only
+            # when it handed the task over. revoked() acks it and stores REVOKED.
+            raise StartRefused("revoked while it waited in the thread pool")
         return accept(pid, time_accepted) if accept else None
 
     return accept_if_admitted

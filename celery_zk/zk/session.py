@@ -250,11 +250,12 @@ class SharedSession:
         with self._lock:
             self._make_held(self.client, path)
 
-    def reclaim(self) -> None:
+    def reclaim(self) -> list[str]:
         """Make again the held nodes whose other session ended (from any thread
-        but kazoo's; a no-op unless some went)."""
+        but kazoo's; a no-op unless some went); the paths made again."""
+        made: list[str] = []
         if not self._lost:
-            return
+            return made
         with self._lock:
             client = self.client
             while self._lost:
@@ -262,8 +263,10 @@ class SharedSession:
                 self._borrowed.discard(path)
                 if path in self._held:
                     self._make_held(client, path)
+                    made.append(path)
                     logger.info("celery_zk: made %s again: the session that had made it "
                                 "ended", path)
+        return made
 
     def release_held(self, lease: _Lease, path: str) -> None:
         """Drop ``lease``'s count on ``path``; the last holder deletes it."""

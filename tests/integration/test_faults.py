@@ -526,6 +526,52 @@ def test_a_worker_restarted_under_its_name_hears_broadcasts_after_the_old_sessio
     assert "same@" in ping.stdout, ping.stdout + ping.stderr
 
 
+@pytest.mark.slow
+def test_a_revoke_sent_while_a_restarted_workers_binding_was_gone_is_honoured(
+        zookeeper_server: Any, zk_chroot: str, start_worker: Any, task_log: Path,
+        observer: Any) -> None:
+    """The restarted worker above makes its binding again once the old session
+    ends; cut off at that moment, it cannot until it is back, and broadcasts
+    sent meanwhile reach nobody. The revokes among them are kept in ZooKeeper
+    and must be read again when the binding is made (the nemesis saw a worker
+    run 7 revoked tasks so). Its own session lives through the cut (20 s)."""
+    host, port = zookeeper_server.hosts.rsplit(":", 1)
+    query = "handoff=false&session_timeout"
+    direct = f"{zookeeper_server.url}{zk_chroot}{ROOT}?{query}=10"
+    layout = Layout(ROOT)
+    bindings = layout.bindings("celery.pidbox")
+    zk = observer(f"{zookeeper_server.hosts}{zk_chroot}")
+
+    def binding() -> Any:
+        names = [n for n in zk.get_children(bindings) if n.startswith("same@")]
+        return zk.exists(f"{bindings}/{names[0]}") if names else None
+
+    with TCPProxy(host, int(port)) as proxy:
+        first = start_worker(direct, log=task_log, name="same", concurrency=1)
+        old_owner = binding().ephemeralOwner
+        first.kill()
+        start_worker(f"zk://{proxy.hosts}{zk_chroot}{ROOT}?{query}=20", log=task_log,
+                     name="same", concurrency=1)   # binds to the old session's node
+        proxy.blackhole()
+        wait_until(lambda: binding() is None, 30, message="the old session's binding stayed")
+        app = Celery("revoker", broker=direct, set_as_current=False)
+        try:
+            doomed = "revoked-while-cut-off"
+            doomed_id = f"{doomed}-{zk_chroot[-8:]}"
+            app.control.revoke(doomed_id)   # broadcast to nobody; kept in ZooKeeper
+            proxy.heal()
+            wait_until(lambda: binding() is not None, 30, message="never bound again")
+            assert binding().ephemeralOwner != old_owner
+            time.sleep(1)
+            app.send_task("proj.app.record", args=(doomed,), task_id=doomed_id)
+        finally:
+            app.close()
+        send_all(direct, "record", ["after"])
+        wait_all_ran(task_log, ["after"], 30)
+        time.sleep(1)
+    assert doomed not in executed_values(task_log)
+
+
 def _cut_a_past_its_session(url_a: str, url_b: str, zk: Any, start_worker: Any,
                             task_log: Path, pool: str, settle: float, back: float,
                             cut: Any, restore: Any,

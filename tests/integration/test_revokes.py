@@ -1,5 +1,6 @@
 """Durable revokes (celery_zk.features.revokes): a revoke outlives the workers alive when
-it was sent, on real servers and real workers (prefork)."""
+it was sent, on real servers and real workers (prefork); a thread pool honours a revoke
+that came while a task waited in it."""
 from __future__ import annotations
 
 import json
@@ -103,3 +104,30 @@ def test_the_durable_revokes_example_runs() -> None:
     proc = run_example("durable_revokes")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "unwanted: REVOKED" in proc.stdout and "wanted: wanted" in proc.stdout
+
+
+def test_a_task_revoked_while_it_waits_in_a_thread_pool_does_not_start(
+        zk_url: str, start_worker: Callable[..., Worker], task_log: Path) -> None:
+    """Celery's thread pool takes every task it is handed into its executor at
+    once and checks the revoked set only then; a task waiting there behind a
+    long one started even though its revoke had arrived (celery_zk asks again
+    right before the start). State REVOKED, as for one revoked before."""
+    worker = start_worker(zk_url, backend=zk_url, log=task_log, pool="threads",
+                          concurrency=1)
+    client = Celery("client", broker=zk_url, backend=zk_url, set_as_current=False)
+    try:
+        long = client.send_task("proj.app.slow_record", args=("long", 4))
+        wait_until(lambda: long.id in worker.output(), 30,
+                   message=f"the long task was never received:\n{worker.output()[-3000:]}")
+        doomed = client.send_task("proj.app.record", args=("revoked-while-waiting",))
+        wait_until(lambda: doomed.id in worker.output(), 30,
+                   message=f"the worker never received it:\n{worker.output()[-3000:]}")
+        client.control.revoke(doomed.id)
+        wait_until(lambda: f"Tasks flagged as revoked: {doomed.id}" in worker.output(), 30,
+                   message=f"the revoke never arrived:\n{worker.output()[-3000:]}")
+        assert long.get(timeout=60) == "long"
+        wait_until(lambda: doomed.state == "REVOKED", 30,
+                   message=f"state {doomed.state}; worker:\n{worker.output()[-3000:]}")
+        assert executed_values(task_log) == {"long": 1}, worker.output()[-3000:]
+    finally:
+        client.close()

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kazoo.client import KazooState
+from kazoo.client import KazooClient, KazooState
+from kombu import Connection
 
 from celery_zk.broker.start_gate import StartGate, close_all, start_gate
 from celery_zk.zk.config import parse_url
@@ -50,7 +51,7 @@ def test_a_start_waits_while_cut_off_and_goes_ahead_when_the_session_comes_back(
     proxy, handle = proxied
     gate = start_gate(handle.session)
     assert start_gate(handle.session) is gate   # one per session
-    ticket = gate.ticket()
+    ticket = gate.ticket(None)
     assert ticket is not None and gate.admit(ticket)
     _cut(proxy, handle)
     answer = _admit_in_a_thread(gate, ticket)
@@ -58,14 +59,14 @@ def test_a_start_waits_while_cut_off_and_goes_ahead_when_the_session_comes_back(
     assert answer == []   # it waits: the session may live or not
     proxy.heal()          # back within the session timeout: the same session
     wait_until(lambda: answer, 15, message="the start never went ahead")
-    assert answer == [True] and gate.ticket() == ticket
+    assert answer == [True] and gate.ticket(None) == ticket
 
 
 def test_a_start_under_a_session_that_expired_is_refused(
         proxied: tuple[TCPProxy, ClientHandle]) -> None:
     proxy, handle = proxied
     gate = start_gate(handle.session)
-    ticket = gate.ticket()
+    ticket = gate.ticket(None)
     _cut(proxy, handle)
     answer = _admit_in_a_thread(gate, ticket)
     time.sleep(6)         # past the 4 s session: the ensemble ends it
@@ -73,8 +74,8 @@ def test_a_start_under_a_session_that_expired_is_refused(
     proxy.heal()
     wait_until(lambda: answer, 15, message="the start was never answered")
     assert answer == [False]
-    wait_until(lambda: gate.ticket() is not None, 15, message="no new session")
-    assert gate.ticket() != ticket and gate.admit(gate.ticket())
+    wait_until(lambda: gate.ticket(None) is not None, 15, message="no new session")
+    assert gate.ticket(None) != ticket and gate.admit(gate.ticket(None))
 
 
 def test_a_start_after_a_pause_checks_its_session_first(
@@ -82,7 +83,7 @@ def test_a_start_after_a_pause_checks_its_session_first(
     """A pause is what the monitor notices; the check is one round trip."""
     _, handle = proxied
     gate = start_gate(handle.session)
-    ticket = gate.ticket()
+    ticket = gate.ticket(None)
     syncs: list[str] = []
     client = handle.client
     real = client.sync_async
@@ -102,7 +103,7 @@ def test_a_worker_shutting_down_waits_for_no_server(
     server that may never come would hold the shutdown."""
     proxy, handle = proxied
     gate = start_gate(handle.session)
-    ticket = gate.ticket()
+    ticket = gate.ticket(None)
     _cut(proxy, handle)
     answer = _admit_in_a_thread(gate, ticket)
     time.sleep(0.5)
@@ -110,3 +111,32 @@ def test_a_worker_shutting_down_waits_for_no_server(
     close_all()   # worker_shutting_down
     wait_until(lambda: answer, 5, message="the start still waits")
     assert answer == [False]
+
+
+def test_a_message_is_judged_by_the_session_it_was_delivered_under(zk_url: str) -> None:
+    """Not by the session when it is handed to the pool: Celery may hand over a
+    task it received before a session loss it has not heard of yet (a countdown
+    coming due), after the client already has a new session (the nemesis saw
+    a revoked one run so)."""
+    with Connection(zk_url) as conn:
+        queue = conn.SimpleQueue("gated")
+        queue.put({"n": 1})
+        message = queue.get(timeout=10)
+        tag = message.delivery_tag
+        gate = start_gate(conn.transport.handle.session)
+        client = conn.transport.handle.client
+        old = gate.ticket(tag)
+        assert old == client.client_id[0] and gate.admit(old)
+        assert gate.ticket("not-an-inbox-path") == old   # not ours: the session now
+        # Expire it as the server would: another client takes the session over
+        # and closes it.
+        twin = KazooClient(hosts=",".join(f"{h}:{p}" for h, p in client.hosts),
+                           client_id=client.client_id)
+        twin.start(timeout=10)
+        twin.stop()
+        twin.close()
+        wait_until(lambda: client.client_id not in (None,) and client.client_id[0] != old,
+                   30, message="the client never got a new session")
+        assert gate.ticket(None) == client.client_id[0]   # a new session, known
+        assert gate.ticket(tag) is None and not gate.admit(gate.ticket(tag))
+        assert not gate.admit(old)

@@ -224,7 +224,8 @@ def test_a_thread_pool_asks_the_start_gate_before_each_task() -> None:
             self.refuse: set[int] = set()
             self.asked: list[int] = []
 
-        def ticket(self) -> int:
+        def ticket(self, delivery_tag: str | None) -> int:
+            assert delivery_tag is None   # these accept callbacks are no Request's
             return next(self.tickets)
 
         def admit(self, ticket: int) -> bool:
@@ -252,6 +253,57 @@ def test_a_thread_pool_asks_the_start_gate_before_each_task() -> None:
         # Without an accept callback of Celery's the gate is asked all the same.
         pool.apply_async(lambda: events.append(("ran", 3))).wait(10)
         assert gate.asked[-1] == 3 and events[-1] == ("ran", 3)
+    finally:
+        celery_compat.gate_thread_task_starts(None)
+        pool.stop()
+
+
+def test_the_start_gate_is_told_the_delivery_tag_of_celerys_request() -> None:
+    """Celery passes its Request's bound ``on_accepted``; the gate gets the
+    request's message's delivery tag (the fenced names, on Celery's real pool)."""
+    from types import SimpleNamespace
+
+    from celery.concurrency import thread
+    from celery.worker.request import Request
+
+    tags: list[str | None] = []
+
+    class Gate:
+        def ticket(self, delivery_tag: str | None) -> None:
+            tags.append(delivery_tag)
+
+        def admit(self, ticket: None) -> bool:
+            return True
+
+    class FakeRequest:   # Celery's Request has these three, checked below
+        message = SimpleNamespace(delivery_tag="/root/queues/q/owned/c1/n5-1")
+
+        def __init__(self, revoked: bool = False) -> None:
+            self.is_revoked = revoked
+
+        def on_accepted(self, pid: int, time_accepted: float) -> None:
+            tags.append("accepted")
+
+        def revoked(self) -> bool:
+            return self.is_revoked
+
+    assert isinstance(Request.message, property) and callable(Request.on_accepted)
+    assert callable(Request.revoked)
+    assert celery_compat.flush_unstarted_thread_tasks()
+    celery_compat.gate_thread_task_starts(Gate())
+    pool = thread.TaskPool(limit=1)
+    pool.start()
+    try:
+        pool.apply_async(lambda: tags.append("ran"),
+                         accept_callback=FakeRequest().on_accepted).wait(10)
+        assert tags == ["/root/queues/q/owned/c1/n5-1", "accepted", "ran"]
+        # Revoked while it waited in the pool: not started.
+        tags.clear()
+        result = pool.apply_async(lambda: tags.append("ran"),
+                                  accept_callback=FakeRequest(revoked=True).on_accepted)
+        result.wait(10)
+        assert tags == ["/root/queues/q/owned/c1/n5-1"]
+        assert isinstance(result.f.exception(), celery_compat.StartRefused)
     finally:
         celery_compat.gate_thread_task_starts(None)
         pool.stop()

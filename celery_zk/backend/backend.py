@@ -70,7 +70,7 @@ from ..zk.layout import Layout
 from ..zk.payload import commit_deleting
 from ..zk.session import ClientHandle
 from .chord import ChordCounter
-from .chord_body import send_chord_body
+from .chord_body import LastPartResult, send_chord_body
 from .expiry import CHORD, GROUP, HOUR, RESULT, ExpiryIndex, Key, bucket_expired, expiry_hour
 from .payloads import ResultPayloads
 from .result_consumer import ResultConsumer, read_nodes
@@ -317,8 +317,9 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         if not gid:
             return None
         counter = self._counter(str(gid))
+        own = LastPartResult(self, str(request.id))
         counted, size, lazy, stalled = counter.increment(
-            str(request.id), getattr(request, "group_index", None))
+            str(request.id), getattr(request, "group_index", None), completing=own.mark)
         if counted is None and stalled:
             logger.warning("celery_zk: chord %s: every part is counted but the body was "
                            "never sent (the worker that counted the last part stopped "
@@ -338,7 +339,7 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         if counted > size:
             logger.warning("celery_zk: chord %s counted %d parts of %d", gid, counted, size)
             return None
-        send_chord_body(self, request, counter, lazy)
+        send_chord_body(self, request, counter, lazy, own)
         return None
 
     # -- reading --------------------------------------------------------------

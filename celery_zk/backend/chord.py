@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from kazoo.client import KazooClient
+from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import (
     BadVersionError,
     NodeExistsError,
@@ -119,13 +119,16 @@ class ChordCounter:
             raise ForceRetryError()
         raise failure[1]
 
-    def increment(self, part_id: str, group_index: int | None = None) -> Count:
-        """Count ``part_id`` (the ``group_index``-th task of the header)."""
+    def increment(self, part_id: str, group_index: int | None = None,
+                  completing: Callable[[TransactionRequest], None] | None = None) -> Count:
+        """Count ``part_id`` (the ``group_index``-th task of the header).
+        ``completing(tx)`` adds its own operations to the multi that counts the
+        run's last part (and only to that one)."""
         # One token per call: a commit that succeeded just before a
         # ConnectionLoss is recognised as ours on the retry, not as a duplicate.
         token = uuid.uuid4().hex
         return self.client.retry(self._inner_increment, part_id, token,
-                                 "" if group_index is None else str(group_index))
+                                 "" if group_index is None else str(group_index), completing)
 
     def value(self) -> int:
         try:
@@ -204,12 +207,13 @@ class ChordCounter:
         except NodeExistsError:
             pass
 
-    def finish(self) -> None:
+    def finish(self, also: Callable[[TransactionRequest], None] | None = None) -> None:
         """The body was sent: keep the counter as a tombstone (``~done``) and drop
-        the counted parts, so nothing counts again (see the module docstring)."""
+        the counted parts, so nothing counts again (see the module docstring).
+        ``also(tx)`` adds its own operations to the multi that makes ``~done``."""
         client = self.client
         try:
-            client.retry(client.create, self.done_path)
+            client.retry(self._inner_finish, also)
         except NodeExistsError:
             pass
         except NoNodeError:
@@ -223,7 +227,30 @@ class ChordCounter:
             except NoNodeError:
                 pass
 
-    def _inner_increment(self, part_id: str, token: str, group_index: str) -> Count:
+    def _inner_finish(self, also: Callable[[TransactionRequest], None] | None) -> None:
+        tx = self.client.transaction()
+        tx.create(self.done_path)
+        if also is not None:
+            also(tx)
+        failure = multi_failure(tx.commit())
+        if failure is None:
+            return
+        index, error = failure
+        if index > 0 and isinstance(error, (NoNodeError, BadVersionError)):
+            # What ``also`` changes went meanwhile: the tombstone is what matters.
+            self.client.create(self.done_path)
+            return
+        if index == 0 and isinstance(error, NodeExistsError) and also is not None:
+            # Finished already (a lost reply, or a part run again sent it too):
+            # what ``also`` does must still be done.
+            tx = self.client.transaction()
+            also(tx)
+            tx.commit()   # a failure here means it changed meanwhile: left as it is
+        raise error
+
+    def _inner_increment(self, part_id: str, token: str, group_index: str,
+                         completing: Callable[[TransactionRequest], None] | None = None
+                         ) -> Count:
         part_path = self.layout.chord_part(self.group_id, part_id)
         client = self.client
         # The same round trip as the count: what the run waits for, and its kind.
@@ -248,10 +275,14 @@ class ChordCounter:
         tx = client.transaction()
         tx.create(part_path, f"{count}:{token}:{group_index}".encode())
         tx.set_data(self.path, str(count).encode(), version=stat.version)
+        if completing is not None and size is not None and count == size:
+            completing(tx)
         failure = multi_failure(tx.commit())
         if failure is None:
             return Count(count, size, lazy)
         error = failure[1]
+        if failure[0] > 1:
+            raise ForceRetryError()   # what ``completing`` reads changed: again
         if isinstance(error, BadVersionError):
             raise ForceRetryError()  # another part was counted meanwhile
         if isinstance(error, NodeExistsError):

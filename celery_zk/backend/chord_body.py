@@ -12,6 +12,10 @@ resolved, until ``result_chord_join_timeout``), and Celery 5.3 ended its
 protocol with ``self.client.delete(key)``, which a backend whose client is
 kazoo cannot take.
 
+While it sends, the last part's own result reads STARTED
+(:class:`LastPartResult`), so that a worker stopped in between leaves a part
+that runs again even with ``worker_deduplicate_successful_tasks``.
+
 The outcome is Celery's: the body gets the header's results in header order
 (a nested group's as a list); the first failed part fails the body with
 ``ChordError('Dependency {id} raised {exc!r}')`` (its ``__cause__`` the part's
@@ -29,10 +33,13 @@ from celery import states
 from celery.canvas import maybe_signature
 from celery.exceptions import ChordError
 from celery.result import AsyncResult, GroupResult, ResultSet, allow_join_result
+from kazoo.client import KazooClient, TransactionRequest
+from kazoo.exceptions import NoNodeError
 
+from ..zk.payload import is_manifest
 from .chord import ChordCounter
 
-__all__ = ["send_chord_body"]
+__all__ = ["LastPartResult", "send_chord_body"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +61,13 @@ class ZooKeeperBackend(Protocol):
 
     def delete_group(self, group_id: str) -> Any: ...
 
+    def encode(self, data: Any) -> Any: ...
+
+    def path(self, key: Any) -> str: ...
+
+    @property
+    def client(self) -> KazooClient: ...
+
 
 class _PartFailed(Exception):
     def __init__(self, task_id: str, error: BaseException) -> None:
@@ -62,9 +76,54 @@ class _PartFailed(Exception):
         self.error = error
 
 
+class LastPartResult:
+    """The last part's own stored result, shown as STARTED while it sends the body.
+
+    With ``worker_deduplicate_successful_tasks`` Celery skips a redelivered
+    task whose result is SUCCESS without calling the backend. A worker that
+    stopped after counting a chord's last part and before sending its body
+    left a part nobody ran again, and the body was never sent (the nemesis's
+    B7; Redis's backend has the same gap). So the multi that counts the last
+    part also turns its SUCCESS into STARTED, and the one that finishes the
+    run turns it back: stopped in between, the part runs again and sends the
+    body. A chunked result (above ``chunk_size``) is left as it is.
+    """
+
+    def __init__(self, backend: ZooKeeperBackend, task_id: str) -> None:
+        self.backend = backend
+        self.task_id = task_id
+        self.path = backend.path(backend.get_key_for_task(task_id))
+        #: The stored bytes and meta, once marked.
+        self.original: bytes | None = None
+        self.meta: dict[str, Any] | None = None
+
+    def mark(self, tx: TransactionRequest) -> None:
+        """Add to the counting multi (under its retry): SUCCESS becomes STARTED."""
+        client = self.backend.client
+        try:
+            data, stat = client.get(self.path)
+        except NoNodeError:
+            return
+        if not data or is_manifest(data):
+            return
+        meta = self.backend.decode_result(data)
+        if meta.get("status") != states.SUCCESS:
+            return
+        pending = self.backend.encode({**meta, "status": states.STARTED})
+        tx.set_data(self.path, pending.encode() if isinstance(pending, str) else pending,
+                    version=stat.version)
+        self.original, self.meta = data, meta
+
+    def restore(self, tx: TransactionRequest) -> None:
+        """Add to the finishing multi: the SUCCESS as it was stored."""
+        if self.original is not None:
+            tx.set_data(self.path, self.original)
+
+
 def send_chord_body(backend: ZooKeeperBackend, request: Any, counter: ChordCounter,
-                    lazy: bool) -> None:
-    """The chord's every part is counted: send its body (or its error)."""
+                    lazy: bool, own: LastPartResult | None = None) -> None:
+    """The chord's every part is counted: send its body (or its error). ``own``:
+    the sending part's result, marked STARTED until the run is finished."""
     app = backend.app
     group_id = str(request.group)
     callback = maybe_signature(request.chord, app=app)
@@ -78,7 +137,10 @@ def send_chord_body(backend: ZooKeeperBackend, request: Any, counter: ChordCount
             _fail(backend, callback, group_id, f"GroupResult {group_id} no longer exists")
             return
         try:
-            values = _values(backend, header, _metas(backend, header))
+            metas = _metas(backend, header)
+            if own is not None and own.meta is not None:
+                metas[own.task_id] = own.meta   # stored as STARTED meanwhile
+            values = _values(backend, header, metas)
         except _PartFailed as failed:
             _fail(backend, callback, group_id,
                   f"Dependency {failed.task_id} raised {failed.error!r}", failed.error)
@@ -94,7 +156,7 @@ def send_chord_body(backend: ZooKeeperBackend, request: Any, counter: ChordCount
     finally:
         if header is not None:
             backend.delete_group(group_id)
-        counter.finish()
+        counter.finish(also=None if own is None else own.restore)
 
 
 def _fail(backend: ZooKeeperBackend, callback: Any, group_id: str, reason: str,

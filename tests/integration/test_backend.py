@@ -369,5 +369,59 @@ def test_a_chord_body_is_sent_by_its_last_part_run_again_after_its_worker_stoppe
     with pytest.raises(SystemExit):
         part_done(1, 4)                    # the last part: counted, then the worker stops
     assert app.AsyncResult("stalled-body").state == states.PENDING
+    # Not SUCCESS: Celery's worker_deduplicate_successful_tasks would skip it.
+    assert app.AsyncResult(parts[1]).state == states.STARTED
     part_done(1, 4)                        # redelivered and run again
     assert result.get(timeout=30) == 6
+    assert app.AsyncResult(parts[1]).get(timeout=10) == 4
+
+
+def test_with_deduplication_the_last_part_of_a_stalled_chord_runs_again(
+        app: Celery, worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same stop, with ``worker_deduplicate_successful_tasks``: Celery's own
+    tracer skips a redelivered task whose result is SUCCESS without calling the
+    backend, so the part stored before the stop must not read SUCCESS until the
+    body is sent (the nemesis turns deduplication on; B7)."""
+    from celery.app.trace import build_tracer
+
+    import celery_zk.backend.backend as backend_module
+
+    worker()   # runs the body
+    app.conf.update(task_acks_late=True, worker_deduplicate_successful_tasks=True)
+
+    executed: list[int] = []
+
+    @app.task(name=TASK + "add", shared=False)
+    def add(x: int, y: int) -> int:
+        executed.append(x)
+        return x + y
+
+    header = [sig(app, "add", 1, 1, queue="nowhere"), sig(app, "add", 2, 2, queue="nowhere")]
+    body = sig(app, "tsum").set(task_id="deduplicated-body")
+    result = chord(header)(body)
+    group_id = result.parent.id
+    parts = [r.id for r in result.parent.results]
+    real_send, sent = backend_module.send_chord_body, []
+
+    def stops_first(*args: Any, **kwargs: Any) -> None:
+        if not sent:
+            sent.append("stopped")
+            raise SystemExit("the worker stops before it sends the body")
+        real_send(*args, **kwargs)
+    monkeypatch.setattr(backend_module, "send_chord_body", stops_first)
+
+    def deliver(index: int, redelivered: bool) -> None:   # Celery's worker tracer
+        tracer = build_tracer(add.name, add, app=app)
+        request = {"id": parts[index], "group": group_id, "group_index": index,
+                   "chord": dict(body), "delivery_info": {"redelivered": redelivered},
+                   "task": add.name}
+        tracer(parts[index], (index + 1, index + 1), {}, request)
+
+    deliver(0, redelivered=False)
+    with pytest.raises(SystemExit):
+        deliver(1, redelivered=False)          # counted, then the worker stops
+    deliver(1, redelivered=True)               # not skipped: it runs and sends the body
+    assert result.get(timeout=30) == 6
+    assert app.AsyncResult(parts[1]).get(timeout=10) == 4
+    deliver(1, redelivered=True)               # now SUCCESS: skipped, nothing sent again
+    assert executed == [1, 2, 2]

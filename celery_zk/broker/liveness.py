@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 #: Every consuming connection's identity in this process (see delivered_under).
 _identities: weakref.WeakSet[ConsumerSession] = weakref.WeakSet()
+_identities_lock = threading.Lock()   # a connection made while a pool thread looks
 
 
 def delivered_under(delivery_tag: str) -> tuple[bool, int | None]:
@@ -48,7 +49,9 @@ def delivered_under(delivery_tag: str) -> tuple[bool, int | None]:
     None when that registration ended (its session was lost, its connection
     closed): the message went back to its queue."""
     ours = False
-    for identity in list(_identities):
+    with _identities_lock:
+        identities = list(_identities)
+    for identity in identities:
         try:
             owner = identity.layout.split_owned_path(delivery_tag)[1]
         except ValueError:
@@ -77,7 +80,8 @@ class ConsumerSession:
         self._recovery: Recovery | None = None
         self._queues: frozenset[str] = frozenset()
         handle.add_listener(self._on_state)
-        _identities.add(self)
+        with _identities_lock:
+            _identities.add(self)
 
     # -- identity -------------------------------------------------------------------
     def ensure_registered(self) -> tuple[str, str]:

@@ -265,7 +265,10 @@ class Inbox:
             self.taken &= set(names)
         while self.arrivals:
             names.append(self.arrivals.popleft())
-        new = [name for name in names if name not in self.taken]
+        # Once each: an entry made during the listing's round trip is both in the
+        # listing and reported by the watch (read twice, it was delivered twice:
+        # the nemesis saw a worker run its first 8 messages twice so).
+        new = [name for name in dict.fromkeys(names) if name not in self.taken]
         if not new:
             return
         if self.offer is not None and self.offer.outstanding:

@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 PAUSE = 1.0
 #: Seconds between the monitor's ticks.
 TICK = 0.1
+#: A pause this long is logged as a warning; a shorter one (a process starved
+#: of CPU for a second) at INFO.
+PAUSE_WARNING = 3.0
 #: Seconds a waiting start sleeps between looks (state changes wake it at once).
 RECHECK = 0.5
 
@@ -72,9 +75,10 @@ class PauseMonitor:
             now = time.monotonic()
             if now - before > self.pause:
                 self.paused_at = now
-                logger.warning("celery_zk: this process was stopped for %.1f s (a pause, "
-                               "SIGSTOP or a frozen host); tasks start again once its "
-                               "ZooKeeper session is known to live", now - before)
+                logger.log(logging.WARNING if now - before >= PAUSE_WARNING else logging.INFO,
+                           "celery_zk: this process was stopped for %.1f s (a pause, SIGSTOP, "
+                           "a frozen host or no CPU); tasks start again once its ZooKeeper "
+                           "session is known to live", now - before)
             self.tick = now
 
     def paused_since(self, since: float) -> bool:

@@ -333,24 +333,16 @@ def test_a_dropped_copy_of_a_result_does_not_end_the_wait(
     assert result.get(timeout=30) == "waited"
 
 
-def test_a_chord_body_is_sent_by_its_last_part_run_again_after_its_worker_stopped(
-        app: Celery, worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The worker that counted a chord's last part stopped before it sent the body
-    (the nemesis killed one there: the body never ran). The part's message is
-    redelivered and the task runs again; its count is refused as a duplicate,
-    and it must send the body then."""
-    from types import SimpleNamespace
-
+def _chord_whose_first_sender_stops(app: Celery, monkeypatch: pytest.MonkeyPatch,
+                                    body_id: str) -> tuple[Any, str, list[str], Any]:
+    """A two-part chord whose header waits where no worker looks, and whose
+    first attempt to send its body stops the worker (SystemExit) right after
+    the last part was counted: (result, group id, part ids, body)."""
     import celery_zk.backend.backend as backend_module
 
-    worker()   # runs the body
-    backend = app.backend
-    assert isinstance(backend, ZooKeeperBackend)
     header = [sig(app, "add", 1, 1, queue="nowhere"), sig(app, "add", 2, 2, queue="nowhere")]
-    body = sig(app, "tsum").set(task_id="stalled-body")
-    result = chord(header)(body)   # the header waits where no worker looks
-    group_id = result.parent.id
-    parts = [r.id for r in result.parent.results]
+    body = sig(app, "tsum").set(task_id=body_id)
+    result = chord(header)(body)
     real_send, sent = backend_module.send_chord_body, []
 
     def stops_first(*args: Any, **kwargs: Any) -> None:
@@ -359,6 +351,22 @@ def test_a_chord_body_is_sent_by_its_last_part_run_again_after_its_worker_stoppe
             raise SystemExit("the worker stops before it sends the body")
         real_send(*args, **kwargs)
     monkeypatch.setattr(backend_module, "send_chord_body", stops_first)
+    return result, result.parent.id, [r.id for r in result.parent.results], body
+
+
+def test_a_chord_body_is_sent_by_its_last_part_run_again_after_its_worker_stopped(
+        app: Celery, worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker that counted a chord's last part stopped before it sent the body
+    (the nemesis killed one there: the body never ran). The part's message is
+    redelivered and the task runs again; its count is refused as a duplicate,
+    and it must send the body then."""
+    from types import SimpleNamespace
+
+    worker()   # runs the body
+    backend = app.backend
+    assert isinstance(backend, ZooKeeperBackend)
+    result, group_id, parts, body = _chord_whose_first_sender_stops(app, monkeypatch,
+                                                                    "stalled-body")
 
     def part_done(index: int, value: int) -> None:   # what the worker's trace does
         request = SimpleNamespace(id=parts[index], group=group_id, group_index=index,
@@ -384,8 +392,6 @@ def test_with_deduplication_the_last_part_of_a_stalled_chord_runs_again(
     body is sent (the nemesis turns deduplication on; B7)."""
     from celery.app.trace import build_tracer
 
-    import celery_zk.backend.backend as backend_module
-
     worker()   # runs the body
     app.conf.update(task_acks_late=True, worker_deduplicate_successful_tasks=True)
 
@@ -396,19 +402,8 @@ def test_with_deduplication_the_last_part_of_a_stalled_chord_runs_again(
         executed.append(x)
         return x + y
 
-    header = [sig(app, "add", 1, 1, queue="nowhere"), sig(app, "add", 2, 2, queue="nowhere")]
-    body = sig(app, "tsum").set(task_id="deduplicated-body")
-    result = chord(header)(body)
-    group_id = result.parent.id
-    parts = [r.id for r in result.parent.results]
-    real_send, sent = backend_module.send_chord_body, []
-
-    def stops_first(*args: Any, **kwargs: Any) -> None:
-        if not sent:
-            sent.append("stopped")
-            raise SystemExit("the worker stops before it sends the body")
-        real_send(*args, **kwargs)
-    monkeypatch.setattr(backend_module, "send_chord_body", stops_first)
+    result, group_id, parts, body = _chord_whose_first_sender_stops(app, monkeypatch,
+                                                                    "deduplicated-body")
 
     def deliver(index: int, redelivered: bool) -> None:   # Celery's worker tracer
         tracer = build_tracer(add.name, add, app=app)

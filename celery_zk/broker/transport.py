@@ -162,6 +162,11 @@ def _on_worker_shutting_down(**_: Any) -> None:
     start_gate.close_all()   # a pool's stop waits for starts that wait for a server
 
 
+def _in_a_worker() -> bool:
+    """Whether this process runs a Celery worker (whose revoked set to fill)."""
+    return "celery.worker.state" in sys.modules
+
+
 class Transport(virtual.Transport):
     """kombu transport storing messages as ZooKeeper sequential nodes."""
 
@@ -269,7 +274,7 @@ class Transport(virtual.Transport):
         when the connection is lost (:func:`celery_compat.flush_unstarted_thread_tasks`)
         and starts a task only while its session is known live (:mod:`.start_gate`)."""
         global _revokes_loaded_by
-        if "celery.worker.state" not in sys.modules:
+        if not _in_a_worker():
             return
         if celery_compat.flush_unstarted_thread_tasks():
             # A pool thread asks before each start whether the session it was
@@ -381,7 +386,7 @@ class Transport(virtual.Transport):
         # After a session expiry (else no-ops): queues first, then what routes to them
         # (and bindings another session had made, gone with it).
         self.auto_delete.restore()
-        if self.bindings.reclaim() and "celery.worker.state" in sys.modules:
+        if self.bindings.reclaim() and _in_a_worker():
             # Broadcasts sent while the binding was gone reached nobody here;
             # the revokes among them are kept in ZooKeeper (the nemesis saw a
             # worker cut off at that moment run 7 revoked tasks).

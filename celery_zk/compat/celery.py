@@ -48,8 +48,9 @@
   was delivered to. Fallback: the session the task is handed over under.
   The same wrapper asks ``Request.revoked()`` again right before the start,
   as Celery does when it hands the task over: a revoke that came while the
-  task waited behind others in the pool is honoured (prefork's children take
-  a task only when free, so nothing waits there).
+  task waited behind others in the pool is honoured. The prefork pool has
+  neither check: a child that already holds a task runs it (docs/nemesis.md,
+  B12, open).
 """
 from __future__ import annotations
 

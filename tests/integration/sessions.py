@@ -13,6 +13,8 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
+from kazoo.client import KazooClient
+
 from celery_zk.server import four_letter_word
 
 _CONS_RE = re.compile(r"^\s*/([0-9.]+):(\d+)\[\d+\]\((.*)\)\s*$")
@@ -98,3 +100,13 @@ def process_tree(pid: int) -> set[int]:
 
 def count(sessions: Counter[int], pids: Iterable[int]) -> int:
     return sum(sessions[p] for p in pids)
+
+
+def expire(client: KazooClient) -> None:
+    """End ``client``'s session as the server would on a timeout: another client
+    takes the session over and closes it (``client`` then gets a new one)."""
+    twin = KazooClient(hosts=",".join(f"{h}:{p}" for h, p in client.hosts),
+                       client_id=client.client_id)
+    twin.start(timeout=10)
+    twin.stop()
+    twin.close()

@@ -21,6 +21,7 @@ from celery_zk.features.affinity import AffinityKeyError
 from celery_zk.zk.layout import Layout, affinity_token, parse_message_name
 
 from .queues import waiting
+from .sessions import expire
 from .workers import Worker, read_log, run_example, wait_until
 
 LAYOUT = Layout("/")   # zk_client is chrooted at the URL's path
@@ -148,13 +149,7 @@ def test_a_process_that_only_holds_states_its_keys_again_after_a_session_expiry(
             return client.client_id[0] if client.client_id else None
 
         old_session = session()
-        # Expire it as the server would: another client takes the session over
-        # and closes it.
-        twin = KazooClient(hosts=",".join(f"{h}:{p}" for h, p in client.hosts),
-                           client_id=client.client_id)
-        twin.start(timeout=10)
-        twin.stop()
-        twin.close()
+        expire(client)
         wait_until(lambda: session() not in (None, old_session), 30,
                    message="the client never got a new session")
         wait_until(lambda: sorted(holdings(zk_client).values()) == [session()] * 2,

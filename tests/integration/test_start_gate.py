@@ -9,13 +9,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kazoo.client import KazooClient, KazooState
+from kazoo.client import KazooState
 from kombu import Connection
 
 from celery_zk.broker.start_gate import StartGate, close_all, start_gate
 from celery_zk.zk.config import parse_url
 from celery_zk.zk.session import ClientHandle
 
+from .sessions import expire
 from .tcpproxy import TCPProxy
 from .workers import wait_until
 
@@ -128,13 +129,7 @@ def test_a_message_is_judged_by_the_session_it_was_delivered_under(zk_url: str) 
         old = gate.ticket(tag)
         assert old == client.client_id[0] and gate.admit(old)
         assert gate.ticket("not-an-inbox-path") == old   # not ours: the session now
-        # Expire it as the server would: another client takes the session over
-        # and closes it.
-        twin = KazooClient(hosts=",".join(f"{h}:{p}" for h, p in client.hosts),
-                           client_id=client.client_id)
-        twin.start(timeout=10)
-        twin.stop()
-        twin.close()
+        expire(client)
         wait_until(lambda: client.client_id not in (None,) and client.client_id[0] != old,
                    30, message="the client never got a new session")
         assert gate.ticket(None) == client.client_id[0]   # a new session, known

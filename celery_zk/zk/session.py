@@ -41,7 +41,6 @@ from typing import Any, TypeVar
 
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import ConnectionClosedError, NodeExistsError, NoNodeError
-from kazoo.protocol.states import EventType
 
 from .client import CONNECTION_ERRORS, Deferred, check_root, log_failure, make_client
 from .config import ZKSettings
@@ -151,6 +150,9 @@ class SharedSession:
         # kazoo's event thread: the listeners only flag and wake.
         for listener in list(self._listeners):
             listener(state)
+        if state == KazooState.CONNECTED and self._lost:
+            for wake in list(self._wakers):
+                wake()   # borrowed nodes to look at again (reclaim): now it can
         for handle in list(self._handles):
             handle._dispatch(state)
 
@@ -216,32 +218,46 @@ class SharedSession:
             self._held.setdefault(path, set()).add(lease.token)
             lease.held.add(path)
 
-    def _make_held(self, client: KazooClient, path: str) -> None:
+    def _make_held(self, client: KazooClient, path: str) -> bool:
+        """Make ``path`` ours, or watch another session's node of that name;
+        True when this call created it."""
         try:
             client.retry(client.create, path, ephemeral=True, makepath=True)
-            return
+            return True
         except NodeExistsError:
             pass
         # Another session's (a process killed a moment ago, whose session lives
         # until its timeout, under the same node name; or another live holder):
         # it goes with that session, and ours must be there then. Watched, and
-        # made again by reclaim() once it is gone.
+        # made again by reclaim() once it is gone. Marked before the watch is
+        # set: the deletion may be reported before exists() returns here.
+        self._borrowed.add(path)
         stat = client.retry(client.exists, path, watch=self._gone_cb)
         if stat is None:
-            self._make_held(client, path)   # gone meanwhile
-        elif stat.ephemeralOwner != client.client_id[0]:
-            self._borrowed.add(path)
+            self._borrowed.discard(path)
+            return self._make_held(client, path)   # gone meanwhile
+        if stat.ephemeralOwner == client.client_id[0]:
+            self._borrowed.discard(path)   # ours already (a retried create)
+        return False
 
     def _on_gone(self, event: Any) -> None:
         # kazoo's event thread: flag and wake, nothing else.
-        if event.type == EventType.DELETED and event.path in self._borrowed:
-            self._lost.add(event.path)
-            for wake in list(self._wakers):
-                wake()
+        if event.path is None:
+            # A dropped connection: kazoo dropped every watch with it (and the
+            # server too; kazoo sends no SetWatches), so the deletion would never
+            # be told. Look at each borrowed node again once connected.
+            self._lost.update(list(self._borrowed))
+        elif event.path in self._borrowed:
+            self._lost.add(event.path)   # deleted; any other event used the watch up
+        else:
+            return
+        for wake in list(self._wakers):
+            wake()
 
     def on_reclaim_needed(self, wake: Callable[[], None]) -> None:
         """``wake`` is called (kazoo's thread) when an ephemeral node this session
-        holds but another session had made is gone: call :meth:`reclaim`."""
+        holds but another session had made is gone, or its watch was dropped
+        with a connection: call :meth:`reclaim`."""
         self._wakers.append(wake)
 
     def remake_held(self, path: str) -> None:
@@ -251,18 +267,26 @@ class SharedSession:
             self._make_held(self.client, path)
 
     def reclaim(self) -> list[str]:
-        """Make again the held nodes whose other session ended (from any thread
-        but kazoo's; a no-op unless some went); the paths made again."""
+        """Make again the held nodes whose other session ended, and watch again
+        those whose watch went with a connection (from any thread but kazoo's;
+        a no-op unless some need it, or while not connected: the client's
+        reconnect wakes the caller again). The paths made again."""
         made: list[str] = []
-        if not self._lost:
+        client = self._client
+        if not self._lost or client is None or client.state != KazooState.CONNECTED:
             return made
         with self._lock:
-            client = self.client
             while self._lost:
                 path = self._lost.pop()
                 self._borrowed.discard(path)
-                if path in self._held:
-                    self._make_held(client, path)
+                if path not in self._held:
+                    continue
+                try:
+                    created = self._make_held(client, path)
+                except CONNECTION_ERRORS:
+                    self._lost.add(path)   # the next call, once connected again
+                    break
+                if created:
                     made.append(path)
                     logger.info("celery_zk: made %s again: the session that had made it "
                                 "ended", path)

@@ -15,7 +15,8 @@ before 3.6; asked once per process by a client of its own, see
 returns False and the caller keeps using one-shot child watches.
 
 The server forgets a connection's watches when the connection drops, and
-kazoo re-sends only its own. Each connection drop therefore bumps a
+kazoo re-sends none (it drops its own one-shot watches too, telling each
+watcher with an event of type NONE and no path). Each connection drop therefore bumps a
 generation, and a watch counts as set only when it was added in the current
 one; the owner re-adds it (and re-reads what it watches) after a reconnect.
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from kazoo.client import KazooClient
+from kazoo.client import KazooClient, KazooState
 from kombu import Connection
 
 from celery_zk.zk import session as zk_session
@@ -262,3 +262,56 @@ def test_a_forked_child_gets_its_own_session(zk_url: str,
             os.waitpid(pid, 0)
         assert parent_client.connected   # the child did not end the parent's session
         conn.default_channel.queue_declare("after-fork")
+
+
+def test_a_node_held_by_another_session_is_made_again_after_a_reconnect(
+        zookeeper_server: Any, zk_chroot: str) -> None:
+    """A restarted worker binds to its dead predecessor's pidbox node and
+    watches it, to make its own when that session ends. A dropped connection
+    drops the watch (kazoo re-sends none), so the end must still be noticed:
+    the nemesis had a worker that never heard a broadcast again because its
+    connection moved to another server between the two."""
+    from celery_zk.zk.config import parse_url
+    from celery_zk.zk.session import ClientHandle
+
+    from .tcpproxy import TCPProxy
+
+    path = f"{zk_chroot}/exchanges/celery.pidbox/bindings/same@host.celery.pidbox,%%"
+    old = KazooClient(zookeeper_server.hosts)   # the killed predecessor's session
+    old.start()
+    host, port = zookeeper_server.hosts.rsplit(":", 1)
+    try:
+        old.create(path, ephemeral=True, makepath=True)
+        with TCPProxy(host, int(port)) as proxy:
+            handle = ClientHandle(parse_url(
+                f"zk://{proxy.hosts}?session_timeout=10&session_name=held-{zk_chroot[-8:]}"))
+            woken: list[bool] = []
+            try:
+                handle.hold(path)
+                handle.session.on_reclaim_needed(lambda: woken.append(True))
+                ours = handle.client.client_id[0]
+                assert old.exists(path).ephemeralOwner != ours
+                proxy.blackhole()
+                wait_until(lambda: handle.client.state == KazooState.SUSPENDED, 20,
+                           message="the client never noticed it was cut off")
+                proxy.heal()   # within the session timeout: the same session
+                wait_until(lambda: handle.client.state == KazooState.CONNECTED, 20,
+                           message="the client never reconnected")
+                assert handle.client.client_id[0] == ours
+                wait_until(lambda: woken, 10, message="nobody was asked to look again")
+                assert handle.session.reclaim() == []   # still the old session's: watched
+                old.stop()   # that session ends: its node goes
+                wait_until(lambda: handle.session.reclaim() == [path], 10,
+                           message="the node was never made again")
+                stat = KazooClient(zookeeper_server.hosts)
+                stat.start()
+                try:
+                    assert stat.exists(path).ephemeralOwner == ours
+                finally:
+                    stat.stop()
+                    stat.close()
+            finally:
+                handle.close()
+    finally:
+        old.stop()
+        old.close()

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
-from kazoo.client import TransactionRequest
+from kazoo.client import KazooState, TransactionRequest
 from kazoo.exceptions import (
     BadVersionError,
+    ConnectionClosedError,
     ConnectionLoss,
     NodeExistsError,
     NoNodeError,
+    SessionExpiredError,
 )
 
 from ..zk.client import (
+    CONNECTION_ERRORS,
     RedoThread,
     log_failure,
     multi_failure,
@@ -41,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 #: Most acks sent in one multi (two deletes of a few dozen bytes each).
 ACK_BATCH = 256
+#: Seconds between redos of an ack or delete whose connection was lost.
+REDO_PAUSE = 1.0
 
 
 class Acking(StoreBase):
@@ -206,15 +212,35 @@ class Acking(StoreBase):
         try:
             self.ack(owned_path, consumer_node)
         except Exception as exc:  # the session's end will requeue it: at-least-once
-            log_failure(logger, exc, "celery_zk: could not ack %s; it will be redelivered "
-                        "when this worker's session ends", owned_path)
+            if not self._redo_later(self._ack_retries, item, exc):
+                log_failure(logger, exc, "celery_zk: could not ack %s; it will be "
+                            "redelivered when this worker's session ends", owned_path)
 
     def _drop_again(self, owned_path: str) -> None:
         try:
             self.remove(owned_path, dead_letter=False)
         except Exception as exc:  # the session's end requeues it: at-least-once
-            log_failure(logger, exc, "celery_zk: could not delete no-ack message %s",
-                        owned_path)
+            if not self._redo_later(self._drops, owned_path, exc):
+                log_failure(logger, exc, "celery_zk: could not delete no-ack message %s",
+                            owned_path)
+
+    def _redo_later(self, redo: RedoThread[Any], item: Any, exc: Exception) -> bool:
+        """After a redo failed on a lost connection: submit it again (a second
+        later, on the redo thread) while the session may live, so a message is
+        not left owned by a live consumer for good (the nemesis found a no-ack
+        broadcast so, its delete lost in a partition). False once the session
+        ended (its messages are requeued) or the connection was closed."""
+        if not isinstance(exc, CONNECTION_ERRORS) or isinstance(
+                exc, (SessionExpiredError, ConnectionClosedError)):
+            return False
+        try:
+            if self.client.state == KazooState.LOST:
+                return False
+        except CONNECTION_ERRORS:
+            return False
+        time.sleep(REDO_PAUSE)
+        redo.submit(item)
+        return True
 
     def requeue(self, owned_path: str, data: bytes | None = None,
                 expected_version: int = -1) -> bool:
@@ -305,11 +331,13 @@ class Acking(StoreBase):
             self._drops.submit(owned_path)
             return
 
-        def done(result: Any) -> None:
+        def done(result: Any) -> None:   # kazoo's event thread: never block here
             try:
                 failure = multi_failure(result.get())
                 if failure is not None and not isinstance(failure[1], NoNodeError):
                     raise failure[1]
+            except CONNECTION_ERRORS:
+                self._drops.submit(owned_path)   # redone once connected (idempotent)
             except Exception as exc:  # the owner's session end requeues it: at-least-once
                 log_failure(logger, exc, "celery_zk: could not delete no-ack message %s",
                             owned_path)

@@ -100,6 +100,9 @@ class StartGate:
         #: The session last connected (kazoo's ``client_id`` is None while
         #: SUSPENDED, when the session may well live); None once it is lost.
         self.known: int | None = None
+        #: Wall times the client last lost its connection (SUSPENDED or LOST),
+        #: and last (re)connected.
+        self.cut_at = self.connected_at = float("-inf")
         session.add_listener(self._on_state)
         client = session.current_client
         if client is not None:
@@ -112,8 +115,22 @@ class StartGate:
             self.known = client.client_id[0]
         elif state == KazooState.LOST:
             self.known = None
+        if state == KazooState.CONNECTED:
+            self.connected_at = time.time()
+        else:
+            self.cut_at = time.time()
         with self._changed:
             self._changed.notify_all()
+
+    def disturbed_since(self, wall: float) -> bool:
+        """Whether this process may have lost touch with the ensemble after
+        ``wall`` (a ``time.time()``): cut off, its session lost, reconnected or
+        paused since then, or not connected now."""
+        client = self.session.current_client
+        if (client is None or client.state != KazooState.CONNECTED
+                or max(self.cut_at, self.connected_at) >= wall):
+            return True
+        return self.monitor.paused_since(time.monotonic() - max(0.0, time.time() - wall))
 
     def close(self) -> None:
         """The worker is going: starts that wait for a server give up within

@@ -120,7 +120,7 @@ from ..zk.config import (
 from ..zk.layout import Layout
 from ..zk.session import ClientHandle
 from ..zk.watches import TreeWatches
-from . import start_gate
+from . import child_gate, start_gate
 from .autodelete import AutoDeleteQueues
 from .bindings import Bindings
 from .channel import Channel
@@ -215,6 +215,20 @@ class Transport(virtual.Transport):
         self._shutdowns_seen = _shutdowns
         self._session_lost = False
         self.handle.add_listener(self._on_state)
+        if _in_a_worker():
+            self._gate_prefork_children()
+
+    def _gate_prefork_children(self) -> None:
+        """A prefork child asks whether a task handed to it before a cut-off or
+        pause was revoked meanwhile (:mod:`.child_gate`). Installed when the
+        worker's first connection is made: Celery binds its pool's
+        ``apply_async`` into each task's request class when its consumer starts."""
+        from celery import current_app
+
+        if child_gate.backend_handle(current_app, self.settings.hosts) is not None:
+            parent, root = start_gate.start_gate(self.handle.session), self.layout.root
+            celery_compat.hand_prefork_tasks_through(
+                child_gate.start_in_child, lambda: child_gate.stamp(parent, root))
 
     @staticmethod
     def _settings(client: Any) -> ZKSettings:

@@ -48,9 +48,19 @@
   was delivered to. Fallback: the session the task is handed over under.
   The same wrapper asks ``Request.revoked()`` again right before the start,
   as Celery does when it hands the task over: a revoke that came while the
-  task waited behind others in the pool is honoured. The prefork pool has
-  neither check: a child that already holds a task runs it (docs/nemesis.md,
-  B12, open).
+  task waited behind others in the pool is honoured.
+* **Prefork hand-over**, ``celery.concurrency.prefork.TaskPool.apply_async``
+  (``BasePool``'s, not overridden) and the arguments
+  ``Request.execute_using_pool`` passes Celery's tracer (task name, task id,
+  request dict, body, ...): a child that already holds a task runs it after
+  a revoke the parent heard too late (docs/nemesis.md, B12).
+  :func:`hand_prefork_tasks_through` makes a child call a starter of ours,
+  told what the parent knew at the hand-over, in place of the tracer, and the
+  starter calls the tracer (:mod:`celery_zk.broker.child_gate`); the starter
+  is pickled by reference as the tracer is. Celery binds the pool's
+  ``apply_async`` into each task's request class when its consumer starts,
+  so this is installed with the worker's first connection. Fallback: no
+  check in children, with a warning.
 """
 from __future__ import annotations
 
@@ -63,7 +73,8 @@ from typing import Any, Protocol
 from . import PrivateAPIChanged, describe
 
 __all__ = ["BACKEND_HOOKS", "StartRefused", "drop_unstarted_thread_tasks",
-           "flush_unstarted_thread_tasks", "gate_thread_task_starts", "is_lazy",
+           "flush_unstarted_thread_tasks", "gate_thread_task_starts",
+           "hand_prefork_tasks_through", "is_lazy",
            "is_stray_copy", "missing", "wrap_group_apply_tasks", "wrap_url_masking"]
 
 logger = logging.getLogger(__name__)
@@ -313,6 +324,67 @@ def flush_unstarted_thread_tasks() -> bool:
     return True
 
 
+def hand_prefork_tasks_through(starter: Callable[..., Any],
+                               stamp: Callable[[], tuple[Any, ...]]) -> bool:
+    """Make prefork children call ``starter(tracer, *stamp(), *tracer_args)`` in
+    place of Celery's tracer (``stamp`` runs in the parent at the hand-over;
+    idempotent, the last ``stamp`` wins). False, nothing changed, when this
+    Celery's prefork pool is not the one this was written against."""
+    from celery.concurrency import base, prefork
+
+    global _prefork_stamp
+    pool = prefork.TaskPool
+    if getattr(pool.apply_async, "_celery_zk", False):
+        _prefork_stamp = stamp
+        return True
+    problem = _prefork_problem()
+    if problem is not None:
+        logger.warning("%s", _changed(
+            problem, "to check, in a prefork child, the revokes of tasks handed over while "
+            "the worker was cut off or paused", "Such a task may run after its revoke."))
+        return False
+    original = base.BasePool.apply_async
+    _prefork_stamp = stamp
+
+    def apply_async(self: Any, target: Any, args: Any = None, kwargs: Any = None,
+                    **options: Any) -> Any:
+        # (task name, task id, request dict, ...): Celery's tracer; anything else as it is
+        stamped = _prefork_stamp
+        if (stamped is not None and isinstance(args, (tuple, list)) and len(args) >= 3
+                and isinstance(args[2], dict)):
+            args = (target, *stamped(), *args)
+            target = starter
+        return original(self, target, args, kwargs, **options)
+
+    apply_async._celery_zk = True  # type: ignore[attr-defined]
+    apply_async.__wrapped__ = original  # type: ignore[attr-defined]
+    pool.apply_async = apply_async
+    return True
+
+
+def _prefork_problem() -> str | None:
+    """What differs from the prefork hand-over :func:`hand_prefork_tasks_through`
+    relies on; None if nothing."""
+    import inspect
+
+    from celery.app import trace
+    from celery.concurrency import base, prefork
+
+    apply_async = prefork.TaskPool.apply_async
+    if not (apply_async is base.BasePool.apply_async or getattr(apply_async, "_celery_zk", False)):
+        return "celery.concurrency.prefork.TaskPool overrides apply_async"
+    for name, first in (("fast_trace_task", ["task", "uuid", "request"]),
+                        ("trace_task_ret", ["name", "uuid", "request"])):
+        tracer = getattr(trace, name, None)
+        if not callable(tracer) or list(inspect.signature(tracer).parameters)[:3] != first:
+            return f"celery.app.trace.{name}({', '.join(first)}, ...)"
+    return None
+
+
+#: What the parent adds to each prefork hand-over (hand_prefork_tasks_through).
+_prefork_stamp: Callable[[], tuple[Any, ...]] | None = None
+
+
 def is_stray_copy(pending_results: Any, result: Any) -> bool:
     """Whether ``result`` is not the object waiting on its task id in a pending
     map that holds one object per id (Celery before 5.7; see above)."""
@@ -348,6 +420,11 @@ def missing(backend: Any = None) -> list[str]:
     if problem is not None:
         problems.append(str(_changed(problem, "to drop a thread pool's unstarted tasks on "
                                      "a lost connection", "They run after redelivery.")))
+    problem = _prefork_problem()
+    if problem is not None:
+        problems.append(str(_changed(problem, "to check, in a prefork child, the revokes of "
+                                     "tasks handed over while the worker was cut off or "
+                                     "paused", "Such a task may run after its revoke.")))
     for module, cls, name in BACKEND_HOOKS:
         owner = getattr(importlib.import_module(module), cls, None)
         if not callable(getattr(owner, name, None)):

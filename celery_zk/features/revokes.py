@@ -97,6 +97,19 @@ class RevokeStore:
                 pass
         return kept
 
+    def kept(self, task_id: str, expires: float, now: float | None = None) -> bool:
+        """Whether a revoke of ``task_id`` younger than ``expires`` seconds is
+        kept (one read; connection errors are raised)."""
+        client = self.client
+        try:
+            data, _ = client.retry(client.get, self.layout.revoked_task(task_id))
+            at = float(json.loads(data)["at"])
+        except NoNodeError:
+            return False
+        except (ValueError, KeyError, TypeError):
+            return False   # unreadable: ignored, as load() ignores it
+        return at + expires > (time.time() if now is None else now)
+
     def load(self, expires: float, now: float | None = None
              ) -> tuple[list[tuple[str, float]], dict[str, list[tuple[Any, float]]]]:
         """``([(task id, at)], {header: [(stamp, at)]})`` of revokes younger than

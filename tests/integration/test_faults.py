@@ -699,3 +699,60 @@ def test_a_revoke_made_while_a_worker_was_away_is_honoured_when_it_is_back(
     wait_all_ran(task_log, ["after"], 30)
     time.sleep(1)
     assert "revoked-while-away" not in executed_values(task_log), a.output()[-3000:]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_prefork_child_does_not_start_a_task_revoked_while_it_was_paused(
+        zk_url: str, start_worker: Any, task_log: Path) -> None:
+    """B12: a prefork parent checks its revoked set when it hands a task to a
+    child; a child has no revoked set of its own. Here the child is stopped
+    when ``doomed`` is handed to it, then the parent is stopped too and the
+    revoke is sent, which the parent cannot hear; the child is resumed first.
+    It must read the kept revoke before it starts the task (the nemesis saw a
+    prefork child run a task 17 s after its revoke)."""
+    url = f"{zk_url}?session_timeout=10"
+    a = start_worker(url, backend=url, log=task_log, name="a", pool="prefork",
+                     concurrency=1)
+    send_all(url, "record", ["warm"])   # the child has run a task before
+    wait_all_ran(task_log, ["warm"], 30)
+    [child] = _children(a.pid)
+    app = Celery("revoker", broker=url, backend=url, set_as_current=False)
+    try:
+        os.kill(child, signal.SIGSTOP)
+        try:
+            doomed = app.send_task("proj.app.record", args=("doomed",))
+            wait_until(lambda: "proj.app.record[" + doomed.id in a.output(), 30,
+                       message=a.output()[-3000:])
+            time.sleep(0.5)   # handed to the (stopped) child
+            os.kill(a.pid, signal.SIGSTOP)
+            try:
+                app.control.revoke(doomed.id)   # kept; the parent hears it when resumed
+                time.sleep(1.5)
+            finally:
+                os.kill(child, signal.SIGCONT)
+            time.sleep(2)     # the child alone runs
+        finally:
+            os.kill(child, signal.SIGCONT)
+            os.kill(a.pid, signal.SIGCONT)
+        wait_until(lambda: doomed.state == "REVOKED", 60,
+                   message=f"state {doomed.state}:\n{a.output()[-3000:]}")
+        send_all(url, "record", ["after"])
+        wait_all_ran(task_log, ["after"], 30)
+    finally:
+        app.close()
+    assert "doomed" not in executed_values(task_log), a.output()[-3000:]
+    assert "it was revoked while this worker was cut off or paused" in a.output(), \
+        a.output()[-3000:]

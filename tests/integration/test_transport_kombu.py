@@ -679,3 +679,51 @@ def test_an_open_channel_has_the_kombu_internals_the_transport_reads(
 
     channel = conn.channel()
     assert kombu_compat.missing(channel) == []
+
+
+def test_a_no_ack_delete_lost_with_its_connection_is_done_again(
+        conn: Connection, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A no-ack message is deleted without waiting for the reply. When that
+    delete is lost with the connection, the consumer (whose session lives on)
+    must send it again: else the message stays in its inbox for good (the
+    nemesis found a broadcast so), and is delivered twice if the session ends."""
+    from kazoo.exceptions import ConnectionLoss
+    from kazoo.protocol.serialization import Delete
+
+    transport = conn.transport
+    client = transport.handle.client
+    queue = Queue("no-ack-lost", Exchange("no-ack-lost", "direct"), "no-ack-lost")
+    Producer(conn.channel()).publish({"i": 1}, exchange=queue.exchange,
+                                     routing_key="no-ack-lost", declare=[queue])
+    real_transaction = client.transaction
+    lost: list[list[str]] = []
+
+    def transaction() -> Any:
+        txn = real_transaction()
+        real_commit_async = txn.commit_async
+
+        def commit_async() -> Any:
+            paths = [op.path for op in txn.operations if isinstance(op, Delete)]
+            if not lost and paths == [op.path for op in txn.operations] and any(
+                    "/owned/" in path for path in paths):   # a delivered message's delete
+                lost.append(paths)   # never sent: the connection dropped first
+                broken = client.handler.async_result()
+                broken.set_exception(ConnectionLoss())
+                return broken
+            return real_commit_async()
+        txn.commit_async = commit_async
+        return txn
+
+    monkeypatch.setattr(client, "transaction", transaction)
+    got: list[Any] = []
+    with Consumer(conn, [queue], callbacks=[lambda body, message: got.append(body)],
+                  no_ack=True):
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            try:
+                conn.drain_events(timeout=0.5)
+            except socket.timeout:
+                pass
+        assert got == [{"i": 1}] and lost
+        wait_until(lambda: not owned(zk_client, layout_of("/"), "no-ack-lost"), 15,
+                   message="the delivered no-ack message stayed in its consumer's inbox")

@@ -328,3 +328,54 @@ def test_a_thread_pool_without_on_apply_is_named(monkeypatch: pytest.MonkeyPatch
     with caplog.at_level(logging.WARNING):
         assert not celery_compat.flush_unstarted_thread_tasks()
     assert "thread pool" in caplog.text
+
+
+def test_a_prefork_hand_over_goes_through_the_starter_with_celerys_tracer_arguments() -> None:
+    """Celery's own Request hands a task to its prefork pool; the child is told to
+    call our starter with the stamp and the tracer's arguments (task name, id,
+    request dict, ...), the fenced shape."""
+    from celery import Celery
+    from celery.concurrency import base, prefork
+    from celery.contrib.testing.mocks import TaskMessage
+    from celery.worker.request import Request
+
+    app = Celery("compat", set_as_current=False)
+
+    @app.task(name="compat.add", shared=False)
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    def starter(*args: Any) -> None: ...
+
+    handed: list[tuple[Any, tuple[Any, ...]]] = []
+    pool = prefork.TaskPool(1, app=app)
+    pool.on_apply = lambda target, args, kwargs, **options: handed.append((target, args))
+    assert celery_compat.hand_prefork_tasks_through(starter, lambda: (1.5, False, "/root"))
+    try:
+        assert celery_compat.hand_prefork_tasks_through(starter, lambda: (2.5, True, "/r"))
+        request = Request(TaskMessage("compat.add", "id-1", args=(1, 2)), app=app, task=add)
+        request.execute_using_pool(pool)
+        [(target, args)] = handed
+        assert target is starter
+        tracer, stamp, (name, task_id, request_dict) = args[0], args[1:4], args[4:7]
+        assert callable(tracer) and stamp == (2.5, True, "/r")   # the last stamp wins
+        assert (name, task_id) == ("compat.add", "id-1") and isinstance(request_dict, dict)
+        # Anything but a tracer's arguments is handed over as it is.
+        handed.clear()
+        pool.apply_async(print, args=("x",))
+        assert handed == [(print, ("x",))]
+    finally:
+        del prefork.TaskPool.apply_async
+        celery_compat._prefork_stamp = None
+    assert prefork.TaskPool.apply_async is base.BasePool.apply_async
+
+
+def test_a_prefork_pool_whose_apply_async_changed_is_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery.concurrency import prefork
+
+    monkeypatch.setattr(prefork.TaskPool, "apply_async", lambda self, *a, **k: None)
+    assert any("prefork.TaskPool overrides apply_async" in problem
+               for problem in celery_compat.missing())
+    assert not celery_compat.hand_prefork_tasks_through(print, lambda: ())
+    assert celery_compat._prefork_stamp is None

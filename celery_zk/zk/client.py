@@ -239,7 +239,8 @@ def connected_retry(client: KazooClient, func: Callable[..., T], *args: Any,
     connection error once the command retry's deadline (``max(session_timeout,
     5)`` s) has passed, and Celery's own retry (or the caller) takes over.
     With ``patience`` the command retry starts again until that many more
-    seconds have passed (see :data:`FAILOVER_PATIENCE`).
+    seconds have passed (see :data:`FAILOVER_PATIENCE`), and once more if
+    the client is connected when it gives up.
     """
     def attempt(*inner: Any) -> T:
         if client.state != KazooState.CONNECTED:
@@ -247,12 +248,20 @@ def connected_retry(client: KazooClient, func: Callable[..., T], *args: Any,
         return func(*inner)
 
     until = monotonic() + patience
+    once_more = False
     while True:
         try:
             return client.retry(attempt, *args)
         except RetryFailedError:
-            if monotonic() >= until or client.client_state == KeeperState.CLOSED:
+            if client.client_state == KeeperState.CLOSED:
                 raise
+            # Connected again as the retry gave up (its last sleep ended too late):
+            # one more round, which tries at once (the nemesis saw a result stored
+            # as FAILURE 25 ms after the reconnect).
+            if monotonic() >= until:
+                if client.state != KazooState.CONNECTED or once_more:
+                    raise
+                once_more = True
 
 
 def synced(client: KazooClient, path: str) -> None:

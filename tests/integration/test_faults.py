@@ -756,3 +756,27 @@ def test_a_prefork_child_does_not_start_a_task_revoked_while_it_was_paused(
     assert "doomed" not in executed_values(task_log), a.output()[-3000:]
     assert "it was revoked while this worker was cut off or paused" in a.output(), \
         a.output()[-3000:]
+
+
+def test_a_write_whose_retry_gave_up_as_the_client_reconnected_is_tried_once_more(
+        zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kazoo's command retry gave up (its tries spent while the connection was
+    down) just as the client reconnected: a result write must not fail then
+    (the nemesis saw a task's result stored as FAILURE 25 ms after a
+    reconnect, its patience spent)."""
+    from kazoo.retry import RetryFailedError
+
+    from celery_zk.zk.client import connected_retry
+
+    real_retry = zk_client.retry
+    calls: list[str] = []
+
+    def retry(func: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(zk_client.state)
+        if len(calls) == 1:
+            raise RetryFailedError("Too many retry attempts")
+        return real_retry(func, *args, **kwargs)
+
+    monkeypatch.setattr(zk_client, "retry", retry)
+    connected_retry(zk_client, zk_client.create, "/once-more", b"x", patience=0.0)
+    assert zk_client.get("/once-more")[0] == b"x" and calls == ["CONNECTED"] * 2

@@ -225,10 +225,16 @@ class Transport(virtual.Transport):
         ``apply_async`` into each task's request class when its consumer starts."""
         from celery import current_app
 
-        if child_gate.backend_handle(current_app, self.settings.hosts) is not None:
-            parent, root = start_gate.start_gate(self.handle.session), self.layout.root
-            celery_compat.hand_prefork_tasks_through(
-                child_gate.start_in_child, lambda: child_gate.stamp(parent, root))
+        if child_gate.backend_handle(current_app, self.settings.hosts) is None:
+            return
+        handle, root = self.handle, self.layout.root
+
+        def stamp() -> tuple[Any, ...]:
+            # The parent's gate (and its pause monitor's thread) made at the first
+            # hand-over: after the pool forked its children, not before.
+            return child_gate.stamp(start_gate.start_gate(handle.session), root)
+
+        celery_compat.hand_prefork_tasks_through(child_gate.start_in_child, stamp)
 
     @staticmethod
     def _settings(client: Any) -> ZKSettings:

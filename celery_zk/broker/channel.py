@@ -12,12 +12,14 @@ import json
 import logging
 import sys
 from queue import Empty
+from time import monotonic
 from typing import Any
 
 from kombu.serialization import loads
 from kombu.transport import virtual
 from kombu.transport.virtual.base import queue_declare_ok_t
 
+from ..compat import celery as celery_compat
 from ..compat import kombu as kombu_compat
 from ..features.affinity import affinity_of
 from ..features.limits import limit_tokens
@@ -241,6 +243,7 @@ class Channel(virtual.Channel):
             payload = json.loads(claimed.data)
             properties = payload["properties"]
             properties["delivery_tag"] = claimed.owned_path
+            properties[celery_compat.READ_AT] = monotonic()   # start gates: a fresh answer
             parsed = parse_message_name(claimed.name)
             if parsed is not None and parsed.requeued:
                 # The name says it was requeued (by a reject, a shutdown or a dead owner).

@@ -12,7 +12,10 @@ So the parent hands every task over through :func:`start_in_child`
 (:func:`celery_zk.compat.celery.hand_prefork_tasks_through`), stamped by
 :func:`stamp` with the time and whether the parent itself was disturbed (not
 connected, or cut off, reconnected or paused in the last :data:`SETTLE` s:
-its revoked set may lag its pidbox queue). In the child, a task starts at
+its revoked set may lag its pidbox queue), or has had no answer from the
+server in the last second (neither the task's message read nor a round
+trip of its own, which it then starts: a busy client's connection can be
+cut off unnoticed, :mod:`.start_gate`). In the child, a task starts at
 once unless the parent said so, or the child's own session (its result
 backend's: same host, same network) lost its connection, or the child was
 paused, since the hand-over. Then it first reads whether the task's revoke
@@ -62,11 +65,18 @@ def backend_handle(app: Any, hosts: str | None = None) -> ClientHandle | None:
 SETTLE = 5.0
 
 
-def stamp(parent: StartGate, root: str) -> tuple[float, bool, str]:
+def stamp(parent: StartGate, root: str, read_at: float | None) -> tuple[float, bool, str]:
     """What the parent adds to a hand-over: the time, whether the parent was
-    disturbed lately, and the root whose kept revokes to read."""
+    disturbed lately or has no fresh answer from the server (the task's
+    message read, ``read_at``, or a round trip, started here if none is under
+    way: a busy client can be cut off unnoticed), and the root whose kept
+    revokes to read."""
     now = time.time()
-    return now, parent.disturbed_since(now - SETTLE), root
+    suspect = parent.disturbed_since(now - SETTLE)
+    if not parent.fresh(read_at):
+        parent.refresh_async()
+        suspect = True
+    return now, suspect, root
 
 
 class _Child:

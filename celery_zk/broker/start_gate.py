@@ -4,8 +4,8 @@ A message in a worker's inbox belongs to the worker's ZooKeeper session: when
 that session ends, recovery gives the message to another worker, and a revoke
 broadcast meanwhile may never reach this one. Celery's thread pool hands every
 task it receives to its executor at once, and a pool thread starts the next
-one the moment it is free. Two gaps let it start a task the worker no longer
-owns (the nemesis found both):
+one the moment it is free. Three gaps let it start a task the worker no longer
+owns (the nemesis found each):
 
 * **Cut off** (``SUSPENDED``): the client is looking for a server and cannot
   know whether the session lives. After ``session_timeout`` the ensemble ends
@@ -20,6 +20,13 @@ owns (the nemesis found both):
   :class:`PauseMonitor` notices a pause as a late tick (as HBase's
   JvmPauseMonitor does); after one, a start first makes one round trip
   (``sync``): it can succeed only on a connection whose session lives.
+* **Cut off unnoticed**: kazoo notices a silent partition by a ping left
+  unanswered, but a busy client sends no ping (its requests keep its
+  connection loop from idling), so it says ``CONNECTED`` through the whole
+  partition (the nemesis saw a countdown task start 7 s into one, after its
+  revoke). So a start rests on an answer from the server in the last
+  :data:`FRESH` s: the read of its own message, or one ``sync``, at most one
+  a second.
 
 A task that must not start is dropped before Celery accepts it, as a thread
 pool's ``flush`` drops it (:func:`celery_zk.compat.celery.gate_thread_task_starts`):
@@ -48,6 +55,11 @@ logger = logging.getLogger(__name__)
 PAUSE = 1.0
 #: Seconds between the monitor's ticks.
 TICK = 0.1
+#: Seconds a server's answer counts as proof that the connection works. kazoo
+#: notices a silent partition by a ping left unanswered, but a busy client never
+#: sends one (its own requests keep its connection loop from idling), so it can
+#: say CONNECTED through a whole partition: a start must rest on an answer.
+FRESH = 1.0
 #: A pause this long is logged as a warning; a shorter one (a process starved
 #: of CPU for a second) at INFO.
 PAUSE_WARNING = 3.0
@@ -95,6 +107,7 @@ class StartGate:
         self.session = session
         self.monitor = monitor or PauseMonitor()
         self.verified_at = time.monotonic()
+        self._refreshing = False
         self.closing = False
         self._changed = threading.Condition()
         #: The session last connected (kazoo's ``client_id`` is None while
@@ -149,9 +162,32 @@ class StartGate:
                 return session_id
         return self.known   # a message not in an inbox: the session now
 
-    def admit(self, ticket: int | None) -> bool:
-        """Whether a task handed over under ``ticket`` may start now; blocks while
-        the client is cut off. Runs in a pool thread, never in kazoo's."""
+    def fresh(self, read_at: float | None = None) -> bool:
+        """Whether the server answered in the last :data:`FRESH` s: a round trip of
+        ours, or the read of the message at hand (``read_at``, monotonic)."""
+        answered = self.verified_at if read_at is None else max(self.verified_at, read_at)
+        return time.monotonic() - answered <= FRESH
+
+    def refresh_async(self) -> None:
+        """Start one round trip unless one is under way (never blocks): starts
+        after its answer count as fresh."""
+        client = self.session.current_client
+        if self._refreshing or client is None or client.state != KazooState.CONNECTED:
+            return
+        self._refreshing = True
+        started = time.monotonic()
+
+        def done(result: Any) -> None:   # kazoo's thread: note, nothing else
+            self._refreshing = False
+            if result.successful() and self.verified_at < started:
+                self.verified_at = started
+        client.sync_async("/").rawlink(done)
+
+    def admit(self, ticket: int | None, read_at: float | None = None) -> bool:
+        """Whether a task handed over under ``ticket`` may start now (``read_at``:
+        when its message was read, monotonic); blocks while the client is cut off,
+        or for one round trip when the server has not answered lately. Runs in a
+        pool thread, never in kazoo's."""
         while True:
             client = self.session.current_client
             if ticket is None or client is None:
@@ -165,18 +201,19 @@ class StartGate:
                 with self._changed:
                     self._changed.wait(RECHECK)
                 continue
-            if not self.monitor.paused_since(self.verified_at):
+            if not self.monitor.paused_since(self.verified_at) and self.fresh(read_at):
                 return True
             self._verify(client)
 
     def _verify(self, client: Any) -> None:
-        """One round trip after a pause: only a live session answers it."""
+        """One round trip (after a pause, or when the server has not answered
+        lately): only a live session's working connection answers it."""
         started = time.monotonic()
         try:
             client.sync_async("/").get(timeout=max(self.session.settings.options.session_timeout,
                                                    RECHECK))
         except Exception as exc:   # lost, expired, timed out: the state tells, next look
-            logger.debug("celery_zk: the session check after a pause failed: %r", exc)
+            logger.debug("celery_zk: the session check failed: %r", exc)
             with self._changed:
                 self._changed.wait(RECHECK / 10)
             return

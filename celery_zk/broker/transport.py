@@ -229,10 +229,10 @@ class Transport(virtual.Transport):
             return
         handle, root = self.handle, self.layout.root
 
-        def stamp() -> tuple[Any, ...]:
+        def stamp(read_at: float | None) -> tuple[Any, ...]:
             # The parent's gate (and its pause monitor's thread) made at the first
             # hand-over: after the pool forked its children, not before.
-            return child_gate.stamp(start_gate.start_gate(handle.session), root)
+            return child_gate.stamp(start_gate.start_gate(handle.session), root, read_at)
 
         celery_compat.hand_prefork_tasks_through(child_gate.start_in_child, stamp)
 

@@ -72,7 +72,7 @@ from typing import Any, Protocol
 
 from . import PrivateAPIChanged, describe
 
-__all__ = ["BACKEND_HOOKS", "StartRefused", "drop_unstarted_thread_tasks",
+__all__ = ["BACKEND_HOOKS", "READ_AT", "StartRefused", "drop_unstarted_thread_tasks",
            "flush_unstarted_thread_tasks", "gate_thread_task_starts",
            "hand_prefork_tasks_through", "is_lazy",
            "is_stray_copy", "missing", "wrap_group_apply_tasks", "wrap_url_masking"]
@@ -216,8 +216,9 @@ class StartGate(Protocol):
         """Taken when the task is handed over (in the consumer's thread), with
         its message's delivery tag when Celery's request shows it."""
 
-    def admit(self, ticket: Any) -> bool:
-        """Asked in the pool thread right before the task starts; may block."""
+    def admit(self, ticket: Any, read_at: float | None = None) -> bool:
+        """Asked in the pool thread right before the task starts, with the time
+        its message was read (monotonic, :data:`READ_AT`); may block."""
 
 
 class StartRefused(Exception):
@@ -236,6 +237,18 @@ def gate_thread_task_starts(gate: StartGate | None) -> None:
     _start_gate = gate
 
 
+#: The message property the zk transport sets to when it read the message
+#: (``time.monotonic()`` in the delivering process): the start gates read it.
+READ_AT = "celery_zk_read_at"
+
+
+def _read_at(request: Any) -> float | None:
+    """When the message of a Celery ``Request`` was read (``READ_AT``); None if unknown."""
+    properties = getattr(getattr(request, "message", None), "properties", None)
+    read_at = properties.get(READ_AT) if isinstance(properties, dict) else None
+    return read_at if isinstance(read_at, float) else None
+
+
 def _delivery_tag(request: Any) -> str | None:
     """The delivery tag of a Celery ``Request`` (``request.message``, a kombu
     Message); None for anything else."""
@@ -246,10 +259,10 @@ def _delivery_tag(request: Any) -> str | None:
 def _gated(gate: StartGate, accept: Callable[..., Any] | None) -> Callable[..., Any]:
     # Celery passes its Request's bound on_accepted: the request, its message.
     request = getattr(accept, "__self__", None)
-    ticket = gate.ticket(_delivery_tag(request))
+    ticket, read_at = gate.ticket(_delivery_tag(request)), _read_at(request)
 
     def accept_if_admitted(pid: Any, time_accepted: float) -> Any:
-        if not gate.admit(ticket):
+        if not gate.admit(ticket, read_at):
             logger.warning("celery_zk: task %s[%s] not started: it was delivered under a "
                            "ZooKeeper session that has ended; its message went back to "
                            "the queue", getattr(request, "name", "?"),
@@ -325,11 +338,12 @@ def flush_unstarted_thread_tasks() -> bool:
 
 
 def hand_prefork_tasks_through(starter: Callable[..., Any],
-                               stamp: Callable[[], tuple[Any, ...]]) -> bool:
-    """Make prefork children call ``starter(tracer, *stamp(), *tracer_args)`` in
-    place of Celery's tracer (``stamp`` runs in the parent at the hand-over;
-    idempotent, the last ``stamp`` wins). False, nothing changed, when this
-    Celery's prefork pool is not the one this was written against."""
+                               stamp: Callable[[float | None], tuple[Any, ...]]) -> bool:
+    """Make prefork children call ``starter(tracer, *stamp(read_at), *tracer_args)``
+    in place of Celery's tracer (``stamp`` runs in the parent at the hand-over,
+    told when the task's message was read, :data:`READ_AT`; idempotent, the
+    last ``stamp`` wins). False, nothing changed, when this Celery's prefork
+    pool is not the one this was written against."""
     from celery.concurrency import base, prefork
 
     global _prefork_stamp
@@ -352,7 +366,9 @@ def hand_prefork_tasks_through(starter: Callable[..., Any],
         stamped = _prefork_stamp
         if (stamped is not None and isinstance(args, (tuple, list)) and len(args) >= 3
                 and isinstance(args[2], dict)):
-            args = (target, *stamped(), *args)
+            # Celery passes its Request's bound on_accepted: the request, its message.
+            request = getattr(options.get("accept_callback"), "__self__", None)
+            args = (target, *stamped(_read_at(request)), *args)
             target = starter
         return original(self, target, args, kwargs, **options)
 
@@ -382,7 +398,7 @@ def _prefork_problem() -> str | None:
 
 
 #: What the parent adds to each prefork hand-over (hand_prefork_tasks_through).
-_prefork_stamp: Callable[[], tuple[Any, ...]] | None = None
+_prefork_stamp: Callable[[float | None], tuple[Any, ...]] | None = None
 
 
 def is_stray_copy(pending_results: Any, result: Any) -> bool:

@@ -135,3 +135,32 @@ def test_a_message_is_judged_by_the_session_it_was_delivered_under(zk_url: str) 
         assert gate.ticket(None) == client.client_id[0]   # a new session, known
         assert gate.ticket(tag) is None and not gate.admit(gate.ticket(tag))
         assert not gate.admit(old)
+
+
+def test_a_start_rests_on_a_fresh_answer_from_the_server(
+        zookeeper_server: Any, zk_chroot: str) -> None:
+    """kazoo notices a silent partition only by a ping left unanswered (and a
+    busy client sends none): a client cut off a moment ago still says
+    CONNECTED. A start whose message was not read lately waits for a round
+    trip, which comes back only when the partition heals (the nemesis saw a
+    countdown task start 7 s into a partition, after its revoke)."""
+    host, port = zookeeper_server.hosts.rsplit(":", 1)
+    with TCPProxy(host, int(port)) as proxy:
+        handle = ClientHandle(parse_url(
+            f"zk://{proxy.hosts}{zk_chroot}?session_timeout=10&session_name=fresh-{zk_chroot[-8:]}"))
+        handle.connect()
+        try:
+            gate = start_gate(handle.session)
+            ticket = gate.ticket(None)
+            assert gate.admit(ticket, read_at=time.monotonic())   # just read: no round trip
+            time.sleep(1.2)   # nothing heard from the server since
+            proxy.blackhole()
+            answer = _admit_in_a_thread(gate, ticket)
+            time.sleep(1.0)
+            assert handle.client.state == KazooState.CONNECTED   # kazoo has not noticed
+            assert answer == []   # it waits for the server's answer
+            proxy.heal()
+            wait_until(lambda: answer, 15, message="the start was never answered")
+            assert answer == [True]
+        finally:
+            handle.close()

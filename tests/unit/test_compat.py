@@ -228,7 +228,7 @@ def test_a_thread_pool_asks_the_start_gate_before_each_task() -> None:
             assert delivery_tag is None   # these accept callbacks are no Request's
             return next(self.tickets)
 
-        def admit(self, ticket: int) -> bool:
+        def admit(self, ticket: int, read_at: float | None = None) -> bool:
             self.asked.append(ticket)
             return ticket not in self.refuse
 
@@ -272,11 +272,13 @@ def test_the_start_gate_is_told_the_delivery_tag_of_celerys_request() -> None:
         def ticket(self, delivery_tag: str | None) -> None:
             tags.append(delivery_tag)
 
-        def admit(self, ticket: None) -> bool:
+        def admit(self, ticket: None, read_at: float | None = None) -> bool:
+            tags.append(f"read at {read_at}")
             return True
 
     class FakeRequest:   # Celery's Request has these three, checked below
-        message = SimpleNamespace(delivery_tag="/root/queues/q/owned/c1/n5-1")
+        message = SimpleNamespace(delivery_tag="/root/queues/q/owned/c1/n5-1",
+                                  properties={celery_compat.READ_AT: 5.0})
 
         def __init__(self, revoked: bool = False) -> None:
             self.is_revoked = revoked
@@ -296,13 +298,13 @@ def test_the_start_gate_is_told_the_delivery_tag_of_celerys_request() -> None:
     try:
         pool.apply_async(lambda: tags.append("ran"),
                          accept_callback=FakeRequest().on_accepted).wait(10)
-        assert tags == ["/root/queues/q/owned/c1/n5-1", "accepted", "ran"]
+        assert tags == ["/root/queues/q/owned/c1/n5-1", "read at 5.0", "accepted", "ran"]
         # Revoked while it waited in the pool: not started.
         tags.clear()
         result = pool.apply_async(lambda: tags.append("ran"),
                                   accept_callback=FakeRequest(revoked=True).on_accepted)
         result.wait(10)
-        assert tags == ["/root/queues/q/owned/c1/n5-1"]
+        assert tags == ["/root/queues/q/owned/c1/n5-1", "read at 5.0"]
         assert isinstance(result.f.exception(), celery_compat.StartRefused)
     finally:
         celery_compat.gate_thread_task_starts(None)
@@ -350,15 +352,18 @@ def test_a_prefork_hand_over_goes_through_the_starter_with_celerys_tracer_argume
     handed: list[tuple[Any, tuple[Any, ...]]] = []
     pool = prefork.TaskPool(1, app=app)
     pool.on_apply = lambda target, args, kwargs, **options: handed.append((target, args))
-    assert celery_compat.hand_prefork_tasks_through(starter, lambda: (1.5, False, "/root"))
+    hand_over = celery_compat.hand_prefork_tasks_through
+    assert hand_over(starter, lambda read_at: (1.5, False, "/root"))
     try:
-        assert celery_compat.hand_prefork_tasks_through(starter, lambda: (2.5, True, "/r"))
-        request = Request(TaskMessage("compat.add", "id-1", args=(1, 2)), app=app, task=add)
+        assert hand_over(starter, lambda read_at: (2.5, True, read_at))
+        message = TaskMessage("compat.add", "id-1", args=(1, 2))
+        message.properties = {celery_compat.READ_AT: 7.0}   # set by the zk transport
+        request = Request(message, app=app, task=add)
         request.execute_using_pool(pool)
         [(target, args)] = handed
         assert target is starter
         tracer, stamp, (name, task_id, request_dict) = args[0], args[1:4], args[4:7]
-        assert callable(tracer) and stamp == (2.5, True, "/r")   # the last stamp wins
+        assert callable(tracer) and stamp == (2.5, True, 7.0)   # the last stamp wins
         assert (name, task_id) == ("compat.add", "id-1") and isinstance(request_dict, dict)
         # Anything but a tracer's arguments is handed over as it is.
         handed.clear()
@@ -377,5 +382,5 @@ def test_a_prefork_pool_whose_apply_async_changed_is_named(
     monkeypatch.setattr(prefork.TaskPool, "apply_async", lambda self, *a, **k: None)
     assert any("prefork.TaskPool overrides apply_async" in problem
                for problem in celery_compat.missing())
-    assert not celery_compat.hand_prefork_tasks_through(print, lambda: ())
+    assert not celery_compat.hand_prefork_tasks_through(print, lambda read_at: ())
     assert celery_compat._prefork_stamp is None

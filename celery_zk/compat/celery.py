@@ -353,9 +353,7 @@ def hand_prefork_tasks_through(starter: Callable[..., Any],
         return True
     problem = _prefork_problem()
     if problem is not None:
-        logger.warning("%s", _changed(
-            problem, "to check, in a prefork child, the revokes of tasks handed over while "
-            "the worker was cut off or paused", "Such a task may run after its revoke."))
+        logger.warning("%s", _changed(problem, *_PREFORK_HAND_OVER))
         return False
     original = base.BasePool.apply_async
     _prefork_stamp = stamp
@@ -376,6 +374,11 @@ def hand_prefork_tasks_through(starter: Callable[..., Any],
     apply_async.__wrapped__ = original  # type: ignore[attr-defined]
     pool.apply_async = apply_async
     return True
+
+
+#: What the prefork hand-over is used for, and what is lost without it (its warnings).
+_PREFORK_HAND_OVER = ("to check, in a prefork child, the revokes of tasks handed over while "
+                      "the worker was cut off or paused", "Such a task may run after its revoke.")
 
 
 def _prefork_problem() -> str | None:
@@ -438,9 +441,7 @@ def missing(backend: Any = None) -> list[str]:
                                      "a lost connection", "They run after redelivery.")))
     problem = _prefork_problem()
     if problem is not None:
-        problems.append(str(_changed(problem, "to check, in a prefork child, the revokes of "
-                                     "tasks handed over while the worker was cut off or "
-                                     "paused", "Such a task may run after its revoke.")))
+        problems.append(str(_changed(problem, *_PREFORK_HAND_OVER)))
     for module, cls, name in BACKEND_HOOKS:
         owner = getattr(importlib.import_module(module), cls, None)
         if not callable(getattr(owner, name, None)):

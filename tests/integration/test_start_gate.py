@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -21,18 +22,27 @@ from .tcpproxy import TCPProxy
 from .workers import wait_until
 
 
-@pytest.fixture
-def proxied(zookeeper_server: Any, zk_chroot: str) -> Iterator[tuple[TCPProxy, ClientHandle]]:
+@contextmanager
+def behind_a_proxy(zookeeper_server: Any, zk_chroot: str, name: str,
+                   session_timeout: int) -> Iterator[tuple[TCPProxy, ClientHandle]]:
+    """A connected handle whose connection goes through a proxy the test can cut."""
     host, port = zookeeper_server.hosts.rsplit(":", 1)
     with TCPProxy(host, int(port)) as proxy:
         # session_name: a session of its own, not one another test's handle shares
         handle = ClientHandle(parse_url(
-            f"zk://{proxy.hosts}{zk_chroot}?session_timeout=4&session_name=gate-{zk_chroot[-8:]}"))
+            f"zk://{proxy.hosts}{zk_chroot}?session_timeout={session_timeout}"
+            f"&session_name={name}-{zk_chroot[-8:]}"))
         handle.connect()
         try:
             yield proxy, handle
         finally:
             handle.close()
+
+
+@pytest.fixture
+def proxied(zookeeper_server: Any, zk_chroot: str) -> Iterator[tuple[TCPProxy, ClientHandle]]:
+    with behind_a_proxy(zookeeper_server, zk_chroot, "gate", session_timeout=4) as proxied:
+        yield proxied
 
 
 def _admit_in_a_thread(gate: StartGate, ticket: int | None) -> list[bool]:
@@ -144,23 +154,18 @@ def test_a_start_rests_on_a_fresh_answer_from_the_server(
     CONNECTED. A start whose message was not read lately waits for a round
     trip, which comes back only when the partition heals (the nemesis saw a
     countdown task start 7 s into a partition, after its revoke)."""
-    host, port = zookeeper_server.hosts.rsplit(":", 1)
-    with TCPProxy(host, int(port)) as proxy:
-        handle = ClientHandle(parse_url(
-            f"zk://{proxy.hosts}{zk_chroot}?session_timeout=10&session_name=fresh-{zk_chroot[-8:]}"))
-        handle.connect()
-        try:
-            gate = start_gate(handle.session)
-            ticket = gate.ticket(None)
-            assert gate.admit(ticket, read_at=time.monotonic())   # just read: no round trip
-            time.sleep(1.2)   # nothing heard from the server since
-            proxy.blackhole()
-            answer = _admit_in_a_thread(gate, ticket)
-            time.sleep(1.0)
-            assert handle.client.state == KazooState.CONNECTED   # kazoo has not noticed
-            assert answer == []   # it waits for the server's answer
-            proxy.heal()
-            wait_until(lambda: answer, 15, message="the start was never answered")
-            assert answer == [True]
-        finally:
-            handle.close()
+    # 10 s: kazoo would notice the cut only after 6.7 s (two thirds of it)
+    with behind_a_proxy(zookeeper_server, zk_chroot, "fresh", session_timeout=10) as (
+            proxy, handle):
+        gate = start_gate(handle.session)
+        ticket = gate.ticket(None)
+        assert gate.admit(ticket, read_at=time.monotonic())   # just read: no round trip
+        time.sleep(1.2)   # nothing heard from the server since
+        proxy.blackhole()
+        answer = _admit_in_a_thread(gate, ticket)
+        time.sleep(1.0)
+        assert handle.client.state == KazooState.CONNECTED   # kazoo has not noticed
+        assert answer == []   # it waits for the server's answer
+        proxy.heal()
+        wait_until(lambda: answer, 15, message="the start was never answered")
+        assert answer == [True]

@@ -35,6 +35,7 @@ from ..exceptions import ChunkMissing
 from ..features import affinity
 from ..zk.client import CONNECTION_ERRORS, RedoThread, create_once, log_failure, reply_or_retry
 from ..zk.layout import parse_message_name, sort_messages
+from ..zk.reads import read_many
 from ..zk.session import weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED
 from . import big
@@ -281,13 +282,18 @@ class Inbox:
             self.taken.add(name)
             logger.error("celery_zk: %r in the inbox of %s is not a message name; "
                          "left there", name, consumer_id)
+        paths = []
         for name in ordered:
             self.taken.add(name)
             message = parse_message_name(name)
             assert message is not None
-            body = layout.body(self.queue, message)
-            path = body or layout.inbox_message(self.queue, consumer_id, name)
-            self.pending.append((name, client.get_async(path)))
+            paths.append(layout.body(self.queue, message)
+                         or layout.inbox_message(self.queue, consumer_id, name))
+        # With a persistent watch held the server is 3.6 or newer: the bodies in
+        # one multiRead per batch, not one request each.
+        reads = (read_many(client, paths) if self._tree_held
+                 else [client.get_async(path) for path in paths])
+        self.pending.extend(zip(ordered, reads))
 
     def _read(self, limit: int, block: bool = False) -> None:
         """Move landed reads into the buffer, in order."""

@@ -25,8 +25,9 @@ import weakref
 from typing import Any, Callable
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import NoNodeError
 
+from ..zk.client import ensure_node
 from ..zk.layout import Layout, parse_binding_name, unescape
 from ..zk.session import AfterExpiry, ClientHandle, weak_callback
 
@@ -57,15 +58,19 @@ class Bindings:
     def declare_exchange(self, exchange: str, type: str) -> None:
         client = self.client
         meta = json.dumps({"type": type}).encode()
+        # Read first: every worker that starts declares exchanges made long ago,
+        # and a write (or a refused create) is a synced transaction.
         try:
-            client.retry(client.create, self.layout.bindings(exchange), makepath=True)
-        except NodeExistsError:
-            pass
-        try:
-            client.retry(client.set, self.layout.exchange(exchange), meta)
-        except NoNodeError:  # deleted meanwhile: recreate
-            client.retry(client.create, self.layout.bindings(exchange), makepath=True)
-            client.retry(client.set, self.layout.exchange(exchange), meta)
+            declared, _ = client.retry(client.get, self.layout.exchange(exchange))
+        except NoNodeError:
+            declared = None
+        if declared != meta:   # its bindings/ is made before its type is set
+            ensure_node(client, self.layout.bindings(exchange), makepath=True)
+            try:
+                client.retry(client.set, self.layout.exchange(exchange), meta)
+            except NoNodeError:  # deleted meanwhile: recreate
+                ensure_node(client, self.layout.bindings(exchange), makepath=True)
+                client.retry(client.set, self.layout.exchange(exchange), meta)
         self._types[exchange] = type
 
     def exchange_type(self, exchange: str) -> str | None:
@@ -103,11 +108,8 @@ class Bindings:
                 self._reclaiming = session
                 # Weakly: a session outlives the connections it served.
                 session.on_reclaim_needed(weak_callback(self._wake))
-        else:
-            try:
-                client.retry(client.create, path, makepath=True)
-            except NodeExistsError:
-                pass  # idempotent: a retried create, or another process bound it too
+        else:   # idempotent: another process may have bound it too
+            ensure_node(client, path, makepath=True)
         self._tables.pop(exchange, None)
 
     def unbind(self, exchange: str, queue: str, routing_key: str) -> None:

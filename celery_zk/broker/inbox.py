@@ -11,9 +11,19 @@ persistent watch that names each new entry, or, without persistent watches,
 a one-shot child watch and a listing of the inbox (a handful of names).
 
 For each new entry it reads the body (from ``bodies/``, or from the entry
-itself for a message from before 0.2), pipelined, and delivers in the
-queue's order. Only it deletes from its inbox (acks, in
-:mod:`celery_zk.broker.acks`), so nothing it does can conflict.
+itself for a message from before 0.2), pipelined (many in one ``multiRead``,
+:mod:`celery_zk.zk.reads`), and delivers in the queue's order. Only it
+deletes from its inbox (acks, in :mod:`celery_zk.broker.acks`), so nothing
+it does can conflict.
+
+**Lookahead.** A refill follows an ack by two synced writes (the ack's
+multi, then the dispatcher's), so a consumer whose tasks take less than that
+empties its inbox and waits. A consumer that delivered its whole prefetch
+within :data:`FAST` s and then found its inbox empty publishes the
+``lookahead`` option (4) times its prefetch as its credit; one idle for
+:data:`IDLE` s publishes its prefetch again. Messages beyond what the
+channel may take wait in the inbox; held there :data:`HOLD` s while the
+channel takes none (a long task), they go back to the queue in their places.
 
 Watch callbacks only record what happened and wake the transport; every
 request is made from the consuming thread (see ``docs/design.md``: a request
@@ -26,6 +36,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +61,16 @@ __all__ = ["Inbox"]
 
 logger = logging.getLogger(__name__)
 
+#: A consumer that delivered its prefetch's worth within this many seconds and
+#: then ran dry waits for refills: its inbox may hold the ``lookahead`` option
+#: times its prefetch.
+FAST = 0.1
+#: Seconds without a delivery after which the lookahead ends.
+IDLE = 1.0
+#: Seconds undelivered messages may wait in the inbox while the channel takes
+#: none (its prefetch is full: a long task) before they go back to the queue.
+HOLD = 1.0
+
 
 class Inbox:
     """One connection's inbox on one queue, shared by its channels."""
@@ -61,6 +82,10 @@ class Inbox:
         self.consumer_id: str | None = None   # the registration the inbox belongs to
         self.node: str | None = None          # our node under the queue's consumers/
         self.credit = 0                       # what the node says
+        self.prefetch = 0                     # the channels' prefetch (0: unlimited)
+        self.deep = False                     # lookahead on: credit lookahead x prefetch
+        self.took: deque[float] = deque()     # when the last `prefetch` deliveries were
+        self.held_since: float | None = None  # undelivered while the channel took none
         self.consuming = 0                    # channels consuming it
         self.taken: set[str] = set()          # entries read or being read (not to take twice)
         self.delivered: set[str] = set()      # entries handed to kombu, not yet settled
@@ -183,10 +208,18 @@ class Inbox:
         return json.dumps({"credit": self.credit, "worker": affinity.WORKER,
                            "host": socket.gethostname(), "pid": os.getpid()}).encode()
 
-    def set_credit(self, credit: int) -> None:
-        """The consuming channels' prefetch: what the dispatcher may put in our
-        inbox. Written without waiting: it changes rarely (Celery raises it for
-        ETA tasks, autoscaling changes it)."""
+    def set_credit(self, prefetch: int) -> None:
+        """The consuming channels' prefetch, which sets what the dispatcher may put
+        in our inbox (more with the lookahead)."""
+        if prefetch != self.prefetch:
+            self.prefetch = prefetch
+            self.took = deque(self.took, maxlen=prefetch or 1)
+            self._publish_credit()
+
+    def _publish_credit(self) -> None:
+        """Written without waiting: it changes rarely (Celery raises the prefetch
+        for ETA tasks, autoscaling changes it, the lookahead starts or ends)."""
+        credit = self.prefetch * (self.options.lookahead if self.deep else 1)
         if credit == self.credit:
             return
         self.credit = credit
@@ -226,7 +259,9 @@ class Inbox:
             return
         if limit <= 0:
             self._withdraw()
+            self._hold(consumer_id)
             return
+        self.held_since = None
         self._learn(consumer_id)
         self._read(limit)
         if len(self.buffer) + len(self.pending) <= (self.credit or self.options.claim_batch) // 2:
@@ -240,9 +275,51 @@ class Inbox:
             # The first read has not landed: wait for it (the others were sent with it).
             self._read(limit, block=True)
             return
+        self._dry()
         if (self.consuming and not in_hand and not self.delivered and self.offer is not None
                 and not self.offer.outstanding and self._tree_held):
             self.offer.make(consumer_id)   # idle: let a publisher hand us the next one
+
+    def _dry(self) -> None:
+        """Nothing to deliver while the channel could take more: a consumer that
+        delivered its prefetch within FAST s waits for refills (lookahead on);
+        one idle for IDLE s needs no lookahead."""
+        now = time.monotonic()
+        took = self.took
+        if not self.deep:
+            if (self.prefetch and self.options.lookahead > 1 and len(took) == self.prefetch
+                    and now - took[0] <= FAST):
+                self.deep = True
+                self._publish_credit()
+        elif not took or now - took[-1] > IDLE:
+            self.deep = False
+            self._publish_credit()
+
+    def _hold(self, consumer_id: str) -> None:
+        """The channel takes nothing (its prefetch is full): what waits in the
+        inbox undelivered longer than HOLD s goes back to the queue, for other
+        consumers, and the lookahead ends."""
+        if not self.buffer and not self.pending:
+            self.held_since = None
+            return
+        now = time.monotonic()
+        if self.held_since is None:
+            self.held_since = now
+            return
+        if now - self.held_since <= HOLD:
+            return
+        self.held_since = None
+        if self.deep:
+            self.deep = False
+            self._publish_credit()   # sent first: the dispatcher sees it before the freed room
+        names = [c.name for c in self.buffer] + [name for name, _ in self.pending]
+        self.buffer.clear()
+        self.pending.clear()
+        layout, store = self.transport.layout, self.transport.store
+        for name in names:   # each stays taken until the watch sees it go
+            store.requeue(layout.inbox_message(self.queue, consumer_id, name))
+        logger.debug("celery_zk: gave %d undelivered messages of %s back to the queue",
+                     len(names), self.queue)
 
     def _learn(self, consumer_id: str) -> None:
         """Start reading what came into the inbox since we last looked."""
@@ -366,6 +443,7 @@ class Inbox:
             return None
         claimed = self.buffer.popleft()
         self.delivered.add(claimed.name)
+        self.took.append(time.monotonic())
         return claimed
 
     def settled(self, name: str) -> None:

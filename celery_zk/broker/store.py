@@ -112,11 +112,14 @@ class StoreBase:
         False when the queue already existed (nothing was created).
         """
         layout, client = self.layout, self.client
+        directories = layout.queue_directories(queue)
+        if holder is None and client.retry(client.exists, directories[-1]) is not None:
+            return False   # looked up first: a refused multi is a synced transaction
         client.retry(client.ensure_path, layout.queues)
 
         def build(txn: TransactionRequest) -> None:
             txn.create(layout.queue(queue), meta)
-            for path in layout.queue_directories(queue):
+            for path in directories:
                 txn.create(path)
             if holder is not None:
                 txn.create(layout.holders(queue))

@@ -42,6 +42,9 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   a publisher starts the next after this many creates (bounds every listing).
 * ``claim_batch`` (int, 64): most messages a consumer takes out of its inbox
   at a time, and its inbox's credit when its prefetch is unlimited.
+* ``lookahead`` (int, 4): a consumer that runs dry while delivering fast may
+  hold this many times its prefetch in its inbox (1: never more than the
+  prefetch); what waits there while its prefetch is full for 1 s goes back.
 * ``listing_max_age`` (float, 1.0): unused since 0.2 (consumers no longer list
   queues); still accepted, so URLs that set it keep working.
 * ``persistent_watches`` (bool, True): consumers follow their inbox, and

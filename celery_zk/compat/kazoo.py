@@ -1,10 +1,11 @@
-"""kazoo's private names, used for the two requests kazoo has no method for.
+"""kazoo's private names, used for the requests kazoo has no method for.
 
-kazoo (2.9 to 2.11) cannot send ZooKeeper 3.6's ``addWatch`` or
-``removeWatches`` (python-zk/kazoo#715 is unmerged), nor hand the events of a
+kazoo (2.9 to 2.11) cannot send ZooKeeper 3.6's ``addWatch``,
+``removeWatches`` (python-zk/kazoo#715 is unmerged) or ``multiRead``
+(:mod:`celery_zk.zk.reads`), nor hand the events of a
 persistent watch to anyone: its connection drops an event no one of its own
-watchers asked for. :mod:`celery_zk.zk.watches` therefore needs three
-private names, all here:
+watchers asked for. :mod:`celery_zk.zk.watches` and :mod:`celery_zk.zk.reads`
+therefore need three private names, all here:
 
 * ``KazooClient._call(request, async_result)``: queue a request kazoo has no
   method for (Zuul sends ``addWatch`` the same way);
@@ -15,7 +16,8 @@ private names, all here:
 
 Fallback: without them :class:`~celery_zk.zk.watches.TreeWatches` reports
 persistent watches unsupported, and consumers use one-shot child watches
-(one more request per idle delivery), as with a server older than 3.6.
+(one more request per idle delivery) and one ``get`` per body (no
+``multiRead``), as with a server older than 3.6.
 """
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ DEFAULT_PORT = 2181
 DEFAULT_ROOT = "/celery"
 MIN_BUCKET_SIZE = 2
 MAX_BUCKET_SIZE = 10_000   # 10,000 names of ~45 bytes: a 450 KB listing
+MAX_LOOKAHEAD = 16         # times the prefetch: a -c 4 worker (prefetch 16) holds 256
 #: Chunks of a payload (celery_zk.zk.payload) are at least this big (smaller is
 #: all overhead) and at most this big: a create request carries the chunk, its
 #: path and an ACL, and must stay below the server's jute.maxbuffer (1 MiB).
@@ -75,6 +76,11 @@ class ZKOptions:
     claim_batch: int = _opt(64, "Most messages a consumer takes out of its inbox at a "
                             "time, and its inbox's credit when its prefetch is "
                             "unlimited (also the least the dispatcher lists at once).")
+    lookahead: int = _opt(4, "A consumer that runs dry while delivering fast (its "
+                          "prefetch within 0.1 s) lets its inbox hold this many times "
+                          "its prefetch, so refills overlap its tasks; what waits there "
+                          "while its prefetch is full for 1 s goes back to the queue. "
+                          "1: an inbox never holds more than the prefetch. 1 to 16.")
     bucket_size: int = _opt(4096, "Waiting messages are created in buckets of one "
                             "priority; a publisher starts the next bucket after this "
                             "many creates in one. Bounds every listing (about 45 bytes "
@@ -219,6 +225,12 @@ def build_options(*sources: Mapping[str, Any] | None) -> ZKOptions:
             f"celery_zk option 'bucket_size' must be between {MIN_BUCKET_SIZE} and "
             f"{MAX_BUCKET_SIZE:,} (got {bucket_size}): a bucket is listed whole, and "
             "a listing must stay far below the 1 MiB a ZooKeeper reply may carry.")
+    lookahead = values.get("lookahead", ZKOptions.lookahead)
+    if not 1 <= lookahead <= MAX_LOOKAHEAD:
+        raise ZKConfigurationError(
+            f"celery_zk option 'lookahead' must be between 1 and {MAX_LOOKAHEAD} (got "
+            f"{lookahead}): how many times its prefetch a fast consumer's inbox may "
+            "hold; 1 turns the lookahead off.")
     _check_payload_options(values.get("chunk_size", ZKOptions.chunk_size),
                            values.get("max_result_size", ZKOptions.max_result_size))
     _check_payload_options(values.get("chunk_size", ZKOptions.chunk_size),

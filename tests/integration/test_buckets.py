@@ -118,9 +118,11 @@ def test_a_backlog_many_buckets_long_keeps_priority_and_fifo_order(
             got = consume_all(conn, queue, 60)
         finally:
             del client.get_children
-    # A prefetch of 1: one claim per message, and nobody to contend with.
-    assert (CLAIMS.messages - before.messages, CLAIMS.transactions - before.transactions,
-            CLAIMS.conflicts - before.conflicts) == (60, 60, 0)
+    # A prefetch of 1: a claim per message at most (fewer once the consumer looks
+    # ahead), and nobody to contend with.
+    assert CLAIMS.messages - before.messages == 60
+    assert CLAIMS.transactions - before.transactions <= 60
+    assert CLAIMS.conflicts == before.conflicts
     expected = sorted(range(60), key=lambda i: (-(priorities[i] or 0), i))
     assert [body for body, _ in got] == expected
     assert listings and max(listings) <= SIZE

@@ -19,7 +19,9 @@ from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk.broker.dispatcher import Dispatcher
+from celery_zk.broker.inbox import HOLD, IDLE
 from celery_zk.broker.queue import CLAIMS
+from celery_zk.zk.config import ZKOptions
 from celery_zk.zk.layout import BODY_INSIDE, Layout, message_prefix, owned_name, parse_message_name
 
 from .queues import owned, owners, waiting
@@ -134,7 +136,8 @@ def test_one_dispatcher_feeds_every_consumer_without_a_conflict(
     assert len(nodes) == 4
     credits = [json.loads(zk_client.get(layout.queue_consumer("spread", n))[0])["credit"]
                for n in nodes]
-    assert credits == [2, 2, 2, 2]
+    # Each its prefetch, or ZKOptions.lookahead times it once it ran dry while fast (hold 10 ms).
+    assert set(credits) <= {2, 2 * ZKOptions.lookahead}, credits
 
 
 def test_an_inbox_never_holds_more_than_its_credit(
@@ -153,6 +156,93 @@ def test_an_inbox_never_holds_more_than_its_credit(
         time.sleep(0.01)
     assert len(drainer.got) == 30
     assert 1 <= most <= 3 + 1   # its credit, and one handed over at most
+
+
+def credit_of(zk_client: KazooClient, queue: str) -> list[int]:
+    layout = layout_of("")
+    nodes = sorted(zk_client.get_children(layout.queue_consumers(queue)),
+                   key=lambda n: n.rpartition("-")[2])   # first registered first
+    return [json.loads(zk_client.get(layout.queue_consumer(queue, n))[0])["credit"]
+            for n in nodes]
+
+
+def test_a_fast_consumer_looks_ahead_and_a_slow_one_does_not(
+        zk_url: str, zk_client: KazooClient, drainers: list[Drainer]) -> None:
+    """A consumer that delivers its prefetch within FAST s and runs dry publishes
+    ZKOptions.lookahead times its prefetch as its credit, and its prefetch again once idle
+    for IDLE s; one whose messages take longer never does."""
+    fast, slow = queue_of("ahead"), queue_of("behind")
+    with Connection(zk_url) as conn:
+        publish(conn, fast, list(range(300)))
+        publish(conn, slow, list(range(12)))
+    drainers.append(Drainer(zk_url, fast, "fast", prefetch=2))
+    drainers.append(Drainer(zk_url, slow, "slow", prefetch=2, hold=0.15))
+    for drainer in drainers:
+        drainer.start()
+    wait_until(lambda: credit_of(zk_client, "ahead") == [2 * ZKOptions.lookahead], 20,
+               message="the fast consumer never looked ahead")
+    wait_until(lambda: len(drainers[0].got) == 300 and len(drainers[1].got) == 12, 30,
+               message="not everything was delivered")
+    assert sorted(drainers[0].got) == list(range(300))
+    assert credit_of(zk_client, "behind") == [2]
+    time.sleep(IDLE + 0.5)   # idle: a look (drain_events) ends the lookahead
+    wait_until(lambda: credit_of(zk_client, "ahead") == [2], 10,
+               message="the lookahead outlived the idle time")
+
+
+def test_lookahead_1_keeps_an_inbox_to_its_prefetch(
+        zk_url: str, zk_client: KazooClient, drainers: list[Drainer]) -> None:
+    queue = queue_of("strict")
+    with Connection(zk_url) as conn:
+        publish(conn, queue, list(range(200)))
+    drainer = Drainer(f"{zk_url}?lookahead=1", queue, "strict", prefetch=2)
+    drainers.append(drainer)
+    drainer.start()
+    most = 0
+    deadline = time.monotonic() + 30
+    while len(drainer.got) < 200 and time.monotonic() < deadline:
+        most = max(most, len(owned(zk_client, layout_of(""), "strict")))
+    assert sorted(drainer.got) == list(range(200))
+    assert most <= 2 and credit_of(zk_client, "strict") == [2]
+
+
+def test_what_waits_behind_a_long_task_goes_back_for_other_consumers(
+        zk_url: str, zk_client: KazooClient, drainers: list[Drainer]) -> None:
+    """A consumer looking ahead holds more than its channel may take; when its
+    prefetch is full (long tasks) for HOLD s, the messages waiting in its inbox
+    go back to the queue, and another consumer gets them."""
+    queue = queue_of("long")
+    got: list[int] = []
+    held: list[Any] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append(body["v"])
+        if body["v"] >= 100:
+            held.append(message)   # a long task: not acked, the prefetch fills
+        else:
+            message.ack()
+
+    with Connection(zk_url) as publisher, Connection(apart(zk_url, "busy")) as busy:
+        with Consumer(busy, [queue], callbacks=[on_message], prefetch_count=2):
+            publish(publisher, queue, list(range(60)))
+            drain_until(busy, got, 60, 20, poll=0.1)
+            assert credit_of(zk_client, "long") == [2 * ZKOptions.lookahead]
+            publish(publisher, queue, [100, 101] + list(range(200, 210)))
+            drain_until(busy, got, 62, 10, poll=0.1)
+            assert got[60:] == [100, 101]
+            assert len(owned(zk_client, layout_of(""), "long")) > 2   # waiting behind them
+            other = Drainer(zk_url, queue, "other", prefetch=2)
+            drainers.append(other)
+            other.start()
+            # The busy consumer keeps looking (a worker's event loop does, each second).
+            deadline = time.monotonic() + HOLD + 10
+            while len(other.got) < 10 and time.monotonic() < deadline:
+                drain_until(busy, got, 63, 0.2, poll=0.1)
+            assert sorted(other.got) == list(range(200, 210))
+            assert got[62:] == []   # the busy consumer delivered none of them
+            assert credit_of(zk_client, "long")[0] == 2   # its lookahead ended
+            for message in held:
+                message.ack()
 
 
 def recovery_leader(conn: Connection) -> Consumer:

@@ -410,35 +410,44 @@ def test_creates_whose_reply_was_lost_are_not_repeated(
     assert consumer_id in node
 
 
+@pytest.mark.parametrize("persistent", ["true", "false"])
 def test_a_read_of_a_body_whose_reply_was_lost_is_repeated(
-        conn: Connection, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A lost reply to a consumer's pipelined read of a body is read again, not a
-    consumer restart."""
+        zk_url: str, persistent: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lost reply to a consumer's pipelined read of bodies (a multiRead, or
+    with persistent watches off one get each) is read again, not a consumer
+    restart."""
     from kazoo.exceptions import ConnectionLoss
 
-    transport = conn.transport
-    client = transport.handle.client
-    queue = Queue("lost-read", Exchange("lost-read", "direct"), "lost-read")
-    producer = Producer(conn.channel())
-    for i in range(3):
-        producer.publish({"i": i}, exchange=queue.exchange, routing_key="lost-read",
-                         declare=[queue])
-    real_get_async = client.get_async
-    lost: list[str] = []
+    from celery_zk.zk import reads
 
-    def get_then_lose_reply(path: str, *args: Any, **kwargs: Any) -> Any:
-        result = real_get_async(path, *args, **kwargs)
-        if not lost and "/bodies/" in path:
-            lost.append(path)
+    queue = Queue("lost-read", Exchange("lost-read", "direct"), "lost-read")
+    with Connection(f"{zk_url}?persistent_watches={persistent}") as conn:
+        client = conn.transport.handle.client
+        producer = Producer(conn.channel())
+        for i in range(3):
+            producer.publish({"i": i}, exchange=queue.exchange, routing_key="lost-read",
+                             declare=[queue])
+        lost: list[str] = []
+
+        def lose(result: Any, what: str) -> Any:
+            if lost:
+                return result
+            lost.append(what)
             result.get()  # it was answered; the reply goes missing on the way back
             broken = client.handler.async_result()
             broken.set_exception(ConnectionLoss())
             return broken
-        return result
 
-    monkeypatch.setattr(client, "get_async", get_then_lose_reply)
-    got = drain(conn, queue, 3)
-    assert lost and [body["i"] for body, _ in got] == [0, 1, 2]
+        real_get_async, real_send = client.get_async, reads.kazoo_compat.send
+        monkeypatch.setattr(client, "get_async", lambda path, *a, **k: (
+            lose(real_get_async(path, *a, **k), path) if "/bodies/" in path
+            else real_get_async(path, *a, **k)))
+        monkeypatch.setattr(reads.kazoo_compat, "send", lambda c, request: (
+            lose(real_send(c, request), "multiRead") if isinstance(request, reads.MultiRead)
+            else real_send(c, request)))
+        got = drain(conn, queue, 3)
+        assert lost and [body["i"] for body, _ in got] == [0, 1, 2]
+        assert (lost[0] == "multiRead") == (persistent == "true")
 
 
 def test_a_worker_shutdown_stops_drain_events_waiting(

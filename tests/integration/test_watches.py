@@ -13,6 +13,7 @@ from kazoo.client import KazooClient, KazooState
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk.zk.config import parse_url
+from celery_zk.zk.reads import MultiRead
 from celery_zk.zk.session import ClientHandle
 from celery_zk.zk.watches import NODE_CREATED, NODE_DELETED, AddWatch, TreeWatches
 
@@ -231,6 +232,8 @@ def test_a_new_message_is_read_once_and_never_on_kazoos_thread(
         def call(request: Any, async_object: Any) -> Any:
             if threading.current_thread().name.endswith("(zk_loop)"):
                 on_loop.append(type(request).__name__)
+            if isinstance(request, MultiRead):   # the body's read (celery_zk.zk.reads)
+                readers.append(threading.current_thread().name)
             return original_call(request, async_object)
 
         client.get_async = get_async  # type: ignore[method-assign]

@@ -104,3 +104,14 @@ def test_bucket_size_out_of_range_says_why(size: str) -> None:
     with pytest.raises(ZKConfigurationError, match="bucket_size.*between 2 and 10,000.*1 MiB"):
         parse_url(f"zk://h/app?bucket_size={size}")
     assert parse_url("zk://h/app?bucket_size=2").options.bucket_size == 2
+
+
+@pytest.mark.parametrize("value", ["0", "17"])
+def test_lookahead_out_of_range_says_what_it_is(value: str) -> None:
+    with pytest.raises(ZKConfigurationError, match="'lookahead' must be between 1 and 16"):
+        parse_url(f"zk://h1/app?lookahead={value}")
+
+
+def test_lookahead_1_turns_it_off() -> None:
+    assert parse_url("zk://h1/app?lookahead=1").options.lookahead == 1
+    assert parse_url("zk://h1/app").options.lookahead == 4

@@ -312,14 +312,21 @@ class Inbox:
         if self.deep:
             self.deep = False
             self._publish_credit()   # sent first: the dispatcher sees it before the freed room
-        names = [c.name for c in self.buffer] + [name for name, _ in self.pending]
-        self.buffer.clear()
-        self.pending.clear()
         layout, store = self.transport.layout, self.transport.store
-        for name in names:   # each stays taken until the watch sees it go
-            store.requeue(layout.inbox_message(self.queue, consumer_id, name))
+        given = 0
+        # One at a time, dropped once back: a requeue that fails (ZooKeeper away)
+        # leaves the rest here, to deliver or give back later, not stranded.
+        # Each stays taken until the watch sees it go.
+        while self.buffer:
+            store.requeue(self.buffer[0].owned_path)
+            self.buffer.popleft()
+            given += 1
+        while self.pending:
+            store.requeue(layout.inbox_message(self.queue, consumer_id, self.pending[0][0]))
+            self.pending.popleft()
+            given += 1
         logger.debug("celery_zk: gave %d undelivered messages of %s back to the queue",
-                     len(names), self.queue)
+                     given, self.queue)
 
     def _learn(self, consumer_id: str) -> None:
         """Start reading what came into the inbox since we last looked."""

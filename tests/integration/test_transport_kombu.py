@@ -18,6 +18,7 @@ from celery_zk.exceptions import MessageTooLarge, ZKConfigurationError, ZKConnec
 from celery_zk.zk.layout import Layout, parse_bucket_name, parse_message_name
 
 from .queues import first_bucket_path, owned, waiting
+from .sessions import apart
 from .spies import CONSUMER_REQUESTS, count_calls
 from .workers import wait_until
 
@@ -736,3 +737,19 @@ def test_a_no_ack_delete_lost_with_its_connection_is_done_again(
         assert got == [{"i": 1}] and lost
         wait_until(lambda: not owned(zk_client, layout_of("/"), "no-ack-lost"), 15,
                    message="the delivered no-ack message stayed in its consumer's inbox")
+
+
+def test_declaring_what_exists_writes_nothing(zk_url: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every worker that starts declares its queues, exchanges and bindings, made
+    long ago by its peers: looked up, not written again (a refused create is
+    still a transaction every server logs and syncs)."""
+    queue = Queue("declared", Exchange("declared", "topic"), "declared.#")
+    with Connection(zk_url) as first:
+        queue(first.channel()).declare()
+    with Connection(apart(zk_url, "second")) as second:
+        channel = second.channel()
+        writes = count_calls(monkeypatch, second.transport.handle.client,
+                             "create", "transaction", "set", "delete")
+        queue(channel).declare()
+        assert writes == []

@@ -12,7 +12,6 @@ import json
 import logging
 import sys
 from queue import Empty
-from time import monotonic
 from typing import Any
 
 from kombu.serialization import loads
@@ -243,7 +242,9 @@ class Channel(virtual.Channel):
             payload = json.loads(claimed.data)
             properties = payload["properties"]
             properties["delivery_tag"] = claimed.owned_path
-            properties[celery_compat.READ_AT] = monotonic()   # start gates: a fresh answer
+            # Start gates: the server answered since then (not when it is decoded:
+            # a message may wait in the inbox, its lookahead, before delivery).
+            properties[celery_compat.READ_AT] = claimed.read_at
             parsed = parse_message_name(claimed.name)
             if parsed is not None and parsed.requeued:
                 # The name says it was requeued (by a reject, a shutdown or a dead owner).

@@ -56,6 +56,8 @@ class Claimed:
     name: str          # unowned name it had
     owned_path: str    # where it lives while owned (the delivery tag)
     data: bytes
+    #: When the read of its body was sent (monotonic): the server answered after.
+    read_at: float = 0.0
 
 
 @dataclass

@@ -89,7 +89,8 @@ class Inbox:
         self.consuming = 0                    # channels consuming it
         self.taken: set[str] = set()          # entries read or being read (not to take twice)
         self.delivered: set[str] = set()      # entries handed to kombu, not yet settled
-        self.pending: deque[tuple[str, Any]] = deque()   # (name, read) in delivery order
+        # (name, read, when the read was sent) in delivery order
+        self.pending: deque[tuple[str, Any, float]] = deque()
         self.buffer: deque[Claimed] = deque()  # read, not delivered yet
         self.arrivals: deque[str] = deque()   # names the tree watch reported
         self.departures: deque[str] = deque()   # and those it saw go
@@ -375,9 +376,10 @@ class Inbox:
                          or layout.inbox_message(self.queue, consumer_id, name))
         # With a persistent watch held the server is 3.6 or newer: the bodies in
         # one multiRead per batch, not one request each.
+        sent = time.monotonic()
         reads = (read_many(client, paths) if self._tree_held
                  else [client.get_async(path) for path in paths])
-        self.pending.extend(zip(ordered, reads))
+        self.pending.extend((name, read, sent) for name, read in zip(ordered, reads))
 
     def _read(self, limit: int, block: bool = False) -> None:
         """Move landed reads into the buffer, in order."""
@@ -387,7 +389,7 @@ class Inbox:
         consumer_id = self.consumer_id
         assert consumer_id is not None
         while self.pending and (block or self.pending[0][1].ready()):
-            name, read = self.pending.popleft()
+            name, read, sent = self.pending.popleft()
             block = False
             owned = layout.inbox_message(self.queue, consumer_id, name)
             message = parse_message_name(name)
@@ -399,7 +401,9 @@ class Inbox:
             except (NoNodeError, ChunkMissing):
                 self._lost(owned, name)
                 continue
-            self.buffer.append(Claimed(self.queue, name, owned, data))
+            # When the read was sent: the server answered after it (start gates
+            # judge freshness by it, however long the message then waits here).
+            self.buffer.append(Claimed(self.queue, name, owned, data, sent))
 
     def _lost(self, owned: str, name: str) -> None:
         """An entry whose body is gone: acked already (a redelivery of our own
@@ -434,6 +438,7 @@ class Inbox:
             self.taken.add(name)
             message = parse_message_name(name)
             assert message is not None
+            sent = time.monotonic()
             try:
                 data, _ = store.read_owned(layout.body(self.queue, message) or owned)
                 data = big.read_body(store.client, layout, self.queue, message, data)
@@ -441,7 +446,7 @@ class Inbox:
                 self._lost(owned, name)
                 continue
             self.delivered.add(name)
-            return Claimed(self.queue, name, owned, data)
+            return Claimed(self.queue, name, owned, data, sent)
         return None
 
     def take(self) -> Claimed | None:
@@ -506,7 +511,7 @@ class Inbox:
             return
         # Not given to kombu: never read, or read and not delivered. What was
         # delivered is the channel's to settle (acked, or restored by its QoS).
-        undelivered = {c.name for c in self.buffer} | {name for name, _ in self.pending}
+        undelivered = {c.name for c in self.buffer} | {entry[0] for entry in self.pending}
         keep = set(self.delivered)
         handed = set(self.taken) - undelivered   # given to kombu (acked or not)
         self.pending.clear()

@@ -171,3 +171,27 @@ def test_a_start_rests_on_a_fresh_answer_from_the_server(
         proxy.heal()
         wait_until(lambda: answer, 15, message="the start was never answered")
         assert answer == [True]
+
+
+def test_a_message_carries_when_its_body_was_read_not_when_it_was_delivered(
+        zk_url: str) -> None:
+    """A start gate counts the read of a task's message as a fresh answer from
+    the server. A message that waits in the inbox after its read (a consumer
+    looking ahead, a full prefetch) must not look fresher than it is: it
+    carries when its read was sent."""
+    from celery_zk.compat import celery as celery_compat
+
+    with Connection(zk_url) as conn:
+        queue = conn.SimpleQueue("waited")
+        for i in range(3):
+            queue.put({"n": i})
+        assert queue.get(timeout=10).payload == {"n": 0}
+        inbox = conn.transport.inbox("waited")
+        wait_until(lambda: (inbox.fill(10, 1), len(inbox.buffer) == 2)[1], 10,
+                   message="the other two were never read")
+        read = time.monotonic()
+        time.sleep(0.5)
+        later = [queue.get(timeout=10) for _ in range(2)]
+        assert [m.payload["n"] for m in later] == [1, 2]
+        for message in later:
+            assert message.properties[celery_compat.READ_AT] <= read

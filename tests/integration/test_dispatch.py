@@ -230,7 +230,10 @@ def test_what_waits_behind_a_long_task_goes_back_for_other_consumers(
             publish(publisher, queue, [100, 101] + list(range(200, 210)))
             drain_until(busy, got, 62, 10, poll=0.1)
             assert got[60:] == [100, 101]
-            assert len(owned(zk_client, layout_of(""), "long")) > 2   # waiting behind them
+            # More given than the prefetch: waiting behind them (nothing gives them
+            # back while this thread does not look: it calls no drain_events here).
+            wait_until(lambda: len(owned(zk_client, layout_of(""), "long")) > 2, 10,
+                       message="nothing was given beyond the prefetch")
             other = Drainer(zk_url, queue, "other", prefetch=2)
             drainers.append(other)
             other.start()

@@ -59,19 +59,14 @@ class Waiting:
     head: str | None = None
     head_since: float = 0.0
 
-    def look(self) -> Waiting:
-        """A copy to choose with that changes nothing here (a read-ahead's look)."""
-        return Waiting(self.seen, dict(self.started), self.head, self.head_since)
-
     def forget(self, listed: set[str]) -> None:
         """Drop what it remembers of messages that are gone."""
         self.seen = {name: at for name, at in self.seen.items() if name in listed}
 
 
 def _oldest(names: Iterable[str], among: int) -> str | None:
-    """The first message in delivery order. A listing is sorted, but a batch
-    whose claim could not be sent yet goes back to its front (see
-    QueueView._claim_async), so the oldest is among its first few names."""
+    """The first message in delivery order among the first ``among`` names
+    (sorted again: a caller's names need not be strictly in order at their front)."""
     ours = sort_messages(list(islice(names, among)))[0]
     return ours[0] if ours else None
 

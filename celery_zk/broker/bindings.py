@@ -27,7 +27,6 @@ from typing import Any, Callable
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoNodeError
 
-from ..zk.client import ensure_node
 from ..zk.layout import Layout, parse_binding_name, unescape
 from ..zk.session import AfterExpiry, ClientHandle, weak_callback
 
@@ -58,18 +57,19 @@ class Bindings:
     def declare_exchange(self, exchange: str, type: str) -> None:
         client = self.client
         meta = json.dumps({"type": type}).encode()
-        # Read first: every worker that starts declares exchanges made long ago,
-        # and a write (or a refused create) is a synced transaction.
+        # Read first (ensure_path looks first too): every worker that starts
+        # declares exchanges made long ago, and a write (or a refused create) is
+        # a synced transaction.
         try:
             declared, _ = client.retry(client.get, self.layout.exchange(exchange))
         except NoNodeError:
             declared = None
         if declared != meta:   # its bindings/ is made before its type is set
-            ensure_node(client, self.layout.bindings(exchange), makepath=True)
+            client.retry(client.ensure_path, self.layout.bindings(exchange))
             try:
                 client.retry(client.set, self.layout.exchange(exchange), meta)
             except NoNodeError:  # deleted meanwhile: recreate
-                ensure_node(client, self.layout.bindings(exchange), makepath=True)
+                client.retry(client.ensure_path, self.layout.bindings(exchange))
                 client.retry(client.set, self.layout.exchange(exchange), meta)
         self._types[exchange] = type
 
@@ -108,8 +108,8 @@ class Bindings:
                 self._reclaiming = session
                 # Weakly: a session outlives the connections it served.
                 session.on_reclaim_needed(weak_callback(self._wake))
-        else:   # idempotent: another process may have bound it too
-            ensure_node(client, path, makepath=True)
+        else:   # idempotent (looks first): another process may have bound it too
+            client.retry(client.ensure_path, path)
         self._tables.pop(exchange, None)
 
     def unbind(self, exchange: str, queue: str, routing_key: str) -> None:

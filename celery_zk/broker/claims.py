@@ -57,7 +57,7 @@ class Claimed:
     owned_path: str    # where it lives while owned (the delivery tag)
     data: bytes
     #: When the read of its body was sent (monotonic): the server answered after.
-    read_at: float = 0.0
+    read_at: float
 
 
 @dataclass

@@ -18,7 +18,6 @@ from kazoo.exceptions import (
     ConnectionClosedError,
     ConnectionLoss,
     NoAuthError,
-    NodeExistsError,
     OperationTimeoutError,
     RolledBackError,
     RuntimeInconsistency,
@@ -276,19 +275,6 @@ def synced(client: KazooClient, path: str) -> None:
     for exactly this.
     """
     client.retry(client.sync, path)
-
-
-def ensure_node(client: KazooClient, path: str, makepath: bool = False) -> None:
-    """Make ``path`` (empty) unless it exists: idempotent, as ``ensure_path``.
-    Looked up first because a create refused with NodeExists is still a
-    transaction every server logs and syncs, and every worker that starts
-    declares what its peers made long ago."""
-    if client.retry(client.exists, path) is not None:
-        return
-    try:
-        client.retry(client.create, path, makepath=makepath)
-    except NodeExistsError:
-        pass   # made meanwhile, or a retried create
 
 
 def create_once(client: KazooClient, create: Callable[[], str],

@@ -45,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 #: Most acks sent in one multi (two deletes of a few dozen bytes each).
 ACK_BATCH = 256
+#: Seconds an ack may wait to go with others. A consumer running low on work
+#: sends the acks it holds at once (Inbox.fill): the dispatcher refills its
+#: inbox only once it sees them; one with plenty to do sends them together.
+ACK_HOLD = 0.05
 #: Seconds between redos of an ack or delete whose connection was lost.
 REDO_PAUSE = 1.0
 
@@ -155,7 +159,7 @@ class Acking(StoreBase):
             first = not self._acks
             self._acks.append((owned_path, consumer_node))
         if first:
-            self.deferred.later(self._send_acks)
+            self.deferred.later(self._send_acks, ACK_HOLD)
 
     def acks_landed(self, timeout: float) -> bool:
         """Wait for the acks sent on the background thread (big messages, and

@@ -384,11 +384,13 @@ class Deferred:
         self._pid = 0
         self._closed = False
 
-    def later(self, send: Callable[[], None]) -> None:
+    def later(self, send: Callable[[], None], delay: float | None = None) -> None:
+        """Send ``send`` within ``delay`` seconds (default: the instance's)."""
         with self._cond:
             self._pending.append(send)
-            if self._due is None:
-                self._due = monotonic() + self.delay
+            due = monotonic() + (self.delay if delay is None else delay)
+            if self._due is None or due < self._due:
+                self._due = due
                 self._cond.notify()
             if self._thread is None or self._pid != os.getpid():
                 self._pid = os.getpid()

@@ -70,6 +70,30 @@ def test_deferred_sends_after_the_delay_in_order_on_one_thread() -> None:
     assert not thread.is_alive()
 
 
+def test_a_write_held_longer_goes_with_a_sooner_one() -> None:
+    """Acks may wait ACK_HOLD; a write due sooner takes them along, and a long
+    hold alone is kept (a deep inbox's acks go together, not one multi each)."""
+    deferred = Deferred(0.02)
+    sent: list[str] = []
+    deferred.later(lambda: sent.append("ack"), 60)
+    time.sleep(0.1)
+    assert sent == []   # held: 60 s, not the instance's 0.02
+    start = time.monotonic()
+    deferred.later(lambda: sent.append("offer"))
+    deadline = time.monotonic() + 5
+    while len(sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert sent == ["ack", "offer"]
+    assert time.monotonic() - start < 5
+    deferred.later(lambda: sent.append("late"), 60)
+    deferred.later(lambda: sent.append("soon"), 0.02)   # a sooner due replaces the later one
+    deadline = time.monotonic() + 5
+    while len(sent) < 4 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert sent[2:] == ["late", "soon"]
+    deferred.close()
+
+
 def test_deferred_flush_sends_now_and_survives_a_failing_send() -> None:
     deferred = Deferred(60)
     sent: list[int] = []

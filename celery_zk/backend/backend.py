@@ -320,6 +320,13 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         own = LastPartResult(self, str(request.id))
         counted, size, lazy, stalled = counter.increment(
             str(request.id), getattr(request, "group_index", None), completing=own.mark)
+        if counted is None and stalled and counter.sent():
+            logger.warning("celery_zk: chord %s: its body was sent by a worker that "
+                           "stopped before it finished the chord; part %s, run again, "
+                           "finishes it", gid, request.id)
+            counter.finish()
+            self.delete_group(str(gid))
+            return None
         if counted is None and stalled:
             logger.warning("celery_zk: chord %s: every part is counted but the body was "
                            "never sent (the worker that counted the last part stopped "

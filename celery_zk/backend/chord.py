@@ -78,6 +78,7 @@ class ChordCounter:
         self.added_path = layout.chord_added(group_id)
         self.lazy_path = layout.chord_lazy(group_id)
         self.done_path = layout.chord_done(group_id)
+        self.sent_path = layout.chord_sent(group_id)
         self.group_id = group_id
         # Makes the counter node when missing (the backend also indexes it for
         # expiry); must treat NodeExists as success.
@@ -206,6 +207,11 @@ class ChordCounter:
             self.client.create(self.path, b"0", makepath=True)
         except NodeExistsError:
             pass
+
+    def sent(self) -> bool:
+        """Whether this run's body was published (``~sent``, made by the publish's
+        own multi on a zk:// broker: see celery_zk.backend.chord_body)."""
+        return self.client.retry(self.client.exists, self.sent_path) is not None
 
     def finish(self, also: Callable[[TransactionRequest], None] | None = None) -> None:
         """The body was sent: keep the counter as a tombstone (``~done``) and drop

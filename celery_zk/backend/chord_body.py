@@ -12,6 +12,14 @@ resolved, until ``result_chord_join_timeout``), and Celery 5.3 ended its
 protocol with ``self.client.delete(key)``, which a backend whose client is
 kazoo cannot take.
 
+**Sent once.** A worker stopped after it published the body and before it
+finished the counter leaves a part that runs again and sends the body again
+(the nemesis saw a body run twice so). With a zk:// broker on the backend's
+ensemble, the body's publish makes the counter's ``~sent`` in its own multi
+(the message property ``ONCE_PROPERTY``, honoured by the transport), and a
+second publish of the run stores nothing. With another broker the body may
+be sent twice in that case (at-least-once), as on Redis.
+
 While it sends, the last part's own result reads STARTED
 (:class:`LastPartResult`), so that a worker stopped in between leaves a part
 that runs again even with ``worker_deduplicate_successful_tasks``.
@@ -30,12 +38,13 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 from celery import states
-from celery.canvas import maybe_signature
+from celery.canvas import chord, group, maybe_signature
 from celery.exceptions import ChordError
 from celery.result import AsyncResult, GroupResult, ResultSet, allow_join_result
 from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import NoNodeError
 
+from ..zk.layout import ONCE_PROPERTY, Layout
 from ..zk.payload import is_manifest
 from .chord import ChordCounter
 
@@ -64,6 +73,12 @@ class ZooKeeperBackend(Protocol):
     def encode(self, data: Any) -> Any: ...
 
     def path(self, key: Any) -> str: ...
+
+    @property
+    def layout(self) -> Layout: ...
+
+    @property
+    def settings(self) -> Any: ...
 
     @property
     def client(self) -> KazooClient: ...
@@ -149,14 +164,33 @@ def send_chord_body(backend: ZooKeeperBackend, request: Any, counter: ChordCount
             _fail(backend, callback, group_id, repr(exc), exc)
             return
         try:
-            callback.delay(values)
+            callback.apply_async((values,), **_sent_once(backend, group_id, callback))
         except Exception as exc:
             logger.exception("Chord %r raised: %r", group_id, exc)
             _fail(backend, callback, group_id, f"Callback error: {exc!r}", exc)
     finally:
+        # Finished first: a worker stopped between the two leaves a saved group
+        # (expiry removes it), not a run whose part, run again, finds no group.
+        counter.finish(also=None if own is None else own.restore)
         if header is not None:
             backend.delete_group(group_id)
-        counter.finish(also=None if own is None else own.restore)
+
+
+def _sent_once(backend: ZooKeeperBackend, group_id: str, callback: Any) -> dict[str, Any]:
+    """The publish option that makes the body's publish and the counter's
+    ``~sent`` one multi, when the broker is zk:// (our transport honours it, and
+    drops it if it is on another ensemble); a group or chord as the body is
+    more than one publish, and is left as it was."""
+    conf = backend.app.conf
+    url = conf.broker_write_url or conf.broker_url
+    urls = url if isinstance(url, (list, tuple)) else str(url or "").split(";")
+    if not urls or not all(str(u).strip().startswith("zk://") for u in urls):
+        return {}
+    if isinstance(callback, (group, chord)):
+        return {}
+    settings = backend.settings
+    return {ONCE_PROPERTY: {"hosts": settings.hosts, "username": settings.username,
+                            "path": backend.layout.chord_sent(group_id)}}
 
 
 def _fail(backend: ZooKeeperBackend, callback: Any, group_id: str, reason: str,

@@ -24,7 +24,7 @@ from ..features.affinity import affinity_of
 from ..features.limits import limit_tokens
 from ..features.revokes import RevokeStore, control_command
 from ..zk.client import CONNECTION_ERRORS
-from ..zk.layout import parse_message_name
+from ..zk.layout import ONCE_PROPERTY, parse_message_name
 from .connection import ZKConnection
 from .liveness import consumer_count
 from .queue import Claimed
@@ -279,10 +279,19 @@ class Channel(virtual.Channel):
         affinity = affinity_of(message)   # first: a bad key must fail before any write
         transport = self.connection
         store = transport.store
+        marker = self._once_marker(message)
         size = body_size(message)
         task, limit_key = limit_tokens(message, transport.limits(), self._arguments)
         data = encode_message(message)
         priority = kombu_compat.priority_of(self, message)
+        if marker is not None:   # one multi with its marker, stored now
+            new = store.new_message(queue, data, priority, affinity, size, task, limit_key)
+            if store.put_once(new, marker) is None:
+                logger.info("celery_zk: not publishing to %r again: %s exists (a chord's "
+                            "body, sent by a worker that stopped before it finished the "
+                            "chord)", queue, marker)
+            transport.store.deferred.flush()
+            return
         together = transport.publishing_together()
         if together is not None:   # stored when the group is (see publish_together)
             together.append(store.new_message(queue, data, priority, affinity, size, task,
@@ -301,6 +310,20 @@ class Channel(virtual.Channel):
                 or transport.limited(queue, task) or not transport.handoff.give(new)):
             store.put_new(new)
         transport.store.deferred.flush()   # the write they waited for has been made
+
+    def _once_marker(self, message: dict[str, Any]) -> str | None:
+        """The node a message asks to make with its publish (``ONCE_PROPERTY``),
+        taken out of its properties; None unless it is on our ensemble, made
+        as the user it was asked for by (its ACL is theirs)."""
+        properties = message.get("properties")
+        once = properties.pop(ONCE_PROPERTY, None) if isinstance(properties, dict) else None
+        if not isinstance(once, dict):
+            return None
+        settings = self.connection.settings
+        if once.get("hosts") != settings.hosts or once.get("username") != settings.username:
+            return None
+        path = once.get("path")
+        return path if isinstance(path, str) and path.startswith("/") else None
 
     def _arguments(self, message: dict[str, Any]) -> tuple[Any, Any]:
         """A task message's ``(args, kwargs)``, decoded as the worker will (for a

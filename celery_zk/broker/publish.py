@@ -76,6 +76,14 @@ class NewMessage:
                  bucket_name(self.inverted_priority, self.generation))
         txn.create(self.path, b"", sequence=True)
 
+class _MarkerExists(Exception):
+    """A :meth:`Publishing.put_once` whose marker exists."""
+
+
+class _NoMarkerParent(Exception):
+    """A :meth:`Publishing.put_once` whose marker's parent is missing."""
+
+
 def new_uid() -> str:
     return uuid.uuid4().hex[:16]
 
@@ -150,6 +158,23 @@ class Publishing(StoreBase):
             raise RuntimeError(f"celery_zk: the publish of {message.uid} left no trace")
         return name
 
+    def put_once(self, message: NewMessage, marker: str) -> str | None:
+        """Store ``message`` and make ``marker`` in one multi; None, storing
+        nothing, when ``marker`` exists (the message was published before: a
+        chord's body whose sender stopped before it could say so). A marker
+        whose parent is gone guards nothing: the message is stored alone."""
+        try:
+            name = self._put_chunk([message], once=marker)[0]
+        except _MarkerExists:
+            return None
+        except _NoMarkerParent:
+            logger.info("celery_zk: %s cannot be made (its parent is gone); publishing "
+                        "%s without it", marker, message.uid)
+            name = self._put_chunk([message])[0]
+        if name is None:   # cannot be: one message's multi either stored it or not
+            raise RuntimeError(f"celery_zk: the publish of {message.uid} left no trace")
+        return name
+
     def created(self, message: NewMessage, name: str) -> None:
         """A publish made ``name``: once its bucket has had ``bucket_size`` creates,
         the next go to a new one (non-blocking: kazoo's thread may call it).
@@ -214,10 +239,11 @@ class Publishing(StoreBase):
                          self.renamed(message, generation))
         return chunk
 
-    def _put_chunk(self, chunk: list[NewMessage], maybe_made: bool = False
-                   ) -> list[str | None]:
+    def _put_chunk(self, chunk: list[NewMessage], maybe_made: bool = False,
+                   once: str | None = None) -> list[str | None]:
         """One multi storing ``chunk``'s messages, retried after a lost reply
-        without storing any twice (each is found again by its uid)."""
+        without storing any twice (each is found again by its uid); ``once``:
+        a node the multi makes first (see :meth:`put_once`)."""
         client = self.client
 
         def attempt() -> list[str | None] | None:
@@ -238,6 +264,8 @@ class Publishing(StoreBase):
                     "consumed and acked, they run twice: at-least-once)",
                     ", ".join(message.uid for message in chunk[:8]))
             txn = client.transaction()
+            if once is not None:
+                txn.create(once)
             ends = []   # the index of each message's last op: its name's create
             for message in chunk:
                 message.add_to(txn, self.layout)
@@ -248,6 +276,13 @@ class Publishing(StoreBase):
             failure = multi_failure(results)
             if failure is None:
                 return [results[end].rpartition("/")[2] for end in ends]
+            if once is not None and failure[0] == 0:
+                # Made by an earlier publish: ours whose reply was lost and whose
+                # message was consumed since (not found above), or another's.
+                if isinstance(failure[1], NodeExistsError):
+                    raise _MarkerExists()
+                if isinstance(failure[1], NoNodeError):
+                    raise _NoMarkerParent()
             if looked and isinstance(failure[1], NodeExistsError):
                 # A body of ours exists: the lost attempt was stored after all and
                 # its name moved between our lookup and this multi. Look again.

@@ -94,6 +94,11 @@ CHORD_SIZE = OWNER_SEP + "size"   # beside a chord's counted parts, which are es
 CHORD_DONE = OWNER_SEP + "done"
 CHORD_ADDED = OWNER_SEP + "added"
 CHORD_LAZY = OWNER_SEP + "lazy"
+CHORD_SENT = OWNER_SEP + "sent"
+#: The message property that asks a zk:// transport to make a node in the
+#: multi that publishes the message, and to publish nothing if it exists:
+#: ``{"hosts": ..., "username": ..., "path": ...}`` (a chord's body is sent once).
+ONCE_PROPERTY = "celery_zk_once"
 #: A chunk node's name: its index, zero-padded so a listing sorts in order
 #: (a payload of max_result_size / chunk_size chunks; at most 10**6).
 CHUNK_NAME = "c{index:06d}"
@@ -656,6 +661,11 @@ class Layout:
         """Made when the header is a generator: the parts, not a saved group,
         say which results the body gets."""
         return join(self.chord(group_id), CHORD_LAZY)
+
+    def chord_sent(self, group_id: str) -> str:
+        """Made by the multi that publishes the chord's body (zk:// broker on the
+        same ensemble): a body is never published twice in one run."""
+        return join(self.chord(group_id), CHORD_SENT)
 
     # -- singleton locks (celery_zk.features.singleton) --------------------------------
     @property

@@ -113,14 +113,15 @@ def test_chord_of_100_uses_the_native_counter(app: Celery,
     # a tombstone without its 100 parts, kept until expiry.
     layout, client = app.backend.layout, app.backend.client
     [chord_id] = client.get_children(layout.chords)
-    wait_until(lambda: sorted(client.get_children(layout.chord(chord_id))) == ["~done", "~size"],
-               10)
+    # ~sent: made by the body's publish (B17).
+    wait_until(lambda: sorted(client.get_children(layout.chord(chord_id))) == [
+        "~done", "~sent", "~size"], 10)
     # A header given as a generator is counted the same way, marked lazy.
     result = chord(sig(app, "add", i, i) for i in range(100))(sig(app, "tsum"))
     assert result.get(timeout=60) == sum(2 * i for i in range(100))
     [lazy_id] = set(client.get_children(layout.chords)) - {chord_id}
     wait_until(lambda: sorted(client.get_children(layout.chord(lazy_id))) == [
-        "~done", "~lazy", "~size"], 10)
+        "~done", "~lazy", "~sent", "~size"], 10)
 
 
 def test_a_chord_header_that_nests_groups_waits_for_every_part(
@@ -381,6 +382,51 @@ def test_a_chord_body_is_sent_by_its_last_part_run_again_after_its_worker_stoppe
     assert app.AsyncResult(parts[1]).state == states.STARTED
     part_done(1, 4)                        # redelivered and run again
     assert result.get(timeout=30) == 6
+    assert app.AsyncResult(parts[1]).get(timeout=10) == 4
+
+
+def test_a_chord_body_sent_before_its_worker_stopped_is_not_sent_again(
+        app: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker that counted the last part published the body and stopped
+    before it finished the counter (the nemesis killed one there: the body ran
+    twice, B17). The part runs again and finds every part counted and the run
+    not finished; the body's publish is refused, since it made ``~sent``."""
+    from types import SimpleNamespace
+
+    from celery_zk.backend.chord import ChordCounter
+
+    backend = app.backend
+    assert isinstance(backend, ZooKeeperBackend)
+    header = [sig(app, "add", 1, 1, queue="nowhere"), sig(app, "add", 2, 2, queue="nowhere")]
+    body = sig(app, "tsum", queue="bodies-b17").set(task_id="sent-once-body")
+    result = chord(header)(body)
+    group_id, parts = result.parent.id, [r.id for r in result.parent.results]
+    real_finish, stops = ChordCounter.finish, []
+
+    def stops_first(self: ChordCounter, *args: Any, **kwargs: Any) -> None:
+        if not stops:
+            stops.append("stopped")
+            raise SystemExit("the worker stops after it sent the body")
+        real_finish(self, *args, **kwargs)
+    monkeypatch.setattr(ChordCounter, "finish", stops_first)
+
+    def part_done(index: int, value: int) -> None:   # what the worker's trace does
+        request = SimpleNamespace(id=parts[index], group=group_id, group_index=index,
+                                  chord=dict(body), ignore_result=False)
+        backend.mark_as_done(parts[index], value, request=request)
+
+    def bodies() -> int:
+        with app.connection_for_write() as conn:
+            return int(conn.default_channel.queue_declare("bodies-b17",
+                                                          passive=True).message_count)
+
+    part_done(0, 2)
+    with pytest.raises(SystemExit):
+        part_done(1, 4)          # counted, body published, then the worker stops
+    assert bodies() == 1
+    part_done(1, 4)              # redelivered and run again: the run finishes
+    assert bodies() == 1         # without the marker: 2, and the body ran twice
+    assert stops == ["stopped"]
     assert app.AsyncResult(parts[1]).get(timeout=10) == 4
 
 

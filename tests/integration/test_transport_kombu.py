@@ -753,3 +753,44 @@ def test_declaring_what_exists_writes_nothing(zk_url: str,
                              "create", "transaction", "set", "delete")
         queue(channel).declare()
         assert writes == []
+
+
+def test_a_message_published_once_is_stored_once(zk_url: str) -> None:
+    """ONCE_PROPERTY (a chord's body, B17): the publish makes its marker in its
+    own multi, and a second publish with the same marker stores nothing. A
+    marker for another ensemble, or another user, is ignored; none is stored
+    with the message."""
+    from celery_zk.zk.layout import ONCE_PROPERTY
+
+    queue = Queue("once", Exchange("once", type="direct"), routing_key="once")
+    with Connection(zk_url) as conn:
+        hosts = conn.transport.settings.hosts
+        chords = conn.transport.layout.chords
+        client = conn.transport.handle.client   # paths from the root, as the backend's
+        client.ensure_path(f"{chords}/g1")
+        producer = Producer(conn.default_channel)
+        ours = {"hosts": hosts, "username": None, "path": f"{chords}/g1/~sent"}
+        for n in range(2):
+            producer.publish({"n": n}, exchange=queue.exchange, routing_key="once",
+                             declare=[queue], **{ONCE_PROPERTY: dict(ours)})
+        assert client.exists(f"{chords}/g1/~sent") is not None
+        elsewhere = {**ours, "hosts": "elsewhere:2181", "path": f"{chords}/g1/~x"}
+        someone = {**ours, "username": "someone", "path": f"{chords}/g1/~y"}
+        for n, once in ((2, elsewhere), (3, someone)):
+            producer.publish({"n": n}, exchange=queue.exchange, routing_key="once",
+                             **{ONCE_PROPERTY: once})
+        assert client.get_children(f"{chords}/g1") == ["~sent"]
+        # A marker whose parent is gone guards nothing: the message is stored.
+        producer.publish({"n": 4}, exchange=queue.exchange, routing_key="once",
+                         **{ONCE_PROPERTY: {**ours, "path": f"{chords}/gone/~sent"}})
+        got = []
+        simple = conn.SimpleQueue(queue)
+        while True:
+            try:
+                message = simple.get(timeout=2)
+            except simple.Empty:
+                break
+            got.append(message.payload["n"])
+            assert ONCE_PROPERTY not in message.properties
+            message.ack()
+    assert got == [0, 2, 3, 4]

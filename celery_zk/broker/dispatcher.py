@@ -20,13 +20,6 @@ their own inbox (:mod:`celery_zk.broker.inbox`): no consumer lists the
 queue, no two consumers race for one message, and a publish wakes one
 process, not every idle one.
 
-A consumer of the dispatcher's own process has the bodies of what it is
-given read before the multi is sent (:meth:`Dispatcher.join`'s
-``read_ahead``): ZooKeeper answers a session's requests in order, so a read
-sent after the multi would wait for its sync, and a lone worker (the
-dispatcher and its one consumer share a session) would wait for a sync
-twice per refill.
-
 Nothing depends on there being exactly one dispatcher: two overlapping
 (a leadership change) cost one refused multi, because each assignment deletes
 the name it gives. Messages with affinity keys are given by
@@ -62,7 +55,6 @@ from ..zk.layout import (
 from ..zk.session import SharedSession, weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED, TreeWatches
 from . import big
-from .claims import Assignment
 from .queue import QueueStore
 
 __all__ = ["Dispatcher"]
@@ -144,8 +136,6 @@ class Dispatcher:
         self.store = QueueStore(session, layout, options)
         # Consumer ids of this process on the queue, and how to wake each one's thread.
         self.members: dict[str, Callable[[], None]] = {}
-        # And how each one starts reading the bodies of names about to be given to it.
-        self.readers: dict[str, Callable[[list[str]], None]] = {}
         self.live: list[str] = []        # every consumer id on the queue, first joined first
         self.nodes: dict[str, str] = {}  # consumer id -> its node's name under consumers/
         self._lock = threading.Lock()
@@ -185,23 +175,17 @@ class Dispatcher:
                                  lambda: cls(session, layout, options, queue))
 
     # -- membership and election ----------------------------------------------------
-    def join(self, consumer_id: str, wake: Callable[[], None],
-             read_ahead: Callable[[list[str]], None] | None = None) -> None:
+    def join(self, consumer_id: str, wake: Callable[[], None]) -> None:
         """A consumer of this process registered on the queue; ``wake`` wakes its
-        consuming thread, which keeps the election's watch set (:meth:`watch`);
-        ``read_ahead(names)``, called on our thread just before a multi gives it
-        ``names``, starts reading their bodies (it must not block)."""
+        consuming thread, which keeps the election's watch set (:meth:`watch`)."""
         with self._lock:
             self.members[consumer_id] = wake
-            if read_ahead is not None:
-                self.readers[consumer_id] = read_ahead
         self._stale_election = True
         self.watch()
 
     def leave(self, consumer_id: str) -> None:
         with self._lock:
             self.members.pop(consumer_id, None)
-            self.readers.pop(consumer_id, None)
         self._elect()
 
     def watch(self) -> None:
@@ -594,7 +578,6 @@ class Dispatcher:
             txn.set_data(self.layout.limit_given(limit.kind, limit.name),
                          json.dumps(times).encode())
             done.ops.append(("limit", limit.kind, limit.name))
-        self._read_ahead(done)
         client = self.session.client
         try:
             results = txn.commit()
@@ -627,21 +610,6 @@ class Dispatcher:
                 self._list_inboxes()
             if client.retry(client.exists, self.layout.unowned_message(self.queue, name)) is None:
                 self.head.discard({name})
-
-
-    def _read_ahead(self, done: Assignment) -> None:
-        """Our own process's consumers start reading what this multi gives them:
-        sent before it, their reads do not wait for its sync."""
-        if not self.readers:
-            return
-        for cid, names in done.given().items():
-            read_ahead = self.readers.get(cid)
-            if read_ahead is None:
-                continue
-            try:
-                read_ahead(names)
-            except Exception as exc:   # it reads them once they arrive, as any consumer
-                log_failure(logger, exc, "celery_zk: could not read ahead for %s", cid)
 
 
 def _meta(data: bytes) -> dict[str, Any]:

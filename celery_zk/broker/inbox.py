@@ -25,12 +25,6 @@ within :data:`FAST` s and then found its inbox empty publishes the
 channel may take wait in the inbox; held there :data:`HOLD` s while the
 channel takes none (a long task), they go back to the queue in their places.
 
-**Read ahead.** When the queue's dispatcher runs in our own process it
-starts reading the bodies of what it gives us just before its multi
-(:meth:`Inbox.read_ahead`): those reads are answered at once, where reads
-sent after the multi would wait for its sync (a session's requests are
-answered in order). Each arrival then finds its read under way or done.
-
 Watch callbacks only record what happened and wake the transport; every
 request is made from the consuming thread (see ``docs/design.md``: a request
 made on kazoo's connection thread can block it for good).
@@ -76,9 +70,6 @@ IDLE = 1.0
 #: Seconds undelivered messages may wait in the inbox while the channel takes
 #: none (its prefetch is full: a long task) before they go back to the queue.
 HOLD = 1.0
-#: Most bodies read ahead and not (yet) arrived that an inbox keeps: those of
-#: a refused multi are dropped, oldest first, beyond this.
-AHEAD_MAX = 256
 
 
 class Inbox:
@@ -102,8 +93,6 @@ class Inbox:
         self.pending: deque[tuple[str, Any, float]] = deque()
         self.buffer: deque[Claimed] = deque()  # read, not delivered yet
         self.arrivals: deque[str] = deque()   # names the tree watch reported
-        # name -> (read, when sent), started by the dispatcher before it gave the name
-        self.ahead: dict[str, tuple[Any, float]] = {}
         self.departures: deque[str] = deque()   # and those it saw go
         self.stale = True   # list the inbox before trusting the watch
         self._tree_held = False
@@ -111,7 +100,6 @@ class Inbox:
         self.offer = Offer(transport.handoff, queue) if transport.handoff is not None else None
         self._lock = threading.Lock()
         self._tree_cb = weak_callback(self._on_tree)
-        self._read_ahead_cb = weak_callback(self.read_ahead)
         self._one_shot_cb = weak_callback(self._on_one_shot)
 
     # -- kazoo's threads: record and wake -------------------------------------
@@ -162,7 +150,6 @@ class Inbox:
         self.pending.clear()
         self.buffer.clear()
         self.arrivals.clear()
-        self.ahead.clear()
         self.stale = True
         self._stop_watch()
         if old is not None:
@@ -216,7 +203,7 @@ class Inbox:
                                find)
         transport.handle.own(node)   # deleted when this connection goes, however
         self.node = node
-        self._dispatcher().join(consumer_id, transport.wake, self._read_ahead_cb)
+        self._dispatcher().join(consumer_id, transport.wake)
 
     def _data(self) -> bytes:
         return json.dumps({"credit": self.credit, "worker": affinity.WORKER,
@@ -383,52 +370,19 @@ class Inbox:
             self.taken.add(name)
             logger.error("celery_zk: %r in the inbox of %s is not a message name; "
                          "left there", name, consumer_id)
-        paths: list[str] = []
-        unread: list[str] = []
-        started: dict[str, tuple[Any, float]] = {}
+        paths = []
         for name in ordered:
             self.taken.add(name)
-            ahead = self.ahead.pop(name, None)
-            if ahead is not None:
-                started[name] = ahead
-                continue
             message = parse_message_name(name)
             assert message is not None
-            unread.append(name)
             paths.append(layout.body(self.queue, message)
                          or layout.inbox_message(self.queue, consumer_id, name))
-        if len(self.ahead) > AHEAD_MAX:   # read for multis that were refused
-            for name in list(self.ahead)[:len(self.ahead) - AHEAD_MAX]:
-                self.ahead.pop(name, None)
-        sent = time.monotonic()
-        if paths:
-            for name, read in zip(unread, self._send_reads(client, paths)):
-                started[name] = (read, sent)
-        self.pending.extend((name, *started[name]) for name in ordered)
-
-    def _send_reads(self, client: Any, paths: list[str]) -> list[Any]:
         # With a persistent watch held the server is 3.6 or newer: the bodies in
         # one multiRead per batch, not one request each.
-        return (read_many(client, paths) if self._tree_held
-                else [client.get_async(path) for path in paths])
-
-    def read_ahead(self, names: list[str]) -> None:
-        """The dispatcher's thread, just before its multi gives us ``names``:
-        start reading their bodies (those kept apart, in ``bodies/``; the
-        others move with their names). Never blocks."""
-        layout = self.transport.layout
-        todo: list[tuple[str, str]] = []
-        for name in names:
-            message = parse_message_name(name)
-            path = layout.body(self.queue, message) if message is not None else None
-            if path is not None and name not in self.taken:
-                todo.append((name, path))
-        if not todo:
-            return
         sent = time.monotonic()
-        reads = self._send_reads(self.transport.store.client, [path for _, path in todo])
-        for (name, _), read in zip(todo, reads):
-            self.ahead[name] = (read, sent)
+        reads = (read_many(client, paths) if self._tree_held
+                 else [client.get_async(path) for path in paths])
+        self.pending.extend((name, read, sent) for name, read in zip(ordered, reads))
 
     def _read(self, limit: int, block: bool = False) -> None:
         """Move landed reads into the buffer, in order."""
@@ -562,7 +516,6 @@ class Inbox:
         # delivered is the channel's to settle (acked, or restored by its QoS).
         undelivered = {c.name for c in self.buffer} | {entry[0] for entry in self.pending}
         keep = set(self.delivered)
-        self.ahead.clear()
         handed = set(self.taken) - undelivered   # given to kombu (acked or not)
         self.pending.clear()
         self.buffer.clear()

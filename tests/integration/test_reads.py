@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import pytest
-from kazoo.client import KazooClient, TransactionRequest
+from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
-from kazoo.protocol.serialization import Create
 from kombu import Connection
 
 from celery_zk.zk import reads
@@ -63,42 +62,3 @@ def test_a_consumer_reads_what_it_was_given_in_few_requests(
         assert [m.payload["n"] for m in got] == list(range(20))
         assert sum(batches) == 20 and len(batches) < 20
         assert not [path for path in single if "/bodies/" in path]
-
-
-def test_a_lone_consumer_has_its_bodies_read_before_the_multi_that_gives_them(
-        zk_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The dispatcher of a consumer's own process starts reading the bodies
-    before its multi: sent after it, the reads would wait for the multi's
-    sync (a session's requests are answered in order)."""
-    order: list[tuple[str, int]] = []   # ("read", bodies) and ("give", names), as sent
-    real_send = reads.kazoo_compat.send
-
-    def send(c: KazooClient, request: object) -> object:
-        if isinstance(request, reads.MultiRead):
-            order.append(("read", sum("/bodies/" in path for path in request.paths)))
-        return real_send(c, request)
-    monkeypatch.setattr(reads.kazoo_compat, "send", send)
-    real_commit = TransactionRequest.commit
-
-    def commit(self: TransactionRequest) -> object:
-        gives = sum(isinstance(op, Create) and "/owned/" in op.path for op in self.operations)
-        if gives:
-            order.append(("give", gives))
-        return real_commit(self)
-    monkeypatch.setattr(TransactionRequest, "commit", commit)
-    with Connection(zk_url) as conn:
-        queue = conn.SimpleQueue("ahead")
-        for i in range(40):
-            queue.put({"n": i})
-        got = [queue.get(timeout=10) for _ in range(40)]
-        for message in got:
-            message.ack()
-    assert [m.payload["n"] for m in got] == list(range(40))
-    given = read = 0
-    for kind, count in order:
-        if kind == "read":
-            read += count
-        else:
-            given += count
-            assert read >= given, order   # every name given had its body's read sent first
-    assert given >= 40 and read == given, order   # and each body was read once

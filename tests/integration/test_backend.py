@@ -427,7 +427,10 @@ def test_a_chord_body_sent_before_its_worker_stopped_is_not_sent_again(
     part_done(1, 4)              # redelivered and run again: the run finishes
     assert bodies() == 1         # without the marker: 2, and the body ran twice
     assert stops == ["stopped"]
-    assert app.AsyncResult(parts[1]).get(timeout=10) == 4
+    # Read, not waited on: a second AsyncResult of a pending id is never woken
+    # before Celery 5.7 (celery#4925), and this part's own is pending here.
+    meta = backend.get_task_meta(parts[1], cache=False)
+    assert (meta["status"], meta["result"]) == (states.SUCCESS, 4)
 
 
 def test_with_deduplication_the_last_part_of_a_stalled_chord_runs_again(

@@ -169,11 +169,9 @@ def send_chord_body(backend: ZooKeeperBackend, request: Any, counter: ChordCount
             logger.exception("Chord %r raised: %r", group_id, exc)
             _fail(backend, callback, group_id, f"Callback error: {exc!r}", exc)
     finally:
-        # Finished first: a worker stopped between the two leaves a saved group
-        # (expiry removes it), not a run whose part, run again, finds no group.
-        counter.finish(also=None if own is None else own.restore)
         if header is not None:
             backend.delete_group(group_id)
+        counter.finish(also=None if own is None else own.restore)
 
 
 def _sent_once(backend: ZooKeeperBackend, group_id: str, callback: Any) -> dict[str, Any]:

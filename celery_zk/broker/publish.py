@@ -170,7 +170,7 @@ class Publishing(StoreBase):
         except _NoMarkerParent:
             logger.info("celery_zk: %s cannot be made (its parent is gone); publishing "
                         "%s without it", marker, message.uid)
-            name = self._put_chunk([message])[0]
+            return self.put_new(message)
         if name is None:   # cannot be: one message's multi either stored it or not
             raise RuntimeError(f"celery_zk: the publish of {message.uid} left no trace")
         return name

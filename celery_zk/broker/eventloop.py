@@ -52,6 +52,11 @@ class Waker:
         return self._fds[0]
 
     def set(self) -> None:
+        # Already set: the pipe holds a byte, or clear() is under way and the
+        # waiter looks after it. Skipping saves a write (and a GIL hand-off)
+        # per watch event and per ack while the waiter is busy delivering.
+        if self._event.is_set():
+            return
         self._event.set()
         if self._fds:
             self._poke()
@@ -63,8 +68,10 @@ class Waker:
             pass   # full (already readable), or closed meanwhile
 
     def clear(self) -> None:
-        # The pipe first: a set() between the two leaves a byte in the pipe (a
-        # spurious wake-up later), never a set event with nothing to read.
+        # The pipe first, then the event: a set() between the two finds the
+        # event set and writes nothing, and the waiter looks after the clear.
+        # The other order could leave the event set with an empty pipe, and
+        # every later set() would skip its write: a hub asleep for good.
         if self._fds:
             try:
                 while os.read(self._fds[0], 4096):

@@ -393,8 +393,11 @@ class Transport(virtual.Transport):
                 raise socket.timeout()
             self._wait(deadline)
 
-    def _deliver_one(self) -> bool:
-        """Deliver one message if one can be delivered now; True if it was."""
+    def _deliver_one(self, clear: bool = True) -> bool:
+        """Deliver one message if one can be delivered now; True if it was.
+
+        ``clear``: reset the wake-up first (a batch of deliveries does it once).
+        """
         if self._session_lost:
             # What this connection was given under the ended session is being
             # given to others (recovery). Like a lost AMQP connection, say so:
@@ -405,7 +408,8 @@ class Transport(virtual.Transport):
             raise SessionExpiredError(
                 "celery_zk: this connection's ZooKeeper session expired; the messages "
                 "given to it go to other consumers. Reconnect.")
-        self._wake.clear()
+        if clear:
+            self._wake.clear()
         # After a session expiry (else no-ops): queues first, then what routes to them
         # (and bindings another session had made, gone with it).
         self.auto_delete.restore()
@@ -448,8 +452,9 @@ class Transport(virtual.Transport):
 
     def _on_readable(self) -> None:
         # Bounded, so the loop also runs the pool and timers; the rest next turn.
-        for _ in range(EVENT_LOOP_BATCH):
-            if not self._deliver_one():
+        # The wake-up is reset once: set again meanwhile, it brings the loop back.
+        for turn in range(EVENT_LOOP_BATCH):
+            if not self._deliver_one(clear=turn == 0):
                 return
         self.wake()
 

@@ -264,7 +264,7 @@ class Inbox:
             return
         self.held_since = None
         self._learn(consumer_id)
-        self._read(limit)
+        self._read_bodies(limit)
         if len(self.buffer) + len(self.pending) <= (self.credit or self.options.claim_batch) // 2:
             # Running low: the dispatcher refills our inbox only once it sees our
             # acks, so the acks held back go now, not in 5 ms, and the refill
@@ -274,7 +274,7 @@ class Inbox:
             return
         if self.pending:
             # The first read has not landed: wait for it (the others were sent with it).
-            self._read(limit, block=True)
+            self._read_bodies(limit, block=True)
             return
         self._dry()
         if (self.consuming and not in_hand and not self.delivered and self.offer is not None
@@ -384,7 +384,7 @@ class Inbox:
                  else [client.get_async(path) for path in paths])
         self.pending.extend((name, read, sent) for name, read in zip(ordered, reads))
 
-    def _read(self, limit: int, block: bool = False) -> None:
+    def _read_bodies(self, limit: int, block: bool = False) -> None:
         """Move landed reads into the buffer, in order."""
         store = self.transport.store
         client = store.client
@@ -428,7 +428,7 @@ class Inbox:
         if consumer_id is None:
             return None
         self._learn(consumer_id)
-        self._read(1, block=bool(self.pending))
+        self._read_bodies(1, block=bool(self.pending))
         if self.buffer:
             return self.take()
         store = self.transport.store

@@ -12,25 +12,37 @@ therefore need three private names, all here:
 * ``ConnectionHandler._read_watch_event(buffer, offset)``: wrapped, so the
   events of our watches are read before kazoo looks for its own watchers;
 * ``KazooClient._data_watchers`` / ``_child_watchers``: whether kazoo has a
-  watcher of its own on the event's path (then it gets the event too).
+  watcher of its own on the event's path (then it gets the event too);
+* ``ConnectionHandler._read(length, timeout)``, ``_socket`` and
+  ``_socket_error_handling``: :func:`buffer_reads` replaces the read of one
+  connection (an instance attribute) with one that takes whatever the socket
+  holds in one ``recv()``. kazoo waits for and reads every packet in two
+  steps (its length, then the rest): four system calls a packet, each
+  giving up the GIL to the process's other threads and waiting to get it
+  back; under load a read now takes many packets.
 
-Fallback: without them :class:`~celery_zk.zk.watches.TreeWatches` reports
+Fallback: without the read's names kazoo reads as it always did. Without the others
+:class:`~celery_zk.zk.watches.TreeWatches` reports
 persistent watches unsupported, and consumers use one-shot child watches
 (one more request per idle delivery) and one ``get`` per body (no
 ``multiRead``), as with a server older than 3.6.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from kazoo.client import KazooClient
+from kazoo.exceptions import ConnectionDropped
 from kazoo.protocol.connection import ConnectionHandler
 from kazoo.protocol.serialization import Watch
 
 from . import PrivateAPIChanged, describe
 
-__all__ = ["intercept_watch_events", "missing", "send"]
+__all__ = ["buffer_reads", "intercept_watch_events", "missing", "send"]
+
+logger = logging.getLogger(__name__)
 
 _USE = "to send addWatch/removeWatches and read persistent watch events"
 _FALLBACK = "Persistent watches are off; consumers use one-shot child watches."
@@ -40,6 +52,13 @@ PRIVATE: tuple[tuple[type, str], ...] = (
     (KazooClient, "_call"),
     (ConnectionHandler, "_read_watch_event"),
 )
+#: The same for :func:`buffer_reads` (``_socket`` is set on an instance).
+PRIVATE_READS: tuple[tuple[type, str], ...] = (
+    (ConnectionHandler, "_read"),
+    (ConnectionHandler, "_socket_error_handling"),
+)
+_READS_USE = "to read whole socket buffers"
+_READS_FALLBACK = "kazoo reads each packet in two steps, as it always did."
 #: Set in ``KazooClient.__init__``: checked on an instance.
 PRIVATE_INSTANCE = ("_connection", "_data_watchers", "_child_watchers")
 
@@ -53,9 +72,14 @@ def missing(client: KazooClient | None = None) -> list[str]:
     :data:`PRIVATE_INSTANCE` too), one message each; empty when all is there."""
     problems = [str(_changed(f"{owner.__name__}.{name}"))
                 for owner, name in PRIVATE if not callable(getattr(owner, name, None))]
+    problems += [describe("kazoo", f"{owner.__name__}.{name}", _READS_USE, _READS_FALLBACK)
+                 for owner, name in PRIVATE_READS if not callable(getattr(owner, name, None))]
     if client is not None:
         problems += [str(_changed(f"KazooClient().{name}"))
                      for name in PRIVATE_INSTANCE if not hasattr(client, name)]
+        if not hasattr(getattr(client, "_connection", None), "_socket"):
+            problems.append(describe("kazoo", "ConnectionHandler()._socket", _READS_USE,
+                                     _READS_FALLBACK))
     return problems
 
 
@@ -97,3 +121,75 @@ def intercept_watch_events(client: KazooClient,
         return None
 
     connection._read_watch_event = read_watch_event  # type: ignore[union-attr]
+
+
+#: Most bytes one read takes from the socket: a few hundred packets of a busy
+#: consumer, or the rest of one big reply.
+READ_SIZE = 65536
+
+
+class _BufferedReads:
+    """One connection's reads: whole socket buffers, packets handed out from them."""
+
+    def __init__(self, connection: Any, original: Callable[[int, float], bytes],
+                 handler: Any) -> None:
+        self.connection = connection
+        self.original = original
+        self.handler = handler
+        self.sock: Any = None
+        self.buf = bytearray()
+        self.reads = self.recvs = 0   # kazoo's reads served, socket reads made
+
+    def __call__(self, length: int, timeout: float) -> bytes:
+        connection = self.connection
+        sock = connection._socket
+        if sock is None or hasattr(sock, "pending"):
+            # TLS: the SSL layer holds decrypted bytes of its own; kazoo's read knows it.
+            return self.original(length, timeout)
+        if sock is not self.sock:   # a new connection: nothing buffered belongs to it
+            self.sock, self.buf = sock, bytearray()
+        buf = self.buf
+        try:
+            with connection._socket_error_handling():
+                while len(buf) < length:
+                    if not self.handler.wait_readable(sock, timeout):
+                        raise self.handler.timeout_exception("socket time-out during read")
+                    chunk = sock.recv(max(READ_SIZE, length - len(buf)))
+                    self.recvs += 1
+                    if not chunk:
+                        raise ConnectionDropped("socket connection broken")
+                    buf += chunk
+            data = bytes(buf[:length])
+            del buf[:length]
+            self.reads += 1
+        finally:
+            # What is left is the start of the next packets: kazoo's loop must
+            # not wait on the socket for them.
+            self.handler.held = sock if buf else None
+        return data
+
+
+def buffer_reads(client: KazooClient) -> bool:
+    """Let ``client``'s connection read whole socket buffers (see the module
+    docstring); its handler must be a :class:`~celery_zk.zk.handler.PollingHandler`,
+    which reports the socket readable while packets wait in the buffer.
+    False (kazoo's own reads, logged once) when kazoo's internals differ."""
+    connection: Any = getattr(client, "_connection", None)
+    original = getattr(connection, "_read", None)
+    if (original is None or not hasattr(connection, "_socket")
+            or not callable(getattr(connection, "_socket_error_handling", None))):
+        _log_fallback("ConnectionHandler._read/_socket/_socket_error_handling")
+        return False
+    if not hasattr(client.handler, "wait_readable"):
+        return False   # not our handler: it would wait on a socket whose bytes we took
+    connection._read = _BufferedReads(connection, original, client.handler)
+    return True
+
+
+_logged: set[str] = set()
+
+
+def _log_fallback(name: str) -> None:
+    if name not in _logged:
+        _logged.add(name)
+        logger.warning("%s", describe("kazoo", name, _READS_USE, _READS_FALLBACK))

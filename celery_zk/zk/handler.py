@@ -10,6 +10,10 @@ limit and is one system call. In a raw-kazoo model of the dispatcher this
 was the largest single saving of client CPU (see benchmarks/README.md, "The
 dispatch model"). ``select`` is a method of kazoo's handler interface, so
 this is a public override, not a private name.
+
+It also knows of packets read ahead (:func:`celery_zk.compat.kazoo.buffer_reads`):
+while some wait in a buffer, their socket is reported readable at once, or
+kazoo's loop would wait on a socket whose bytes were already taken.
 """
 from __future__ import annotations
 
@@ -37,6 +41,9 @@ class PollingHandler(SequentialThreadingHandler):
     """:class:`~kazoo.handlers.threading.SequentialThreadingHandler` whose
     ``select`` is one ``poll()``, with ``select()``'s signature and results."""
 
+    #: A socket whose next bytes were read ahead and wait in a buffer (or None).
+    held: Any = None
+
     def select(self, rlist: Sequence[Any], wlist: Sequence[Any], xlist: Sequence[Any],
                timeout: float | None = None) -> tuple[list[Any], list[Any], list[Any]]:
         if timeout is not None:
@@ -44,6 +51,12 @@ class PollingHandler(SequentialThreadingHandler):
                 raise TypeError("timeout must be a number")
             if timeout < 0:
                 raise ValueError("timeout must be non-negative")
+        held = self.held
+        if held is not None and any(f is held for f in rlist):
+            # Its packets are here already: look at the rest without waiting.
+            readable, writable, _ = self.select([f for f in rlist if f is not held],
+                                                wlist, xlist, 0)
+            return [held, *readable], writable, []
         masks: dict[int, int] = {}
         for fileobj in rlist:
             fd = _fd(fileobj)
@@ -60,3 +73,11 @@ class PollingHandler(SequentialThreadingHandler):
         readable = [f for f in rlist if ready.get(_fd(f), 0) & (_READ | _TROUBLE)]
         writable = [f for f in wlist if ready.get(_fd(f), 0) & (_WRITE | _TROUBLE)]
         return readable, writable, []
+
+    def wait_readable(self, sock: Any, timeout: float | None) -> bool:
+        """Whether ``sock`` itself has bytes (or trouble) within ``timeout`` s,
+        whatever is held: for the reader that fills the buffer."""
+        poller = select.poll()
+        poller.register(_fd(sock), _READ)
+        wait = None if timeout is None else math.ceil(timeout * 1000)
+        return bool(poller.poll(wait))

@@ -21,6 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "celery_zk"
 #: Every private name of a dependency celery_zk touches; only compat/ may.
 FENCED = {
     "_call", "_read_watch_event", "_connection", "_data_watchers", "_child_watchers",
+    "_read", "_socket", "_socket_error_handling",
     "_apply_tasks", "_regen", "sanitize_url", "maybe_sanitize_url",
     "_delivered", "_dirty", "_flush", "_quick_ack", "_on_collect", "_active_queues",
     "_tag_to_queue", "_get_message_priority", "_raw", "_deliver",
@@ -79,6 +80,30 @@ def test_kazoo_without_its_connection_internals_is_named_and_watches_fall_back(
     watches = TreeWatches(Handle())
     assert watches.watch("/q", lambda kind, name: None) is False
     assert watches.supported is False
+
+
+def test_kazoo_without_its_read_is_named_and_reads_stay_kazoos(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from kazoo.client import KazooClient
+    from kazoo.protocol.connection import ConnectionHandler
+
+    from celery_zk.zk.handler import PollingHandler
+
+    client = KazooClient(handler=PollingHandler())
+    assert kazoo_compat.buffer_reads(client) is True
+    # Another handler does not know the buffer: its loop would wait on a drained socket.
+    assert kazoo_compat.buffer_reads(KazooClient()) is False
+
+    monkeypatch.delattr(ConnectionHandler, "_read")
+    monkeypatch.setattr(kazoo_compat, "_logged", set())
+    [problem] = kazoo_compat.missing()
+    assert "ConnectionHandler._read" in problem and "two steps" in problem
+    client = KazooClient(handler=PollingHandler())
+    with caplog.at_level(logging.WARNING, logger="celery_zk.compat.kazoo"):
+        assert kazoo_compat.buffer_reads(client) is False
+    assert "ConnectionHandler._read" in caplog.text
+    assert not isinstance(getattr(client._connection, "_read", None),
+                          kazoo_compat._BufferedReads)
 
 
 def test_kazoo_without_call_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,3 +59,29 @@ def test_descriptors_above_select_limit(pair: tuple[socket.socket, socket.socket
     finally:
         os.close(high)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_socket_with_bytes_held_in_a_buffer_is_readable_at_once(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    """Packets read ahead (compat.kazoo.buffer_reads) wait in memory: kazoo's
+    loop must not sleep on a socket whose bytes were taken already."""
+    a, b = pair
+    handler = PollingHandler()
+    handler.held = a
+    started = time.monotonic()
+    assert handler.select([a, b], [], [], 5) == ([a], [], [])
+    assert time.monotonic() - started < 1
+    a.sendall(b"y")   # b readable too: both reported, the held one first
+    assert handler.select([a, b], [], [], 5) == ([a, b], [], [])
+    # The reader that fills the buffer asks about the socket itself.
+    assert not handler.wait_readable(a, 0)
+    b.sendall(b"x")
+    assert handler.wait_readable(a, 0)
+
+
+def test_a_held_socket_not_asked_about_is_not_reported(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    handler = PollingHandler()
+    handler.held = a
+    assert handler.select([b], [], [], 0) == ([], [], [])

@@ -118,7 +118,10 @@ def test_tls_sockets_keep_kazoos_read(pairs: list) -> None:
         def pending(self) -> int:
             return 0
     calls: list[int] = []
+
+    def kazoos(length: int, timeout: float) -> bytes:
+        calls.append(length)
+        return b"x" * length
     conn = Connection(TLSLike())   # type: ignore[arg-type]
-    read = _BufferedReads(conn, lambda length, timeout: calls.append(length) or b"x" * length,
-                          conn.handler)
+    read = _BufferedReads(conn, kazoos, conn.handler)
     assert read(3, 1.0) == b"xxx" and calls == [3]

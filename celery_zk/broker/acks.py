@@ -61,6 +61,7 @@ class Acking(StoreBase):
         self._ack_retries: RedoThread[tuple[str, str]] = RedoThread(
             "celery_zk-ack-retry", self._ack_again)
         self._acks: list[tuple[str, str]] = []   # (owned path, consumer node) held back
+        self._held_in: set[str] = set()   # the inboxes those are in
         self._acks_lock = threading.Lock()
         self._drops: RedoThread[str] = RedoThread("celery_zk-drop", self._drop_again)
 
@@ -158,8 +159,13 @@ class Acking(StoreBase):
         with self._acks_lock:
             first = not self._acks
             self._acks.append((owned_path, consumer_node))
+            self._held_in.add(owned_path.rpartition("/")[0])
         if first:
             self.deferred.later(self._send_acks, ACK_HOLD)
+
+    def holds_acks(self, inbox: str) -> bool:
+        """Whether acks of messages in ``inbox`` (a path) are held back."""
+        return inbox in self._held_in
 
     def acks_landed(self, timeout: float) -> bool:
         """Wait for the acks sent on the background thread (big messages, and
@@ -170,6 +176,7 @@ class Acking(StoreBase):
     def _send_acks(self) -> None:
         with self._acks_lock:
             acks, self._acks = self._acks, []
+            self._held_in = set()
         by_owner: dict[str, list[str]] = {}
         for owned_path, consumer_node in acks:
             if self._big(owned_path):   # its chunks: read, then deleted, on that thread

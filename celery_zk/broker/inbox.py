@@ -265,11 +265,15 @@ class Inbox:
         self.held_since = None
         self._learn(consumer_id)
         self._read_bodies(limit)
-        if len(self.buffer) + len(self.pending) <= (self.credit or self.options.claim_batch) // 2:
+        store = self.transport.store
+        if (len(self.buffer) + len(self.pending) <= (self.credit or self.options.claim_batch) // 2
+                and store.holds_acks(self.transport.layout.inbox(self.queue, consumer_id))):
             # Running low: the dispatcher refills our inbox only once it sees our
-            # acks, so the acks held back go now, not in 5 ms, and the refill
-            # overlaps what is left instead of following it.
-            self.transport.store.deferred.flush()
+            # acks, so the acks held back go now, not in ACK_HOLD, and the refill
+            # overlaps what is left instead of following it. Only for our own
+            # acks: an inbox that never fills (a worker's remote-control queue,
+            # looked at on every turn of its event loop) sent every ack alone.
+            store.deferred.flush()
         if self.buffer:
             return
         if self.pending:

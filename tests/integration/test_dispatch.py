@@ -477,3 +477,41 @@ def test_entries_both_listed_and_reported_by_the_watch_are_delivered_once(
         finally:
             del client.get_children
         assert sorted(got) == [0, 1, 2]
+
+
+def test_an_empty_inbox_of_another_queue_does_not_send_our_held_acks(
+        zk_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer running low sends its held acks at once (its refill waits for
+    them); an inbox that holds no acks of its own does not. A worker's
+    remote-control queue, looked at on every turn of a prefork worker's event
+    loop, sent every ack alone: 0.77 transactions per task, not 0.1."""
+    from celery_zk.broker import acks
+
+    monkeypatch.setattr(acks, "ACK_HOLD", 60.0)   # only a flush sends them here
+    work, idle = queue_of("work"), queue_of("idle")
+    with Connection(zk_url) as conn:
+        publish(conn, work, list(range(4)))
+        got: list[Any] = []
+        messages: list[Any] = []
+        with Consumer(conn, [work, idle], prefetch_count=4,
+                      callbacks=[lambda body, message: (got.append(body["v"]),
+                                                        messages.append(message))]):
+            drain_until(conn, got, 4, 20)
+            assert sorted(got) == [0, 1, 2, 3]
+            store = conn.transport.store
+            sent: list[int] = []
+            real = store._send_ack_batch
+            monkeypatch.setattr(store, "_send_ack_batch",
+                                lambda node, paths: (sent.append(len(paths)), real(node, paths)))
+            for message in messages:
+                message.ack()
+            session = conn.transport.session
+            consumer_id = session.ensure_registered()[0]
+            layout = conn.transport.layout
+            assert store.holds_acks(layout.inbox("work", consumer_id))
+            assert not store.holds_acks(layout.inbox("idle", consumer_id))
+            conn.transport.inbox("idle").fill(4, 0)   # empty, and none of the acks are its
+            assert sent == []
+            conn.transport.inbox("work").fill(4, 0)   # empty, and waiting for its refill
+            assert sent == [4]
+            assert not store.holds_acks(layout.inbox("work", consumer_id))

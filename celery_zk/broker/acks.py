@@ -49,6 +49,8 @@ ACK_BATCH = 256
 #: sends the acks it holds at once (Inbox.fill): the dispatcher refills its
 #: inbox only once it sees them; one with plenty to do sends them together.
 ACK_HOLD = 0.05
+#: Most messages moved back to wait in one multi (a dead consumer's inbox).
+REQUEUE_BATCH = 128
 #: Seconds between redos of an ack or delete whose connection was lost.
 REDO_PAUSE = 1.0
 
@@ -317,6 +319,38 @@ class Acking(StoreBase):
             raise error
 
         return bool(client.retry(move))
+
+    def requeue_many(self, owned_paths: list[str]) -> int:
+        """:meth:`requeue` for many messages, each to its place: the names of
+        those whose body is apart move :data:`REQUEUE_BATCH` per multi (a dead
+        worker's inbox holds its credit, up to ``lookahead`` times its
+        prefetch: one synced write each held up its recovery for seconds on a
+        busy server). What a multi refuses (one moved already, its bucket
+        gone, a lost reply) and messages from before 0.2 go one at a time, as
+        :meth:`requeue` does. Returns how many were moved."""
+        layout, client = self.layout, self.client
+        moves: list[tuple[str, str]] = []
+        moved = 0
+        for owned_path in owned_paths:
+            queue, _, name = layout.split_owned_path(owned_path)
+            message = parse_message_name(name)
+            if message is not None and message.body_apart:
+                moves.append((owned_path, layout.unowned_message(queue, requeued_name(message))))
+            elif self.requeue(owned_path):
+                moved += 1
+        for start in range(0, len(moves), REQUEUE_BATCH):
+            batch = moves[start:start + REQUEUE_BATCH]
+            txn = client.transaction()
+            for owned_path, path in batch:
+                txn.create(path, b"")   # before its delete, as in requeue()
+                txn.delete(owned_path)
+            try:
+                committed = multi_failure(txn.commit()) is None
+            except ConnectionLoss:
+                committed = False   # looked at one by one: a moved one is not moved twice
+            moved += (len(batch) if committed
+                      else sum(1 for owned_path, _ in batch if self.requeue(owned_path)))
+        return moved
 
     def remove(self, owned_path: str, dead_letter: bool, reason: str = "") -> bool:
         """Drop an owned message, or move it to the queue's dead/ directory."""

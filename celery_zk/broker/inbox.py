@@ -552,9 +552,8 @@ class Inbox:
             names = client.retry(client.get_children, inbox)
         except NoNodeError:
             return
-        for name in names:
-            if name not in handed and name not in keep:
-                store.requeue(transport.layout.inbox_message(self.queue, consumer_id, name))
+        store.requeue_many([transport.layout.inbox_message(self.queue, consumer_id, name)
+                            for name in names if name not in handed and name not in keep])
         if not keep:
             try:   # refused while a delivered message waits for its ack
                 client.retry(client.delete, inbox)

@@ -295,8 +295,8 @@ class Recovery:
             names = client.retry(client.get_children, inbox)
         except NoNodeError:
             return 0
-        moved = sum(1 for name in names
-                    if store.requeue(layout.inbox_message(queue, consumer_id, name)))
+        moved = store.requeue_many([layout.inbox_message(queue, consumer_id, name)
+                                    for name in names])
         try:
             client.retry(client.delete, inbox)
         except (NoNodeError, NotEmptyError):

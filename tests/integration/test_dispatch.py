@@ -297,6 +297,59 @@ def test_a_dead_consumers_inbox_goes_back_each_message_to_its_place(
         for c in zk_client.get_children(layout.owned("dies")))
 
 
+def test_a_dead_consumers_deep_inbox_goes_back_a_batch_per_multi(
+        zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deep inbox (a worker looking ahead holds up to lookahead x its prefetch)
+    goes back REQUEUE_BATCH messages per multi, not one synced write each, and
+    every message still to its place."""
+    from celery_zk.broker.acks import REQUEUE_BATCH, Acking
+
+    queue = queue_of("deep")
+    layout = layout_of(zk_url)
+    total = REQUEUE_BATCH + 72   # two multis
+    singles: list[str] = []   # what was moved, and how (the dying side's tries fail)
+    batches: list[int] = []
+    real_one, real_many = Acking.requeue, Acking.requeue_many
+
+    def one(self: Acking, path: str, *args: Any, **kwargs: Any) -> bool:
+        moved = real_one(self, path, *args, **kwargs)
+        if moved:
+            singles.append(path)
+        return moved
+
+    def many(self: Acking, paths: list[str]) -> int:
+        moved = real_many(self, paths)
+        batches.append(moved)
+        return moved
+    monkeypatch.setattr(Acking, "requeue", one)
+    monkeypatch.setattr(Acking, "requeue_many", many)
+    with Connection(zk_url) as survivor:
+        recovery_leader(survivor)
+        publish(survivor, queue, list(range(total)))
+        doomed = Connection(apart(zk_url, "deep-doomed"))
+        got: list[Any] = []
+        consumer = Consumer(doomed, [queue], prefetch_count=total,
+                            callbacks=[lambda body, message: got.append(body["v"])])
+        consumer.consume()
+        drain_until(doomed, got, total, 20)
+        wait_until(lambda: len(owned(zk_client, layout, "deep")) == total, 10)
+        doomed.transport.handle.client.stop()   # dies: its session ends
+        try:
+            doomed.release()
+        except Exception:
+            pass
+        wait_until(lambda: owned(zk_client, layout, "deep") == [], 15,
+                   message="the dead consumer's inbox was not recovered")
+        assert total in batches and singles == [], (batches, len(singles))
+        assert len(waiting(zk_client, layout, "deep")) == total
+        rest: list[Any] = []
+        with Consumer(survivor, [queue], prefetch_count=50,
+                      callbacks=[lambda body, message: (rest.append(body["v"]),
+                                                        message.ack())]):
+            drain_until(survivor, rest, total, 30)
+    assert rest == list(range(total))
+
+
 def test_messages_stored_by_the_previous_release_are_delivered(
         zk_url: str, zk_client: KazooClient) -> None:
     """Upgrading loses nothing: a waiting message of celery_zk before 0.2 (its

@@ -19,6 +19,7 @@ Debian's ``nftables`` if ``nft`` is missing. See docs/nemesis.md.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -242,10 +243,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cluster.stop_publisher()
         publish_ended = time.time()
         log("publisher stopped; draining")
+        # The drain is bounded, but a call that never returns (a client's) is not:
+        # then every thread's stack goes to stderr, to say where it hung.
+        faulthandler.dump_traceback_later(args.drain_timeout + 60, exit=False)
         drained_in = drain(cluster, work_dir, args.drain_timeout)
         assert cluster.observer is not None
         leftovers = queue_leftovers(cluster.observer, ROOT)
         reach = broadcast_reach(cluster.url, cluster.workers)
+        faulthandler.cancel_dump_traceback_later()
         log(f"drained in {drained_in:.1f}s; broadcasts reach {reach}; stopping the workers")
         cluster.stop_workers()
         log("comparing the members' data")

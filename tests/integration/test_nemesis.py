@@ -20,14 +20,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 NEMESIS = ROOT / "benchmarks" / "nemesis.py"
 SEED = int(os.environ.get("CELERY_ZK_NEMESIS_SEED", "27"))
+#: Before pytest's own timeout (below), so a hung run's output is shown.
+RUN_TIMEOUT = 600
 
 
 def run_short(tmp_path: Path) -> dict[str, Any]:
     report = tmp_path / "nemesis.json"
-    done = subprocess.run(
-        [sys.executable, str(NEMESIS), "--short", "--seed", str(SEED), "--json", str(report),
-         "--work-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=600)
+    try:
+        done = subprocess.run(
+            [sys.executable, str(NEMESIS), "--short", "--seed", str(SEED), "--json",
+             str(report), "--work-dir", str(tmp_path / "run")],
+            capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired as exc:   # what it printed: where it hung
+        out, err = (text.decode() if isinstance(text, bytes) else text or ""
+                    for text in (exc.stdout, exc.stderr))
+        pytest.fail(f"the short nemesis ran over {RUN_TIMEOUT}s (2-4 minutes as a "
+                    f"rule):\n{out[-4000:]}\n{err[-8000:]}")
     print(done.stdout[-4000:])
     assert report.exists(), f"no report (exit {done.returncode}):\n{done.stderr[-4000:]}"
     return json.loads(report.read_text())
@@ -39,6 +47,7 @@ def left_behind() -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT + 60)
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                     reason="the nemesis makes network namespaces: needs root and iproute2")
 def test_the_short_nemesis_loses_nothing(tmp_path: Path, record_property: Any) -> None:

@@ -115,8 +115,9 @@ def _owner_cause(host: str, since: float, until: float, ended: bool,
                  faults: list[dict[str, Any]]) -> str | None:
     """Why the owner on ``host`` lost a message it held from about ``since`` (its
     first execution) to ``until`` (the other execution): a fault on its host then,
-    else a ZooKeeper fault then (its connection or session went), else the
-    execution never ending (killed mid-task)."""
+    else a ZooKeeper fault then (its connection or session went: a server
+    partitioned, killed or paused, or split off with the minority while the
+    owner was connected to it), else the execution never ending (killed mid-task)."""
     slack = 60.0   # a message is claimed (prefetched) before it starts
     overlapping = [f for f in faults if f["started"] <= until
                    and (f["healed"] or until) >= since - slack]
@@ -128,6 +129,10 @@ def _owner_cause(host: str, since: float, until: float, ended: bool,
     for fault in overlapping:
         if fault["kind"] not in OWNER_FAULTS:
             return f"owner's connection lost in {fault['kind']}"
+        if fault["kind"] == "partition-split":
+            # The owner on the majority side, connected to the server cut off
+            # with the minority: its connection went (as in partition-zk).
+            return "owner's server on the minority side"
     if not ended:
         return "owner lost mid-task"
     return None

@@ -30,6 +30,7 @@ persistent watches unsupported, and consumers use one-shot child watches
 from __future__ import annotations
 
 import logging
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -138,35 +139,59 @@ class _BufferedReads:
         self.handler = handler
         self.sock: Any = None
         self.buf = bytearray()
+        self.pieces = 0   # reads served on this socket (the first two: the ConnectResponse)
         self.reads = self.recvs = 0   # kazoo's reads served, socket reads made
 
     def __call__(self, length: int, timeout: float) -> bytes:
-        connection = self.connection
+        connection, handler = self.connection, self.handler
         sock = connection._socket
         if sock is None or hasattr(sock, "pending"):
             # TLS: the SSL layer holds decrypted bytes of its own; kazoo's read knows it.
+            handler.silence = None
             return self.original(length, timeout)
         if sock is not self.sock:   # a new connection: nothing buffered belongs to it
-            self.sock, self.buf = sock, bytearray()
+            self.sock, self.buf, self.pieces = sock, bytearray(), 0
+        silent, handler.silent = handler.silent is sock, None
         buf = self.buf
         try:
             with connection._socket_error_handling():
                 while len(buf) < length:
-                    if not self.handler.wait_readable(sock, timeout):
-                        raise self.handler.timeout_exception("socket time-out during read")
+                    if silent:
+                        silent = False
+                        if not handler.wait_readable(sock, 0):
+                            raise ConnectionDropped(
+                                f"no reply from the server for {handler.silence:.1f}s "
+                                "while requests waited: taken for dead (a partition?)")
+                    elif not handler.wait_readable(sock, timeout):
+                        raise handler.timeout_exception("socket time-out during read")
                     chunk = sock.recv(max(READ_SIZE, length - len(buf)))
                     self.recvs += 1
                     if not chunk:
                         raise ConnectionDropped("socket connection broken")
+                    handler.heard(sock)
                     buf += chunk
             data = bytes(buf[:length])
             del buf[:length]
             self.reads += 1
+            self.pieces += 1
+            if self.pieces == 2:
+                self._granted(data)
         finally:
             # What is left is the start of the next packets: kazoo's loop must
             # not wait on the socket for them.
-            self.handler.held = sock if buf else None
+            handler.held = sock if buf else None
         return data
+
+    def _granted(self, connect_response: bytes) -> None:
+        """The first packet of a connection is ZooKeeper's ConnectResponse
+        (protocolVersion, timeOut in ms, ...): the session timeout granted,
+        which sets how long a request may go unanswered (see
+        :class:`~celery_zk.zk.handler.PollingHandler`). A timeout of 0 is the
+        answer for an expired session: nothing to go by."""
+        if len(connect_response) >= 8:
+            granted = struct.unpack_from("!i", connect_response, 4)[0]
+            if granted > 0:
+                self.handler.silence = granted * 2 / 3 / 1000
 
 
 def buffer_reads(client: KazooClient) -> bool:

@@ -14,11 +14,23 @@ this is a public override, not a private name.
 It also knows of packets read ahead (:func:`celery_zk.compat.kazoo.buffer_reads`):
 while some wait in a buffer, their socket is reported readable at once, or
 kazoo's loop would wait on a socket whose bytes were already taken.
+
+And it notices a connection that went silent while requests wait, as
+ZooKeeper's own client does ("have not heard from server"): kazoo pings only
+after a quiet spell and counts every request it sends as a ping, so a busy
+client whose server was cut off (a partition on the server's side) wrote
+into the void until its session had expired, instead of moving to another
+server in time (the nemesis saw a task run twice so). The reader tells the
+handler what the server granted and when bytes arrive; :meth:`PollingHandler.select`
+sees every write (kazoo waits for its socket to be writable first) and
+reports a socket unanswered for :attr:`PollingHandler.silence` seconds
+readable, for the reader to drop it.
 """
 from __future__ import annotations
 
 import math
 import select
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +55,21 @@ class PollingHandler(SequentialThreadingHandler):
 
     #: A socket whose next bytes were read ahead and wait in a buffer (or None).
     held: Any = None
+    #: Seconds a write may go without a byte from the server before its
+    #: connection is taken for dead: two thirds of the session timeout the
+    #: server granted, as in ZooKeeper's client (which leaves a third to reach
+    #: another server). None: not looked at (no reader told us; TLS).
+    silence: float | None = None
+    #: (socket, when): the first write on it since the server was last heard.
+    asked: tuple[Any, float] | None = None
+    #: A socket :meth:`select` reported readable because it was silent too long.
+    silent: Any = None
+
+    def heard(self, sock: Any) -> None:
+        """Bytes came from ``sock``'s server: what was asked is being answered."""
+        asked = self.asked
+        if asked is not None and asked[0] is sock:
+            self.asked = None
 
     def select(self, rlist: Sequence[Any], wlist: Sequence[Any], xlist: Sequence[Any],
                timeout: float | None = None) -> tuple[list[Any], list[Any], list[Any]]:
@@ -51,12 +78,24 @@ class PollingHandler(SequentialThreadingHandler):
                 raise TypeError("timeout must be a number")
             if timeout < 0:
                 raise ValueError("timeout must be non-negative")
+        if wlist and not rlist:   # kazoo about to write a request or a ping
+            sock = wlist[0]
+            if self.asked is None or self.asked[0] is not sock:
+                self.asked = (sock, time.monotonic())
         held = self.held
-        if held is not None and any(f is held for f in rlist):
-            # Its packets are here already: look at the rest without waiting.
-            readable, writable, _ = self.select([f for f in rlist if f is not held],
-                                                wlist, xlist, 0)
+        if held is None or not any(f is held for f in rlist):
+            held = self._silent(rlist)
+            self.silent = held
+        if held is not None:
+            # Its packets are here already (or it is silent: its read says
+            # which): look at the rest without waiting.
+            readable, writable = self._poll([f for f in rlist if f is not held], wlist, 0)
             return [held, *readable], writable, []
+        readable, writable = self._poll(rlist, wlist, timeout)
+        return readable, writable, []
+
+    def _poll(self, rlist: Sequence[Any], wlist: Sequence[Any],
+              timeout: float | None) -> tuple[list[Any], list[Any]]:
         masks: dict[int, int] = {}
         for fileobj in rlist:
             fd = _fd(fileobj)
@@ -72,7 +111,15 @@ class PollingHandler(SequentialThreadingHandler):
         ready = dict(poller.poll(wait))
         readable = [f for f in rlist if ready.get(_fd(f), 0) & (_READ | _TROUBLE)]
         writable = [f for f in wlist if ready.get(_fd(f), 0) & (_WRITE | _TROUBLE)]
-        return readable, writable, []
+        return readable, writable
+
+    def _silent(self, rlist: Sequence[Any]) -> Any:
+        """The socket in ``rlist`` whose server has not answered a write for
+        :attr:`silence` seconds, or None."""
+        asked, silence = self.asked, self.silence
+        if asked is None or silence is None or time.monotonic() - asked[1] <= silence:
+            return None
+        return next((f for f in rlist if f is asked[0]), None)
 
     def wait_readable(self, sock: Any, timeout: float | None) -> bool:
         """Whether ``sock`` itself has bytes (or trouble) within ``timeout`` s,

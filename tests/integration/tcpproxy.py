@@ -6,6 +6,8 @@ what a pulled cable or a dropped route looks like (a close would instead be
 noticed at once). New connections made meanwhile are accepted and held
 silent too (as a SYN to a dropped route would be). ``heal()`` lets bytes
 flow again on the same sockets, as a network that comes back does.
+``cut()`` black-holes only the connections open now: a server cut off from
+its clients while the way to another server is open (new connections here).
 
 Threads only, one pair per connection plus the acceptor; ``stop()`` (or
 leaving the ``with`` block) ends them all.
@@ -35,6 +37,7 @@ class TCPProxy:
         self._stopped = threading.Event()
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
+        self._cut: set[socket.socket] = set()   # black-holed alone (cut())
         self._threads: list[threading.Thread] = []
         self.connections = 0  # accepted so far: tests can see a client reconnect
 
@@ -51,10 +54,17 @@ class TCPProxy:
         """Stop moving bytes either way; keep every socket open."""
         self._blackholed.set()
 
+    def cut(self) -> None:
+        """Stop moving bytes on the connections open now; forward new ones."""
+        with self._lock:
+            self._cut.update(self._sockets)
+
     def heal(self) -> None:
         """Forward again, on the same sockets: whatever each end did meanwhile
         (a client that gave up closed its side) is what the other end now sees."""
         self._blackholed.clear()
+        with self._lock:
+            self._cut.clear()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -114,14 +124,14 @@ class TCPProxy:
         peers = {a: b, b: a}
         try:
             while not self._stopped.is_set():
-                if self._blackholed.is_set():
+                if self._blackholed.is_set() or a in self._cut:
                     if a.fileno() < 0 or b.fileno() < 0:
                         return  # heal() or stop() closed them
                     self._stopped.wait(_TICK)  # hold: read nothing, send nothing
                     continue
                 readable, _, _ = select.select([a, b], [], [], _TICK)
                 for sock in readable:
-                    if self._blackholed.is_set():
+                    if self._blackholed.is_set() or a in self._cut:
                         break
                     data = sock.recv(_CHUNK)
                     if not data:
@@ -134,6 +144,7 @@ class TCPProxy:
             _close(b)
             with self._lock:
                 self._sockets = [s for s in self._sockets if s is not a and s is not b]
+                self._cut.discard(a)
 
 
 def _close(sock: socket.socket) -> None:

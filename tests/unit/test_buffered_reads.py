@@ -125,3 +125,70 @@ def test_tls_sockets_keep_kazoos_read(pairs: list) -> None:
     conn = Connection(TLSLike())   # type: ignore[arg-type]
     read = _BufferedReads(conn, kazoos, conn.handler)
     assert read(3, 1.0) == b"xxx" and calls == [3]
+
+
+def connect_response(granted_ms: int) -> bytes:
+    """ZooKeeper's ConnectResponse: protocolVersion, timeOut, sessionId, passwd, readOnly."""
+    return struct.pack("!iiqi16sB", 0, granted_ms, 0x1234, 16, b"p" * 16, 0)
+
+
+def test_the_session_timeout_the_server_granted_sets_the_silence_allowed(pairs: list) -> None:
+    ours, theirs = pair(pairs)
+    conn = Connection(ours)
+    read = _BufferedReads(conn, never, conn.handler)
+    theirs.sendall(packet(connect_response(6000)) + packet(b"a reply"))
+    assert read_packet(read) == connect_response(6000)
+    assert conn.handler.silence == pytest.approx(4.0)   # two thirds, as ZooKeeper's client
+    assert read_packet(read) == b"a reply"              # later packets are not looked at
+    assert conn.handler.silence == pytest.approx(4.0)
+    again, again_peer = pair(pairs)
+    conn._socket = again   # reconnected to a server that answers "expired"
+    again_peer.sendall(packet(connect_response(0)))
+    read_packet(read)
+    assert conn.handler.silence == pytest.approx(4.0)
+
+
+def test_a_server_silent_while_a_request_waits_is_dropped(pairs: list) -> None:
+    """kazoo pings only when it sends nothing: a busy client's dead connection
+    is found by the time since its first unanswered write."""
+    ours, theirs = pair(pairs)
+    conn = Connection(ours)
+    handler = conn.handler
+    read = _BufferedReads(conn, never, handler)
+    theirs.sendall(packet(connect_response(90)))   # 60 ms of silence allowed
+    read_packet(read)
+    assert handler.select([], [ours], [], 0) == ([], [ours], [])   # a request goes
+    ours.send(b"request")
+    assert handler.select([ours], [], [], 0) == ([], [], [])      # not yet overdue
+    threading.Event().wait(0.1)
+    assert handler.select([], [ours], [], 0)[1] == [ours]   # more writes: still the first's age
+    assert handler.select([ours], [], [], 5) == ([ours], [], [])   # at once, no wait
+    with pytest.raises(ConnectionDropped, match="no reply from the server for 0.1s"):
+        read(4, 5.0)
+
+
+def test_an_answer_that_came_meanwhile_is_read_and_resets_the_clock(pairs: list) -> None:
+    ours, theirs = pair(pairs)
+    conn = Connection(ours)
+    handler = conn.handler
+    read = _BufferedReads(conn, never, handler)
+    theirs.sendall(packet(connect_response(90)))
+    read_packet(read)
+    handler.select([], [ours], [], 0)
+    threading.Event().wait(0.1)
+    assert handler.select([ours], [], [], 0) == ([ours], [], [])   # overdue
+    theirs.sendall(packet(b"late, but here"))   # e.g. our own process was paused
+    assert read_packet(read) == b"late, but here"
+    assert handler.asked is None and handler.select([ours], [], [], 0) == ([], [], [])
+
+
+def test_an_idle_connection_is_never_taken_for_dead(pairs: list) -> None:
+    """Nothing asked, nothing owed: kazoo's own ping covers a quiet connection."""
+    ours, theirs = pair(pairs)
+    conn = Connection(ours)
+    handler = conn.handler
+    read = _BufferedReads(conn, never, handler)
+    theirs.sendall(packet(connect_response(90)))
+    read_packet(read)
+    threading.Event().wait(0.1)
+    assert handler.select([ours], [], [], 0) == ([], [], [])

@@ -147,6 +147,13 @@ def test_why_a_task_ran_again(nemesis: dict[str, ModuleType]) -> None:
     # Without the fault nothing took the owner: a redelivery is then unexplained.
     bare = _check(nemesis, publisher[:1], executions[:4])
     assert bare["violations"] == ["task a ran again: redelivered, but no fault took its owner"]
+    # A split whose minority holds a server: an owner on the majority side may
+    # have been connected to that server (the nemesis saw a session expire so).
+    split = [{"kind": "partition-split", "target": "zk1", "minority": ["w2", "zk1"],
+              "started": 1.5, "healed": 15.0}]
+    report = _check(nemesis, publisher[:1], executions[:4], split)
+    assert report["violations"] == []
+    assert report["duplicated"]["why"] == {"redelivered: owner's server on the minority side": 1}
 
 
 def test_a_revoked_task_must_not_start_after_the_revoke(nemesis: dict[str, ModuleType]) -> None:

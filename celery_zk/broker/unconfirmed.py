@@ -74,25 +74,29 @@ class UnconfirmedPublisher:
             raise
         result.rawlink(lambda done: self._on_reply(done, message))
 
-    def _redo_thread(self) -> RedoThread[NewMessage]:
+    def _redo_thread(self) -> RedoThread[tuple[NewMessage, bool]]:
         return RedoThread("celery_zk-publish-redo", self._redo_one)
 
     def _on_reply(self, result: Any, message: NewMessage) -> None:
         # kazoo's event thread: never block here; anything but success goes to the thread.
         try:
             results = result.get()
-            if multi_failure(results) is not None:
-                raise RuntimeError("refused")   # e.g. its bucket is gone: redone properly
         except Exception:
-            self._redo.submit(message)
+            self._redo.submit((message, True))   # no reply: it may have been stored
+            return
+        if multi_failure(results) is not None:
+            # Refused (e.g. its bucket filled or went meanwhile): a multi is all
+            # or nothing, so it is not stored; redone, named for the queue's tail.
+            self._redo.submit((message, False))
             return
         self.store.created(message, results[-1].rpartition("/")[2])
         self._finished()
 
-    def _redo_one(self, message: NewMessage) -> None:
+    def _redo_one(self, item: tuple[NewMessage, bool]) -> None:
+        message, maybe_made = item
         try:
             # A lost reply may hide a create that happened: look before making another.
-            self.store.put_new(message, maybe_made=True)
+            self.store.put_new(message, maybe_made=maybe_made)
         except Exception as exc:
             logger.error("celery_zk: an unconfirmed publish to queue %r failed and the "
                          "message is LOST (confirm_publish=False): %s: %s",

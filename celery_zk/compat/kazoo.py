@@ -19,7 +19,13 @@ therefore need three private names, all here:
   holds in one ``recv()``. kazoo waits for and reads every packet in two
   steps (its length, then the rest): four system calls a packet, each
   giving up the GIL to the process's other threads and waiting to get it
-  back; under load a read now takes many packets.
+  back; under load a read now takes many packets. The same reader notes
+  every byte that arrives and the session timeout the server granted (the
+  first packet, ZooKeeper's ConnectResponse), for the handler's watch on a
+  silent server (:mod:`celery_zk.zk.handler`), which sees each write
+  through ``handler.select`` (kazoo waits for its socket to be writable
+  before it sends). A kazoo that stopped doing so would leave only its own
+  ping: ``tests/integration/test_wire.py`` runs on every supported release.
 
 Fallback: without the read's names kazoo reads as it always did. Without the others
 :class:`~celery_zk.zk.watches.TreeWatches` reports

@@ -568,3 +568,62 @@ def test_an_empty_inbox_of_another_queue_does_not_send_our_held_acks(
             conn.transport.inbox("work").fill(4, 0)   # empty, and waiting for its refill
             assert sent == [4]
             assert not store.holds_acks(layout.inbox("work", consumer_id))
+
+
+def test_a_body_read_in_flight_does_not_hold_up_the_consuming_thread(
+        zk_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a worker's event loop the consuming thread also runs the pool: it
+    must not wait for a body read (28% of its time at K = 1). The read's
+    reply wakes the transport instead, and the message is delivered then."""
+    from celery_zk.broker import inbox as inbox_module
+
+    gate = threading.Event()
+    waited: list[bool] = []
+
+    class Slow:
+        """A read whose reply is held back until the gate opens."""
+
+        def __init__(self, read: Any) -> None:
+            self.read = read
+            self.links: list[Any] = []
+
+        def ready(self) -> bool:
+            return gate.is_set() and bool(self.read.ready())
+
+        def get(self, block: bool = True, timeout: float | None = None) -> Any:
+            if not gate.is_set():
+                waited.append(block)   # a consumer waiting on the held reply
+                gate.wait(5 if block else 0)
+            return self.read.get(block, timeout)
+
+        def rawlink(self, callback: Any) -> None:
+            self.links.append(callback)
+
+            def later() -> None:
+                gate.wait()
+                self.read.get()
+                callback(self)
+            threading.Thread(target=later, daemon=True).start()
+
+    real_many = inbox_module.read_many
+    monkeypatch.setattr(inbox_module, "read_many",
+                        lambda client, paths: [Slow(r) for r in real_many(client, paths)])
+    work = queue_of("slow-read")
+    with Connection(zk_url) as conn:
+        publish(conn, work, [1])
+        got: list[Any] = []
+        with Consumer(conn, [work], prefetch_count=4,
+                      callbacks=[lambda body, message: (got.append(body["v"]), message.ack())]):
+            transport = conn.transport
+            inbox = transport.inbox("slow-read")
+
+            def filled() -> bool:   # what the consuming thread does on each turn
+                inbox.fill(4, 0)
+                return bool(inbox.pending or inbox.buffer or waited)
+            wait_until(filled, 10, message="the message never reached the inbox")
+            assert waited == [] and not inbox.buffer, "the consuming thread waited for the read"
+            transport._wake.clear()
+            gate.set()   # the reply lands: the transport is woken, and delivers
+            assert transport._wake.wait(10)
+            drain_until(conn, got, 1, 10)
+            assert got == [1]

@@ -101,8 +101,6 @@ class Inbox:
         self._lock = threading.Lock()
         self._tree_cb = weak_callback(self._on_tree)
         self._one_shot_cb = weak_callback(self._on_one_shot)
-        self._landed_cb = weak_callback(self._on_landed)
-        self._linked: Any = None   # the pending read whose reply wakes us
 
     # -- kazoo's threads: record and wake -------------------------------------
     def _on_tree(self, event_type: int, name: str) -> None:
@@ -116,9 +114,6 @@ class Inbox:
 
     def _on_one_shot(self, _event: Any) -> None:
         self.stale = True
-        self.transport.wake()
-
-    def _on_landed(self, _result: Any) -> None:
         self.transport.wake()
 
     def reset(self) -> None:
@@ -282,14 +277,8 @@ class Inbox:
         if self.buffer:
             return
         if self.pending:
-            # The first read has not landed (the others were sent with it): its
-            # reply wakes the transport. Not waited for here: in a worker's
-            # event loop, which also runs the pool, that wait was 14-28% of
-            # the loop's time.
-            read = self.pending[0][1]
-            if read is not self._linked:
-                self._linked = read
-                read.rawlink(self._landed_cb)
+            # The first read has not landed: wait for it (the others were sent with it).
+            self._read_bodies(limit, block=True)
             return
         self._dry()
         if (self.consuming and not in_hand and not self.delivered and self.offer is not None

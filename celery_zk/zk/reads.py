@@ -77,7 +77,7 @@ class MultiRead(namedtuple("MultiRead", "paths")):
 
 class _Slot:
     """One path's share of a sent :class:`MultiRead`: kazoo's async result API
-    (``ready``, ``get``, ``rawlink``), so a caller handles it like a ``get_async``."""
+    (``ready``, ``get``), so a caller handles it like a ``get_async``."""
 
     __slots__ = ("_batch", "_index")
 
@@ -86,10 +86,6 @@ class _Slot:
 
     def ready(self) -> bool:
         return bool(self._batch.ready())
-
-    def rawlink(self, callback: Any) -> None:
-        """Call ``callback`` (on kazoo's thread) once the whole request is answered."""
-        self._batch.rawlink(callback)
 
     def get(self, block: bool = True, timeout: float | None = None) -> tuple[bytes, ZnodeStat]:
         outcome = self._batch.get(block, timeout)[self._index]

@@ -148,15 +148,21 @@ def test_the_session_timeout_the_server_granted_sets_the_silence_allowed(pairs: 
     assert conn.handler.silence == pytest.approx(4.0)
 
 
+def connected(pairs: list, granted_ms: int) -> tuple[socket.socket, socket.socket,
+                                                    PollingHandler, _BufferedReads]:
+    """A reader whose server granted ``granted_ms`` of session timeout."""
+    ours, theirs = pair(pairs)
+    conn = Connection(ours)
+    read = _BufferedReads(conn, never, conn.handler)
+    theirs.sendall(packet(connect_response(granted_ms)))
+    read_packet(read)
+    return ours, theirs, conn.handler, read
+
+
 def test_a_server_silent_while_a_request_waits_is_dropped(pairs: list) -> None:
     """kazoo pings only when it sends nothing: a busy client's dead connection
     is found by the time since its first unanswered write."""
-    ours, theirs = pair(pairs)
-    conn = Connection(ours)
-    handler = conn.handler
-    read = _BufferedReads(conn, never, handler)
-    theirs.sendall(packet(connect_response(90)))   # 60 ms of silence allowed
-    read_packet(read)
+    ours, theirs, handler, read = connected(pairs, granted_ms=90)   # 60 ms of silence allowed
     assert handler.select([], [ours], [], 0) == ([], [ours], [])   # a request goes
     ours.send(b"request")
     assert handler.select([ours], [], [], 0) == ([], [], [])      # not yet overdue
@@ -168,12 +174,7 @@ def test_a_server_silent_while_a_request_waits_is_dropped(pairs: list) -> None:
 
 
 def test_an_answer_that_came_meanwhile_is_read_and_resets_the_clock(pairs: list) -> None:
-    ours, theirs = pair(pairs)
-    conn = Connection(ours)
-    handler = conn.handler
-    read = _BufferedReads(conn, never, handler)
-    theirs.sendall(packet(connect_response(90)))
-    read_packet(read)
+    ours, theirs, handler, read = connected(pairs, granted_ms=90)
     handler.select([], [ours], [], 0)
     threading.Event().wait(0.1)
     assert handler.select([ours], [], [], 0) == ([ours], [], [])   # overdue
@@ -184,11 +185,6 @@ def test_an_answer_that_came_meanwhile_is_read_and_resets_the_clock(pairs: list)
 
 def test_an_idle_connection_is_never_taken_for_dead(pairs: list) -> None:
     """Nothing asked, nothing owed: kazoo's own ping covers a quiet connection."""
-    ours, theirs = pair(pairs)
-    conn = Connection(ours)
-    handler = conn.handler
-    read = _BufferedReads(conn, never, handler)
-    theirs.sendall(packet(connect_response(90)))
-    read_packet(read)
+    ours, theirs, handler, read = connected(pairs, granted_ms=90)
     threading.Event().wait(0.1)
     assert handler.select([ours], [], [], 0) == ([], [], [])

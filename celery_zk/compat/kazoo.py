@@ -157,13 +157,11 @@ class _BufferedReads:
             return self.original(length, timeout)
         if sock is not self.sock:   # a new connection: nothing buffered belongs to it
             self.sock, self.buf, self.pieces = sock, bytearray(), 0
-        silent, handler.silent = handler.silent is sock, None
         buf = self.buf
         try:
             with connection._socket_error_handling():
                 while len(buf) < length:
-                    if silent:
-                        silent = False
+                    if handler.silent(sock):   # dead, unless its bytes came just now
                         if not handler.wait_readable(sock, 0):
                             raise ConnectionDropped(
                                 f"no reply from the server for {handler.silence:.1f}s "

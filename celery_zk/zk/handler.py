@@ -62,8 +62,6 @@ class PollingHandler(SequentialThreadingHandler):
     silence: float | None = None
     #: (socket, when): the first write on it since the server was last heard.
     asked: tuple[Any, float] | None = None
-    #: A socket :meth:`select` reported readable because it was silent too long.
-    silent: Any = None
 
     def heard(self, sock: Any) -> None:
         """Bytes came from ``sock``'s server: what was asked is being answered."""
@@ -82,15 +80,15 @@ class PollingHandler(SequentialThreadingHandler):
             sock = wlist[0]
             if self.asked is None or self.asked[0] is not sock:
                 self.asked = (sock, time.monotonic())
-        held = self.held
-        if held is None or not any(f is held for f in rlist):
-            held = self._silent(rlist)
-            self.silent = held
-        if held is not None:
+        ready = self.held
+        if ready is None or not any(f is ready for f in rlist):
+            ready = (None if self.asked is None
+                     else next((f for f in rlist if self.silent(f)), None))
+        if ready is not None:
             # Its packets are here already (or it is silent: its read says
             # which): look at the rest without waiting.
-            readable, writable = self._poll([f for f in rlist if f is not held], wlist, 0)
-            return [held, *readable], writable, []
+            readable, writable = self._poll([f for f in rlist if f is not ready], wlist, 0)
+            return [ready, *readable], writable, []
         readable, writable = self._poll(rlist, wlist, timeout)
         return readable, writable, []
 
@@ -113,13 +111,12 @@ class PollingHandler(SequentialThreadingHandler):
         writable = [f for f in wlist if ready.get(_fd(f), 0) & (_WRITE | _TROUBLE)]
         return readable, writable
 
-    def _silent(self, rlist: Sequence[Any]) -> Any:
-        """The socket in ``rlist`` whose server has not answered a write for
-        :attr:`silence` seconds, or None."""
+    def silent(self, sock: Any) -> bool:
+        """Whether ``sock``'s server has left a write unanswered for
+        :attr:`silence` seconds."""
         asked, silence = self.asked, self.silence
-        if asked is None or silence is None or time.monotonic() - asked[1] <= silence:
-            return None
-        return next((f for f in rlist if f is asked[0]), None)
+        return (asked is not None and asked[0] is sock and silence is not None
+                and time.monotonic() - asked[1] > silence)
 
     def wait_readable(self, sock: Any, timeout: float | None) -> bool:
         """Whether ``sock`` itself has bytes (or trouble) within ``timeout`` s,

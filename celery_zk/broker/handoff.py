@@ -56,8 +56,12 @@ __all__ = ["HANDOFF_GAP", "HandOff", "Offer"]
 
 #: Seconds after a publish that went to wait in line during which this process
 #: hands no message of that queue over (see HandOff.give): longer than a
-#: dispatcher takes to give the waiting one to a consumer.
-HANDOFF_GAP = 0.25
+#: dispatcher with an idle consumer takes to give the waiting one to it (an
+#: event and a multi, a few ms). Each message published meanwhile waits in
+#: line too and starts the gap again, so a publisher that publishes more
+#: often than this never hands over. It was 0.25 s: a publisher sending
+#: four messages a second, as a latency probe does, then never handed over.
+HANDOFF_GAP = 0.02
 
 
 class HandOff:
@@ -295,8 +299,31 @@ class HandOff:
             pass
         self.handle.disown(path)   # gone either way (a failure above keeps it ours)
 
+    def withdraw_async(self, queue: str, consumer_id: str, token: str) -> None:
+        """:meth:`withdraw`, not waited for: a consumer given work withdraws
+        its offer on its way to reading that work, and the delete's synced
+        write is no business of the delivery's."""
+        client = self.client
+        path = self.layout.offer(queue, offer_name(consumer_id, token))
+
+        def done(result: Any) -> None:   # kazoo's thread: never block
+            try:
+                result.get()
+            except NoNodeError:
+                pass   # a publisher took it
+            except Exception:   # the connection dropped: redone in the background
+                self.withdraw_later(queue, consumer_id, token)
+                return
+            self.handle.disown(path)
+
+        try:
+            client.delete_async(path).rawlink(done)
+        except Exception:   # closing, or not connected: redone in the background
+            self.withdraw_later(queue, consumer_id, token)
+
     def taken(self, queue: str, consumer_id: str, token: str) -> None:
-        """A publisher deleted our offer (kazoo's thread): it is no longer ours to delete."""
+        """A publisher deleted our offer (kazoo's thread), or it was never sent: it
+        is no longer ours to delete."""
         self.handle.disown(self.layout.offer(queue, offer_name(consumer_id, token)))
 
     def withdraw_later(self, queue: str, consumer_id: str, token: str) -> None:
@@ -325,6 +352,7 @@ class Offer:
         self.queue = queue
         self.token: str | None = None
         self.consumer_id: str | None = None
+        self._sent: str | None = None   # the token whose create went out
         self._lock = threading.Lock()
 
     @property
@@ -343,6 +371,7 @@ class Offer:
                 if self.token != token:
                     return False
                 send()
+                self._sent = token
                 return True
 
         def gone(event: Any = None) -> None:   # kazoo's thread: made and then deleted
@@ -354,12 +383,19 @@ class Offer:
 
         self.handoff.make_offer(self.queue, consumer_id, token, still_wanted, gone)
 
-    def withdraw(self) -> None:
-        """Withdraw the outstanding offer, unless a publisher took it."""
+    def withdraw(self, wait: bool = True) -> None:
+        """Withdraw the outstanding offer, unless a publisher took it (``wait``:
+        until the server has deleted it; else the delete is only sent)."""
         with self._lock:
             token, consumer_id = self.token, self.consumer_id
-            self.token = None
+            sent, self.token = self._sent == token, None
         if token is None or consumer_id is None:
+            return
+        if not sent:   # still held back: never sent now (see make), nothing to delete
+            self.handoff.taken(self.queue, consumer_id, token)
+            return
+        if not wait:
+            self.handoff.withdraw_async(self.queue, consumer_id, token)
             return
         try:
             self.handoff.withdraw(self.queue, consumer_id, token)

@@ -41,6 +41,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
+from kazoo.protocol.states import Callback
 
 from ..exceptions import ChunkMissing
 from ..features import affinity
@@ -70,6 +71,10 @@ IDLE = 1.0
 #: Seconds undelivered messages may wait in the inbox while the channel takes
 #: none (its prefetch is full: a long task) before they go back to the queue.
 HOLD = 1.0
+#: Seconds after which an idle consumer whose worker still runs tasks looks
+#: again whether it may make an offer (nothing wakes it when a task ends: Celery
+#: acked it as it started), doubled while they run, up to the second.
+LOOK_AGAIN = (0.005, 1.0)
 
 
 class Inbox:
@@ -93,11 +98,20 @@ class Inbox:
         self.pending: deque[tuple[str, Any, float]] = deque()
         self.buffer: deque[Claimed] = deque()  # read, not delivered yet
         self.arrivals: deque[str] = deque()   # names the tree watch reported
+        # An idle consumer's next arrival is read as the watch reports it, not
+        # once the consuming thread has woken: name -> (read, sent); under
+        # _early_lock with `wanted`, the arrival whose read is yet to be sent.
+        self.early: dict[str, tuple[Any, float]] = {}
+        self.wanted: str | None = None
+        self.idle = False   # the consuming thread found nothing to do
+        self._early_lock = threading.Lock()
         self.departures: deque[str] = deque()   # and those it saw go
         self.stale = True   # list the inbox before trusting the watch
         self._tree_held = False
         self._waiting_credit = False
         self.offer = Offer(transport.handoff, queue) if transport.handoff is not None else None
+        self._look_in = LOOK_AGAIN[0]   # the next look-again's delay
+        self._look_at = 0.0             # when the one asked for is due
         self._lock = threading.Lock()
         self._tree_cb = weak_callback(self._on_tree)
         self._one_shot_cb = weak_callback(self._on_one_shot)
@@ -107,10 +121,43 @@ class Inbox:
         if not name or "/" in name:
             return
         if event_type == NODE_CREATED:
+            if self.idle:
+                self.idle = False
+                with self._early_lock:
+                    self.wanted = name
+                # Not sent from here: a request made on this thread writes to
+                # kazoo's wake-up socket, which only this thread drains (see
+                # celery_zk.zk.watches). kazoo's callback thread may wait on it.
+                client = self.transport.store.client
+                client.handler.dispatch_callback(Callback("early", self._read_early, (name,)))
             self.arrivals.append(name)
             self.transport.wake()
         elif event_type == NODE_DELETED:
             self.departures.append(name)   # acked or given back: forget it
+
+    def _read_early(self, name: str) -> None:
+        """Start reading an idle consumer's arrival now (kazoo's callback thread):
+        the read's round trip overlaps the consuming thread's wake-up, about half
+        a millisecond of an idle delivery. One read per idle spell; what arrives
+        with it is read in one ``multiRead`` as usual. Unless the consuming
+        thread got there first (then it reads it itself)."""
+        message = parse_message_name(name)
+        consumer_id = self.consumer_id
+        if message is None or consumer_id is None:
+            return
+        layout = self.transport.layout
+        path = layout.body(self.queue, message) or layout.inbox_message(
+            self.queue, consumer_id, name)
+        with self._early_lock:
+            if self.wanted != name:
+                return
+            self.wanted = None
+            try:
+                # A tree watch's event: the server knows multiRead (see _learn).
+                (read,) = read_many(self.transport.store.client, [path])
+            except Exception:   # closing: read as usual, if at all
+                return
+            self.early[name] = (read, time.monotonic())
 
     def _on_one_shot(self, _event: Any) -> None:
         self.stale = True
@@ -150,6 +197,8 @@ class Inbox:
         self.pending.clear()
         self.buffer.clear()
         self.arrivals.clear()
+        self.early.clear()
+        self.wanted = None
         self.stale = True
         self._stop_watch()
         if old is not None:
@@ -280,10 +329,25 @@ class Inbox:
             # The first read has not landed: wait for it (the others were sent with it).
             self._read_bodies(limit, block=True)
             return
+        self.idle = True
         self._dry()
-        if (self.consuming and not in_hand and not self.delivered and self.offer is not None
+        if (self.consuming and not self.delivered and self.offer is not None
                 and not self.offer.outstanding and self._tree_held):
-            self.offer.make(consumer_id)   # idle: let a publisher hand us the next one
+            if not in_hand:
+                self._look_in = LOOK_AGAIN[0]
+                self.offer.make(consumer_id)   # idle: let a publisher hand us the next one
+            else:
+                self._look_again()
+
+    def _look_again(self) -> None:
+        """Our worker still runs tasks we delivered (acked as they started): come
+        back to offer once they are done, which nothing else tells us."""
+        now = time.monotonic()
+        if now < self._look_at:
+            return   # asked for already
+        if self.transport.look_again(self._look_in):
+            self._look_at = now + self._look_in
+            self._look_in = min(self._look_in * 2, LOOK_AGAIN[1])
 
     def _dry(self) -> None:
         """Nothing to deliver while the channel could take more: a consumer that
@@ -364,8 +428,7 @@ class Inbox:
         new = [name for name in dict.fromkeys(names) if name not in self.taken]
         if not new:
             return
-        if self.offer is not None and self.offer.outstanding:
-            self._withdraw()   # given work: no more hand-offs until idle again
+        self.idle = False
         store = self.transport.store
         layout = self.transport.layout
         client = store.client
@@ -375,18 +438,33 @@ class Inbox:
             logger.error("celery_zk: %r in the inbox of %s is not a message name; "
                          "left there", name, consumer_id)
         paths = []
-        for name in ordered:
+        early: list[tuple[Any, float] | None] = []
+        with self._early_lock:   # each read early, or not at all now
+            if self.early:
+                early = [self.early.pop(name, None) for name in ordered]
+                self.early.clear()   # any other was listed twice or taken already
+            self.wanted = None
+        early = early or [None] * len(ordered)
+        for name, started in zip(ordered, early):
             self.taken.add(name)
-            message = parse_message_name(name)
-            assert message is not None
-            paths.append(layout.body(self.queue, message)
-                         or layout.inbox_message(self.queue, consumer_id, name))
+            if started is None:
+                message = parse_message_name(name)
+                assert message is not None
+                paths.append(layout.body(self.queue, message)
+                             or layout.inbox_message(self.queue, consumer_id, name))
         # With a persistent watch held the server is 3.6 or newer: the bodies in
         # one multiRead per batch, not one request each.
         sent = time.monotonic()
-        reads = (read_many(client, paths) if self._tree_held
-                 else [client.get_async(path) for path in paths])
-        self.pending.extend((name, read, sent) for name, read in zip(ordered, reads))
+        reads = iter(read_many(client, paths) if self._tree_held and paths
+                     else [client.get_async(path) for path in paths])
+        for name, started in zip(ordered, early):
+            read, when = started if started is not None else (next(reads), sent)
+            self.pending.append((name, read, when))
+        if self.offer is not None and self.offer.outstanding:
+            # Given work: no more hand-offs until idle again. After the reads: the
+            # server answers a session's requests in order, and a delete is a
+            # synced write.
+            self._withdraw()
 
     def _read_bodies(self, limit: int, block: bool = False) -> None:
         """Move landed reads into the buffer, in order."""
@@ -463,6 +541,7 @@ class Inbox:
         claimed = self.buffer.popleft()
         self.delivered.add(claimed.name)
         self.took.append(time.monotonic())
+        self._look_in = LOOK_AGAIN[0]
         return claimed
 
     def settled(self, name: str) -> None:
@@ -495,11 +574,13 @@ class Inbox:
         if held and watches is not None and self.consumer_id is not None:
             watches.unwatch(self._inbox_path(), self._tree_cb)
 
-    def _withdraw(self) -> None:
+    def _withdraw(self, wait: bool = False) -> None:
+        """Withdraw our offer; ``wait`` until it is deleted (when we stop: nothing
+        may be handed to us after that)."""
         if self.offer is None or not self.offer.outstanding:
             return
         try:
-            self.offer.withdraw()
+            self.offer.withdraw(wait)
         except CONNECTION_ERRORS as exc:   # redone in the background (see Offer.withdraw)
             log_failure(logger, exc, "celery_zk: could not withdraw the offer on %s now; "
                         "retrying in the background", self.queue)
@@ -510,7 +591,7 @@ class Inbox:
         transport = self.transport
         consumer_id, node = self.consumer_id, self.node
         self.node = None
-        self._withdraw()
+        self._withdraw(wait=True)
         self._stop_watch()
         if consumer_id is not None:
             self._dispatcher().leave(consumer_id)
@@ -523,6 +604,9 @@ class Inbox:
         handed = set(self.taken) - undelivered   # given to kombu (acked or not)
         self.pending.clear()
         self.buffer.clear()
+        self.early.clear()
+        self.wanted = None
+        self.idle = False
         self.taken = set(keep)
         try:
             self._give_back(consumer_id, node, handed, keep)

@@ -41,7 +41,6 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
-from kazoo.protocol.states import Callback
 
 from ..exceptions import ChunkMissing
 from ..features import affinity
@@ -98,13 +97,6 @@ class Inbox:
         self.pending: deque[tuple[str, Any, float]] = deque()
         self.buffer: deque[Claimed] = deque()  # read, not delivered yet
         self.arrivals: deque[str] = deque()   # names the tree watch reported
-        # An idle consumer's next arrival is read as the watch reports it, not
-        # once the consuming thread has woken: name -> (read, sent); under
-        # _early_lock with `wanted`, the arrival whose read is yet to be sent.
-        self.early: dict[str, tuple[Any, float]] = {}
-        self.wanted: str | None = None
-        self.idle = False   # the consuming thread found nothing to do
-        self._early_lock = threading.Lock()
         self.departures: deque[str] = deque()   # and those it saw go
         self.stale = True   # list the inbox before trusting the watch
         self._tree_held = False
@@ -121,43 +113,10 @@ class Inbox:
         if not name or "/" in name:
             return
         if event_type == NODE_CREATED:
-            if self.idle:
-                self.idle = False
-                with self._early_lock:
-                    self.wanted = name
-                # Not sent from here: a request made on this thread writes to
-                # kazoo's wake-up socket, which only this thread drains (see
-                # celery_zk.zk.watches). kazoo's callback thread may wait on it.
-                client = self.transport.store.client
-                client.handler.dispatch_callback(Callback("early", self._read_early, (name,)))
             self.arrivals.append(name)
             self.transport.wake()
         elif event_type == NODE_DELETED:
             self.departures.append(name)   # acked or given back: forget it
-
-    def _read_early(self, name: str) -> None:
-        """Start reading an idle consumer's arrival now (kazoo's callback thread):
-        the read's round trip overlaps the consuming thread's wake-up, about half
-        a millisecond of an idle delivery. One read per idle spell; what arrives
-        with it is read in one ``multiRead`` as usual. Unless the consuming
-        thread got there first (then it reads it itself)."""
-        message = parse_message_name(name)
-        consumer_id = self.consumer_id
-        if message is None or consumer_id is None:
-            return
-        layout = self.transport.layout
-        path = layout.body(self.queue, message) or layout.inbox_message(
-            self.queue, consumer_id, name)
-        with self._early_lock:
-            if self.wanted != name:
-                return
-            self.wanted = None
-            try:
-                # A tree watch's event: the server knows multiRead (see _learn).
-                (read,) = read_many(self.transport.store.client, [path])
-            except Exception:   # closing: read as usual, if at all
-                return
-            self.early[name] = (read, time.monotonic())
 
     def _on_one_shot(self, _event: Any) -> None:
         self.stale = True
@@ -197,8 +156,6 @@ class Inbox:
         self.pending.clear()
         self.buffer.clear()
         self.arrivals.clear()
-        self.early.clear()
-        self.wanted = None
         self.stale = True
         self._stop_watch()
         if old is not None:
@@ -329,7 +286,6 @@ class Inbox:
             # The first read has not landed: wait for it (the others were sent with it).
             self._read_bodies(limit, block=True)
             return
-        self.idle = True
         self._dry()
         if (self.consuming and not self.delivered and self.offer is not None
                 and not self.offer.outstanding and self._tree_held):
@@ -428,7 +384,6 @@ class Inbox:
         new = [name for name in dict.fromkeys(names) if name not in self.taken]
         if not new:
             return
-        self.idle = False
         store = self.transport.store
         layout = self.transport.layout
         client = store.client
@@ -438,28 +393,18 @@ class Inbox:
             logger.error("celery_zk: %r in the inbox of %s is not a message name; "
                          "left there", name, consumer_id)
         paths = []
-        early: list[tuple[Any, float] | None] = []
-        with self._early_lock:   # each read early, or not at all now
-            if self.early:
-                early = [self.early.pop(name, None) for name in ordered]
-                self.early.clear()   # any other was listed twice or taken already
-            self.wanted = None
-        early = early or [None] * len(ordered)
-        for name, started in zip(ordered, early):
+        for name in ordered:
             self.taken.add(name)
-            if started is None:
-                message = parse_message_name(name)
-                assert message is not None
-                paths.append(layout.body(self.queue, message)
-                             or layout.inbox_message(self.queue, consumer_id, name))
+            message = parse_message_name(name)
+            assert message is not None
+            paths.append(layout.body(self.queue, message)
+                         or layout.inbox_message(self.queue, consumer_id, name))
         # With a persistent watch held the server is 3.6 or newer: the bodies in
         # one multiRead per batch, not one request each.
         sent = time.monotonic()
-        reads = iter(read_many(client, paths) if self._tree_held and paths
-                     else [client.get_async(path) for path in paths])
-        for name, started in zip(ordered, early):
-            read, when = started if started is not None else (next(reads), sent)
-            self.pending.append((name, read, when))
+        reads = (read_many(client, paths) if self._tree_held
+                 else [client.get_async(path) for path in paths])
+        self.pending.extend((name, read, sent) for name, read in zip(ordered, reads))
         if self.offer is not None and self.offer.outstanding:
             # Given work: no more hand-offs until idle again. After the reads: the
             # server answers a session's requests in order, and a delete is a
@@ -604,9 +549,6 @@ class Inbox:
         handed = set(self.taken) - undelivered   # given to kombu (acked or not)
         self.pending.clear()
         self.buffer.clear()
-        self.early.clear()
-        self.wanted = None
-        self.idle = False
         self.taken = set(keep)
         try:
             self._give_back(consumer_id, node, handed, keep)

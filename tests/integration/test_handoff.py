@@ -243,6 +243,78 @@ def test_a_message_after_one_that_waited_is_not_handed_over_ahead_of_it(
     assert [body for body, _ in got] == [1, 2]
 
 
+def test_a_publisher_sending_a_few_a_second_hands_over_after_one_waited(
+        conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
+    """The order gap starts again with each message put in line, so it must be
+    short: at 250 ms a publisher sending one message every few dozen ms (a
+    latency probe, a trickle of user tasks) never handed anything over again
+    once one message had waited."""
+    queue = Queue("trickle", Exchange("trickle", "direct"), "trickle")
+    got: list[Any] = []
+    with consumer(conn, queue, got), Connection(apart(zk_url, "publisher")) as other:
+        producer = Producer(other.channel())
+        handoff = other.transport.handoff
+        expect_idle(conn)
+        wait_until(lambda: offers(zk_client, "trickle"), 5, 0.02, "no offer was made")
+        handoff._known_offers("trickle")
+        handoff._store("trickle", ())   # behind: the first waits in line
+        for n in range(4):
+            producer.publish(n, exchange=queue.exchange, routing_key="trickle")
+            conn.drain_events(timeout=5)
+            with pytest.raises(socket.timeout):   # idle again, briefly: it offers
+                conn.drain_events(timeout=0.03)
+            wait_until(lambda: handoff._known_offers("trickle"), 5, 0.005,
+                       "the publisher did not see the new offer")
+    assert [body for body, _ in got] == [0, 1, 2, 3]
+    assert unowned_creations(zk_client, "trickle") == 1   # the other three handed over
+
+
+def test_an_idle_worker_offers_once_its_running_tasks_end(
+        zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a Celery worker a task is acked as it starts and counts as in hand
+    until it ends, and nothing tells the transport that it ended: the event
+    loop looks again by itself, instead of offering only at its next
+    once-a-second look or message."""
+    import celery.worker.state as worker_state
+    from kombu.asynchronous import Hub
+
+    import celery_zk.broker.transport as transport_module
+
+    monkeypatch.setattr(transport_module, "EVENT_LOOP_POKE", 3600.0)   # no safety net
+
+    class Running:   # a task request in Celery's worker state (kept weakly)
+        pass
+
+    queue = Queue("busy", Exchange("busy", "direct"), "busy")
+    got: list[Any] = []
+    hub = Hub()
+    loop = hub.create_loop()
+
+    def run_until(done: Callable[[], object], what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not done():
+            assert time.monotonic() < deadline, what
+            next(loop)
+
+    with Connection(zk_url) as conn, consumer(conn, queue, got):
+        conn.transport.register_with_event_loop(conn.connection, hub)
+        run_until(lambda: offers(zk_client, "busy"), "no offer while idle")
+        running = Running()
+        worker_state.reserved_requests.add(running)
+        try:
+            publish(zk_url, queue, "task")   # handed over; acked as it "starts"
+            run_until(lambda: got, "not delivered")
+            deadline = time.monotonic() + 0.2
+            while time.monotonic() < deadline:   # the task runs: no offer
+                next(loop)
+                assert not offers(zk_client, "busy")
+        finally:
+            worker_state.reserved_requests.discard(running)   # it ended
+        run_until(lambda: offers(zk_client, "busy"), "no offer once the task ended")
+        conn.transport.unregister_from_event_loop(conn.connection, hub)
+    hub.close()
+
+
 @pytest.mark.parametrize("handoff", ["true", "false"])
 def test_a_requeued_handed_message_goes_ahead_of_later_arrivals(
         zk_url: str, zk_client: KazooClient, handoff: str) -> None:

@@ -74,6 +74,10 @@ HOLD = 1.0
 #: again whether it may make an offer (nothing wakes it when a task ends: Celery
 #: acked it as it started), doubled while they run, up to the second.
 LOOK_AGAIN = (0.005, 1.0)
+#: Seconds a consumer in an event loop has been idle (nothing to deliver,
+#: nothing in hand) before it makes an offer: one refilled within moments,
+#: as in a drain, would only withdraw it again (two synced writes for nothing).
+OFFER_AFTER = 0.01
 
 
 class Inbox:
@@ -104,6 +108,7 @@ class Inbox:
         self.offer = Offer(transport.handoff, queue) if transport.handoff is not None else None
         self._look_in = LOOK_AGAIN[0]   # the next look-again's delay
         self._look_at = 0.0             # when the one asked for is due
+        self._idle_since: float | None = None   # nothing to deliver, nothing in hand
         self._lock = threading.Lock()
         self._tree_cb = weak_callback(self._on_tree)
         self._one_shot_cb = weak_callback(self._on_one_shot)
@@ -289,21 +294,34 @@ class Inbox:
         self._dry()
         if (self.consuming and not self.delivered and self.offer is not None
                 and not self.offer.outstanding and self._tree_held):
-            if not in_hand:
-                self._look_in = LOOK_AGAIN[0]
-                self.offer.make(consumer_id)   # idle: let a publisher hand us the next one
-            else:
+            if in_hand:
+                self._idle_since = None
                 self._look_again()
+                return
+            now = time.monotonic()
+            if self._idle_since is None:
+                self._idle_since = now
+            wait = self._idle_since + OFFER_AFTER - now
+            if wait > 0 and self._look_again(wait):
+                return   # given more within moments (a drain): no offer to withdraw
+            self._look_in = LOOK_AGAIN[0]
+            self.offer.make(consumer_id)   # idle: let a publisher hand us the next one
 
-    def _look_again(self) -> None:
-        """Our worker still runs tasks we delivered (acked as they started): come
-        back to offer once they are done, which nothing else tells us."""
+    def _look_again(self, delay: float | None = None) -> bool:
+        """Come back in ``delay`` s, or, while our worker still runs tasks we
+        delivered (acked as they started), in a delay doubled each time: nothing
+        else tells us when they are done. False without an event loop."""
         now = time.monotonic()
         if now < self._look_at:
-            return   # asked for already
-        if self.transport.look_again(self._look_in):
+            return True   # asked for already
+        if not self.transport.look_again(self._look_in if delay is None else delay):
+            return False
+        if delay is None:
             self._look_at = now + self._look_in
             self._look_in = min(self._look_in * 2, LOOK_AGAIN[1])
+        else:
+            self._look_at = now + delay
+        return True
 
     def _dry(self) -> None:
         """Nothing to deliver while the channel could take more: a consumer that
@@ -487,6 +505,7 @@ class Inbox:
         self.delivered.add(claimed.name)
         self.took.append(time.monotonic())
         self._look_in = LOOK_AGAIN[0]
+        self._idle_since = None
         return claimed
 
     def settled(self, name: str) -> None:

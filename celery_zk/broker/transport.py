@@ -53,11 +53,10 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   3.6+; older servers fall back by themselves). False: one-shot child
   watches and a listing on every change (see :mod:`celery_zk.broker.inbox`,
   :mod:`celery_zk.broker.dispatcher`).
-* ``handoff`` (bool, False): an idle consumer leaves an offer, and a
+* ``handoff`` (bool, True): an idle consumer leaves an offer, and a
   publisher that sees it puts the message straight into that consumer's
-  inbox (see :mod:`celery_zk.broker.handoff`). Off by default: measured in
-  0.2 it saved nothing against the dispatcher's path. Needs persistent
-  watches.
+  inbox (see :mod:`celery_zk.broker.handoff`): one synced write on an idle
+  delivery's path instead of two. Needs persistent watches.
 * ``locality_wait`` (float, 3.0): seconds the dispatcher keeps a message whose
   affinity key a live worker holds for that worker before giving it to
   another (see :mod:`celery_zk.features.affinity`); the oldest waiting message

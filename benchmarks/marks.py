@@ -26,7 +26,7 @@ def mark(step: str) -> None:
 def install() -> None:
     """Wrap the transport's steps so each call records the first mark it passes."""
     from celery_zk.backend import backend, result_consumer
-    from celery_zk.broker import channel, queue, queue_view
+    from celery_zk.broker import acks, channel, dispatcher, handoff, inbox
 
     def wrap(cls: Any, name: str, step: str, after: str | None = None) -> None:
         inner = getattr(cls, name)
@@ -40,14 +40,15 @@ def install() -> None:
             return result
         setattr(cls, name, marked)
 
-    wrap(channel.Channel, "_put", "put")
-    wrap(queue.QueueStore, "claim", "claim", "claimed")
-    wrap(queue.QueueStore, "ack_async", "ack")
-    wrap(queue_view.QueueView, "_on_tree", "tree")
-    wrap(queue_view.QueueView, "_on_owned", "handed")
-    wrap(queue_view.QueueView, "_take_handed", "take", "taken")
+    wrap(channel.Channel, "_put", "put", "stored")
+    wrap(handoff.HandOff, "give", "give", "given")
+    wrap(dispatcher.Dispatcher, "_give", "dispatch", "dispatched")
+    wrap(inbox.Inbox, "_on_tree", "tree")
     wrap(channel.Channel, "_get", "get")
-    wrap(backend.ZooKeeperBackend, "_store_result", "store", "stored")
+    wrap(inbox.Inbox, "_learn", "learn", "read")
+    wrap(inbox.Inbox, "take", "take")
+    wrap(acks.Acking, "ack_async", "ack")
+    wrap(backend.ZooKeeperBackend, "_store_result", "store", "stored-result")
     wrap(result_consumer.ResultConsumer, "_on_watch", "watch")
 
 

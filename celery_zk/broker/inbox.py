@@ -77,7 +77,10 @@ LOOK_AGAIN = (0.005, 1.0)
 #: Seconds a consumer in an event loop has been idle (nothing to deliver,
 #: nothing in hand) before it makes an offer: one refilled within moments,
 #: as in a drain, would only withdraw it again (two synced writes for nothing).
-OFFER_AFTER = 0.01
+#: Doubled, up to the second, each time an offer is withdrawn because the
+#: dispatcher gave work (the queue has a backlog: publishers find no offer
+#: useful), back to the first once a publisher hands a message over.
+OFFER_AFTER = (0.01, 1.0)
 
 
 class Inbox:
@@ -109,6 +112,7 @@ class Inbox:
         self._look_in = LOOK_AGAIN[0]   # the next look-again's delay
         self._look_at = 0.0             # when the one asked for is due
         self._idle_since: float | None = None   # nothing to deliver, nothing in hand
+        self._offer_after = OFFER_AFTER[0]
         self._lock = threading.Lock()
         self._tree_cb = weak_callback(self._on_tree)
         self._one_shot_cb = weak_callback(self._on_one_shot)
@@ -301,7 +305,7 @@ class Inbox:
             now = time.monotonic()
             if self._idle_since is None:
                 self._idle_since = now
-            wait = self._idle_since + OFFER_AFTER - now
+            wait = self._idle_since + self._offer_after - now
             if wait > 0 and self._look_again(wait):
                 return   # given more within moments (a drain): no offer to withdraw
             self._look_in = LOOK_AGAIN[0]
@@ -411,10 +415,12 @@ class Inbox:
             logger.error("celery_zk: %r in the inbox of %s is not a message name; "
                          "left there", name, consumer_id)
         paths = []
+        handed = False
         for name in ordered:
             self.taken.add(name)
             message = parse_message_name(name)
             assert message is not None
+            handed = handed or (message.seq == 0 and not message.requeued)
             paths.append(layout.body(self.queue, message)
                          or layout.inbox_message(self.queue, consumer_id, name))
         # With a persistent watch held the server is 3.6 or newer: the bodies in
@@ -423,6 +429,10 @@ class Inbox:
         reads = (read_many(client, paths) if self._tree_held
                  else [client.get_async(path) for path in paths])
         self.pending.extend((name, read, sent) for name, read in zip(ordered, reads))
+        if handed:
+            self._offer_after = OFFER_AFTER[0]   # offers are taken: make them early
+        elif self.offer is not None and self.offer.outstanding:
+            self._offer_after = min(self._offer_after * 2, OFFER_AFTER[1])   # and wasted
         if self.offer is not None and self.offer.outstanding:
             # Given work: no more hand-offs until idle again. After the reads: the
             # server answers a session's requests in order, and a delete is a

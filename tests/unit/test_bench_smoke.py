@@ -130,3 +130,15 @@ def test_timeline_takes_each_step_after_the_one_before(tmp_path: Path) -> None:
         assert n == 2
         assert offset == pytest.approx(1.0 * i)
         assert gap == pytest.approx(0.0 if i == 0 else 1.0)
+
+
+def test_timeline_hooks_find_the_steps_they_wrap() -> None:
+    """marks.install() wraps celery_zk's methods by name: a step renamed or
+    removed must fail here, not leave timeline.py measuring nothing (its
+    hooks once named the claim steps of before 0.2 for months)."""
+    import subprocess
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import marks; marks.install(); "
+            "from celery_zk.broker import inbox; assert inbox.Inbox.take.__wrapped__")
+    done = subprocess.run([sys.executable, "-c", code, str(BENCH.parent)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -46,8 +46,8 @@ class ZKConnection(Protocol):
     def wake(self) -> None:
         """Something may be deliverable now."""
 
-    def look_again(self, delay: float) -> bool:
-        """Wake in ``delay`` s, if an event loop can."""
+    def look_again(self, delay: float) -> Any:
+        """Wake in ``delay`` s, if an event loop can: its timer, else None."""
 
     def inbox(self, queue: str) -> Any:
         """This connection's inbox on ``queue`` (:class:`celery_zk.broker.inbox.Inbox`)."""

@@ -111,6 +111,7 @@ class Inbox:
         self.offer = Offer(transport.handoff, queue) if transport.handoff is not None else None
         self._look_in = LOOK_AGAIN[0]   # the next look-again's delay
         self._look_at = 0.0             # when the one asked for is due
+        self._look_timer: Any = None    # and its timer, cancelled by a delivery
         self._idle_since: float | None = None   # nothing to deliver, nothing in hand
         self._offer_after = OFFER_AFTER[0]
         self._lock = threading.Lock()
@@ -298,33 +299,36 @@ class Inbox:
         self._dry()
         if (self.consuming and not self.delivered and self.offer is not None
                 and not self.offer.outstanding and self._tree_held):
-            if in_hand:
-                self._idle_since = None
-                self._look_again()
-                return
+            # Dry since: a consumer refilled within moments (a drain) makes no
+            # offer it would withdraw; one that stayed dry while its tasks ran
+            # has no backlog behind it.
             now = time.monotonic()
             if self._idle_since is None:
                 self._idle_since = now
             wait = self._idle_since + self._offer_after - now
+            if in_hand:
+                self._look_again(wait)
+                return
             if wait > 0 and self._look_again(wait):
-                return   # given more within moments (a drain): no offer to withdraw
+                return
             self._look_in = LOOK_AGAIN[0]
             self.offer.make(consumer_id)   # idle: let a publisher hand us the next one
 
-    def _look_again(self, delay: float | None = None) -> bool:
-        """Come back in ``delay`` s, or, while our worker still runs tasks we
-        delivered (acked as they started), in a delay doubled each time: nothing
-        else tells us when they are done. False without an event loop."""
+    def _look_again(self, wait: float) -> bool:
+        """Come back when the offer's ``wait`` is over and, while our worker still
+        runs tasks we delivered (acked as they started), after a delay doubled
+        each time: nothing else tells us when they are done. A delivery
+        meanwhile cancels it: a consumer in a drain is not woken for it. False
+        without an event loop."""
         now = time.monotonic()
         if now < self._look_at:
             return True   # asked for already
-        if not self.transport.look_again(self._look_in if delay is None else delay):
+        delay = max(self._look_in, wait)
+        self._look_in = min(self._look_in * 2, LOOK_AGAIN[1])
+        timer = self.transport.look_again(delay)
+        if timer is None:
             return False
-        if delay is None:
-            self._look_at = now + self._look_in
-            self._look_in = min(self._look_in * 2, LOOK_AGAIN[1])
-        else:
-            self._look_at = now + delay
+        self._look_timer, self._look_at = timer, now + delay
         return True
 
     def _dry(self) -> None:
@@ -420,6 +424,8 @@ class Inbox:
             self.taken.add(name)
             message = parse_message_name(name)
             assert message is not None
+            # Named with sequence zero; so is the first message of a bucket (one
+            # in bucket_size), which then resets the offers' wait once.
             handed = handed or (message.seq == 0 and not message.requeued)
             paths.append(layout.body(self.queue, message)
                          or layout.inbox_message(self.queue, consumer_id, name))
@@ -516,6 +522,9 @@ class Inbox:
         self.took.append(time.monotonic())
         self._look_in = LOOK_AGAIN[0]
         self._idle_since = None
+        if self._look_timer is not None:   # busy again: no look needed
+            self._look_timer.cancel()
+            self._look_timer, self._look_at = None, 0.0
         return claimed
 
     def settled(self, name: str) -> None:

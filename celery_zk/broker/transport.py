@@ -322,14 +322,14 @@ class Transport(virtual.Transport):
         """Something may be deliverable now (new message, free prefetch slot)."""
         self._wake.set()
 
-    def look_again(self, delay: float) -> bool:
-        """Wake in ``delay`` s; False when no event loop can (a blocking consumer,
-        whose process runs no Celery worker, never needs it: see Inbox.fill)."""
+    def look_again(self, delay: float) -> Any:
+        """Wake in ``delay`` s: the event loop's timer (``cancel()`` stops it), or
+        None when no event loop can (a blocking consumer, whose process runs no
+        Celery worker, never needs it: see Inbox.fill)."""
         loop = self._loop
         if loop is None:
-            return False
-        loop.call_later(delay, self.wake)
-        return True
+            return None
+        return loop.call_later(delay, self.wake)
 
     def inbox(self, queue: str) -> Inbox:
         """This connection's inbox on ``queue`` (its channels share it)."""

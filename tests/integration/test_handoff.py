@@ -315,6 +315,49 @@ def test_an_idle_worker_offers_once_its_running_tasks_end(
     hub.close()
 
 
+def test_offers_back_off_while_the_dispatcher_gives_the_work(
+        zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer whose offer is withdrawn because the dispatcher gave it work
+    (the queue has a backlog, as in a drain) waits longer before its next
+    offer; once a publisher hands it a message it offers early again."""
+    from kombu.asynchronous import Hub
+
+    import celery_zk.broker.transport as transport_module
+    from celery_zk.broker.inbox import OFFER_AFTER
+
+    monkeypatch.setattr(transport_module, "EVENT_LOOP_POKE", 3600.0)
+    queue = Queue("backlog", Exchange("backlog", "direct"), "backlog")
+    got: list[Any] = []
+    hub = Hub()
+    loop = hub.create_loop()
+
+    def run_until(done: Callable[[], object], what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not done():
+            assert time.monotonic() < deadline, what
+            next(loop)
+
+    with Connection(zk_url) as conn, consumer(conn, queue, got):
+        conn.transport.register_with_event_loop(conn.connection, hub)
+        inbox = conn.transport.inbox("backlog")
+        waiting_url = zk_url.replace("handoff=true", "handoff=false")   # takes no offer
+        for n in range(4):
+            run_until(lambda: offers(zk_client, "backlog"), "no offer")
+            before = inbox._offer_after
+            publish(waiting_url, queue, n)
+            run_until(lambda: len(got) == n + 1, "not delivered")
+            if n:   # the first waited in its bucket as sequence 0, as a handed one is named
+                assert inbox._offer_after == before * 2
+        assert inbox._offer_after == OFFER_AFTER[0] * 8
+        run_until(lambda: offers(zk_client, "backlog"), "no offer")
+        publish(zk_url, queue, "handed")
+        run_until(lambda: len(got) == 5, "not delivered")
+        assert unowned_creations(zk_client, "backlog") == 4
+        assert inbox._offer_after == OFFER_AFTER[0]
+        conn.transport.unregister_from_event_loop(conn.connection, hub)
+    hub.close()
+
+
 @pytest.mark.parametrize("handoff", ["true", "false"])
 def test_a_requeued_handed_message_goes_ahead_of_later_arrivals(
         zk_url: str, zk_client: KazooClient, handoff: str) -> None:

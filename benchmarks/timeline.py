@@ -8,6 +8,7 @@ each step, its median offset from the client's ``apply_async`` call and the
 median gap since the step before::
 
     .venv/bin/python benchmarks/timeline.py [--samples 150] [--result] [--zk-force-sync yes|no]
+        [--zk-option handoff=false]
 
 ``--result``: the result round trip instead (``bench.py``'s (d): ``bench.add``
 with celery_zk's result backend, ``delay(...).get()``).
@@ -35,6 +36,7 @@ from common import (  # noqa: E402
     Processes,
     Workers,
     add_server_options,
+    add_zk_option,
     measured_server,
     pause,
     warm_up_zookeeper,
@@ -122,10 +124,11 @@ def record(args: argparse.Namespace, warm_up: int) -> str:
         with measured_server(args) as zk:
             zk.start()
             warm_up_zookeeper(zk.hosts)
-            url = f"zk://{zk.hosts}/timeline-{uuid.uuid4().hex[:8]}"
+            query = "?" + "&".join(args.zk_option) if args.zk_option else ""
+            url = f"zk://{zk.hosts}/timeline-{uuid.uuid4().hex[:8]}{query}"
             workers = Workers(procs, work_dir)
             if args.result:
-                backend = f"zk://{zk.hosts}/timeline-results-{uuid.uuid4().hex[:8]}"
+                backend = f"zk://{zk.hosts}/timeline-results-{uuid.uuid4().hex[:8]}{query}"
                 app = make_app(url, backend)
                 add = app.tasks[ADD]
                 with workers.worker(url, "timeline", backend=backend, env={ENV_FILE: path}):
@@ -171,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result", action="store_true",
                         help="time the result round trip (delay().get()) instead")
     add_server_options(parser)
+    add_zk_option(parser)
     args = parser.parse_args(argv)
     warm_up = 5
     path = record(args, warm_up)

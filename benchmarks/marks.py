@@ -26,7 +26,7 @@ def mark(step: str) -> None:
 def install() -> None:
     """Wrap the transport's steps so each call records the first mark it passes."""
     from celery_zk.backend import backend, result_consumer
-    from celery_zk.broker import acks, channel, dispatcher, handoff, inbox
+    from celery_zk.broker import channel, dispatcher, handoff, inbox
 
     def wrap(cls: Any, name: str, step: str, after: str | None = None) -> None:
         inner = getattr(cls, name)
@@ -46,8 +46,15 @@ def install() -> None:
     wrap(inbox.Inbox, "_on_tree", "tree")
     wrap(channel.Channel, "_get", "get")
     wrap(inbox.Inbox, "_learn", "learn", "read")
-    wrap(inbox.Inbox, "take", "take")
-    wrap(acks.Acking, "ack_async", "ack")
+    take = inbox.Inbox.take
+
+    @functools.wraps(take)
+    def marked_take(self: Any) -> Any:
+        claimed = take(self)
+        if claimed is not None:   # also called to find nothing there
+            mark("take")
+        return claimed
+    setattr(inbox.Inbox, "take", marked_take)
     wrap(backend.ZooKeeperBackend, "_store_result", "store", "stored-result")
     wrap(result_consumer.ResultConsumer, "_on_watch", "watch")
 

@@ -54,7 +54,7 @@ def install() -> None:
         if claimed is not None:   # also called to find nothing there
             mark("take")
         return claimed
-    setattr(inbox.Inbox, "take", marked_take)
+    inbox.Inbox.take = marked_take  # type: ignore[method-assign]
     wrap(backend.ZooKeeperBackend, "_store_result", "store", "stored-result")
     wrap(result_consumer.ResultConsumer, "_on_watch", "watch")
 

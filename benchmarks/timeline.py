@@ -44,13 +44,14 @@ from common import (  # noqa: E402
 from kombu import Connection, Queue  # noqa: E402
 from marks import ENV_FILE, dump, install, mark  # noqa: E402
 
-#: (role, step) in the order a round trip passes them; the table follows it.
+#: (role, step) in the order a round trip passes them; the table follows it. Not
+#: the returns of writes: the watch event of a write often reaches the other
+#: process before the writer has read its reply.
 STEPS = [
     ("client", "apply_async", "the client calls apply_async"),
     ("client", "put", "kombu hands the message to the transport"),
     ("client", "give", "a hand-off to an idle consumer's offer is tried"),
     ("worker", "dispatch", "(put in line) the dispatcher's multi starts"),
-    ("worker", "dispatched", "(put in line) ... and returned"),
     ("worker", "tree", "the worker's inbox watch reports it"),
     ("worker", "get", "the worker's consuming thread is running"),
     ("worker", "learn", "it looks at its inbox's arrivals"),
@@ -58,7 +59,6 @@ STEPS = [
     ("worker", "take", "the body is read; delivered to kombu"),
     ("worker", "task", "the task starts"),
     ("worker", "put", "the task publishes its reply"),
-    ("worker", "stored", "... stored (handed over, or put in line)"),
     ("client", "tree", "the client's inbox watch reports the reply"),
     ("client", "get", "the client's consuming thread is running"),
     ("client", "learn", "it looks at its inbox's arrivals"),

@@ -345,7 +345,7 @@ def test_offers_back_off_while_the_dispatcher_gives_the_work(
             run_until(lambda: offers(zk_client, "backlog"), "no offer")
             before = inbox._offer_after
             publish(waiting_url, queue, n)
-            run_until(lambda: len(got) == n + 1, "not delivered")
+            run_until(lambda n=n: len(got) == n + 1, "not delivered")
             if n:   # the first waited in its bucket as sequence 0, as a handed one is named
                 assert inbox._offer_after == before * 2
         assert inbox._offer_after == OFFER_AFTER[0] * 8

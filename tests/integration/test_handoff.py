@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -269,6 +270,35 @@ def test_a_publisher_sending_a_few_a_second_hands_over_after_one_waited(
     assert unowned_creations(zk_client, "trickle") == 1   # the other three handed over
 
 
+RunUntil = Callable[[Callable[[], object], str], None]
+
+
+@contextmanager
+def event_loop(conn: Connection, monkeypatch: pytest.MonkeyPatch) -> Iterator[RunUntil]:
+    """``conn`` delivering from a kombu hub, as in a Celery worker, without the
+    once-a-second look (nothing wakes it unasked); yields ``run_until(done,
+    what)``, which turns the loop until ``done()`` (failing with ``what``)."""
+    from kombu.asynchronous import Hub
+
+    import celery_zk.broker.transport as transport_module
+
+    monkeypatch.setattr(transport_module, "EVENT_LOOP_POKE", 3600.0)
+    hub = Hub()
+    loop = hub.create_loop()
+    conn.transport.register_with_event_loop(conn.connection, hub)
+
+    def run_until(done: Callable[[], object], what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not done():
+            assert time.monotonic() < deadline, what
+            next(loop)
+    try:
+        yield run_until
+    finally:
+        conn.transport.unregister_from_event_loop(conn.connection, hub)
+        hub.close()
+
+
 def test_an_idle_worker_offers_once_its_running_tasks_end(
         zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """In a Celery worker a task is acked as it starts and counts as in hand
@@ -276,28 +306,14 @@ def test_an_idle_worker_offers_once_its_running_tasks_end(
     loop looks again by itself, instead of offering only at its next
     once-a-second look or message."""
     import celery.worker.state as worker_state
-    from kombu.asynchronous import Hub
-
-    import celery_zk.broker.transport as transport_module
-
-    monkeypatch.setattr(transport_module, "EVENT_LOOP_POKE", 3600.0)   # no safety net
 
     class Running:   # a task request in Celery's worker state (kept weakly)
         pass
 
     queue = Queue("busy", Exchange("busy", "direct"), "busy")
     got: list[Any] = []
-    hub = Hub()
-    loop = hub.create_loop()
-
-    def run_until(done: Callable[[], object], what: str) -> None:
-        deadline = time.monotonic() + 10
-        while not done():
-            assert time.monotonic() < deadline, what
-            next(loop)
-
-    with Connection(zk_url) as conn, consumer(conn, queue, got):
-        conn.transport.register_with_event_loop(conn.connection, hub)
+    with Connection(zk_url) as conn, consumer(conn, queue, got), \
+            event_loop(conn, monkeypatch) as run_until:
         run_until(lambda: offers(zk_client, "busy"), "no offer while idle")
         running = Running()
         worker_state.reserved_requests.add(running)
@@ -305,14 +321,14 @@ def test_an_idle_worker_offers_once_its_running_tasks_end(
             publish(zk_url, queue, "task")   # handed over; acked as it "starts"
             run_until(lambda: got, "not delivered")
             deadline = time.monotonic() + 0.2
-            while time.monotonic() < deadline:   # the task runs: no offer
-                next(loop)
+
+            def no_offer_for_a_while() -> bool:   # the task runs
                 assert not offers(zk_client, "busy")
+                return time.monotonic() >= deadline
+            run_until(no_offer_for_a_while, "")
         finally:
             worker_state.reserved_requests.discard(running)   # it ended
         run_until(lambda: offers(zk_client, "busy"), "no offer once the task ended")
-        conn.transport.unregister_from_event_loop(conn.connection, hub)
-    hub.close()
 
 
 def test_offers_back_off_while_the_dispatcher_gives_the_work(
@@ -320,25 +336,12 @@ def test_offers_back_off_while_the_dispatcher_gives_the_work(
     """A consumer whose offer is withdrawn because the dispatcher gave it work
     (the queue has a backlog, as in a drain) waits longer before its next
     offer; once a publisher hands it a message it offers early again."""
-    from kombu.asynchronous import Hub
-
-    import celery_zk.broker.transport as transport_module
     from celery_zk.broker.inbox import OFFER_AFTER
 
-    monkeypatch.setattr(transport_module, "EVENT_LOOP_POKE", 3600.0)
     queue = Queue("backlog", Exchange("backlog", "direct"), "backlog")
     got: list[Any] = []
-    hub = Hub()
-    loop = hub.create_loop()
-
-    def run_until(done: Callable[[], object], what: str) -> None:
-        deadline = time.monotonic() + 10
-        while not done():
-            assert time.monotonic() < deadline, what
-            next(loop)
-
-    with Connection(zk_url) as conn, consumer(conn, queue, got):
-        conn.transport.register_with_event_loop(conn.connection, hub)
+    with Connection(zk_url) as conn, consumer(conn, queue, got), \
+            event_loop(conn, monkeypatch) as run_until:
         inbox = conn.transport.inbox("backlog")
         waiting_url = zk_url.replace("handoff=true", "handoff=false")   # takes no offer
         for n in range(4):
@@ -354,8 +357,6 @@ def test_offers_back_off_while_the_dispatcher_gives_the_work(
         run_until(lambda: len(got) == 5, "not delivered")
         assert unowned_creations(zk_client, "backlog") == 4
         assert inbox._offer_after == OFFER_AFTER[0]
-        conn.transport.unregister_from_event_loop(conn.connection, hub)
-    hub.close()
 
 
 @pytest.mark.parametrize("handoff", ["true", "false"])

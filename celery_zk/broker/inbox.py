@@ -435,15 +435,15 @@ class Inbox:
         reads = (read_many(client, paths) if self._tree_held
                  else [client.get_async(path) for path in paths])
         self.pending.extend((name, read, sent) for name, read in zip(ordered, reads))
-        if handed:
-            self._offer_after = OFFER_AFTER[0]   # offers are taken: make them early
-        elif self.offer is not None and self.offer.outstanding:
-            self._offer_after = min(self._offer_after * 2, OFFER_AFTER[1])   # and wasted
         if self.offer is not None and self.offer.outstanding:
+            if not handed:   # the dispatcher's work made it useless: offer later
+                self._offer_after = min(self._offer_after * 2, OFFER_AFTER[1])
             # Given work: no more hand-offs until idle again. After the reads: the
             # server answers a session's requests in order, and a delete is a
             # synced write.
             self._withdraw()
+        if handed:
+            self._offer_after = OFFER_AFTER[0]   # offers are taken: make them early
 
     def _read_bodies(self, limit: int, block: bool = False) -> None:
         """Move landed reads into the buffer, in order."""

@@ -49,6 +49,7 @@ from ..zk.config import ZKOptions
 from ..zk.layout import (
     Layout,
     MessageName,
+    order_key,
     parse_message_name,
     parse_queue_consumer,
 )
@@ -95,14 +96,21 @@ class _Head:
         self.keyed = 0          # how many carry an affinity key
 
     def reset(self, names: list[str], complete: bool) -> None:
-        parsed = [(parse_message_name(name), name) for name in names]
-        self.keys = [(message.sort_key, name) for message, name in parsed if message is not None]
-        self.names = [name for message, name in parsed if message is not None]
+        keys = []
+        keyed = 0
+        for name in names:
+            key = order_key(name)
+            if key is not None:
+                keys.append(key)
+                keyed += bool(parse_message_name(name).affinity)  # type: ignore[union-attr]
+        self.keys = keys
+        self.names = [name for _, name in keys]
         self.complete = complete
-        self.keyed = sum(1 for message, _ in parsed if message is not None and message.affinity)
+        self.keyed = keyed
 
     def add(self, name: str, message: MessageName) -> None:
-        key = (message.sort_key, name)   # the name breaks ties (requeued hand-offs)
+        key = order_key(name)   # the name breaks ties (requeued hand-offs)
+        assert key is not None
         if not self.complete and (not self.keys or key > self.keys[-1]):
             return   # beyond what we listed: the next listing finds it
         index = bisect.bisect_left(self.keys, key)
@@ -114,14 +122,14 @@ class _Head:
 
     def discard(self, names: Iterable[str]) -> None:
         for name in names:
-            message = parse_message_name(name)
-            if message is None:
+            key = order_key(name)
+            if key is None:
                 continue
-            index = bisect.bisect_left(self.keys, (message.sort_key, name))
+            index = bisect.bisect_left(self.keys, key)
             if index < len(self.names) and self.names[index] == name:
                 del self.keys[index]
                 del self.names[index]
-                self.keyed -= bool(message.affinity)
+                self.keyed -= bool(parse_message_name(name).affinity)  # type: ignore[union-attr]
 
 
 class Dispatcher:

@@ -49,9 +49,13 @@ def _in_place(bucket: str | None, names: list[str]) -> tuple[list[str], list[str
     """Split the children of a bucket (``None``: of ``unowned/`` itself) into the
     message names that belong there and the rest, as paths under ``unowned/``."""
     ours, foreign = [], []
+    # Compared as numbers: formatting each name's bucket cost more than its parse.
+    place = parse_bucket_name(bucket) if bucket is not None else None
     for name in names:
         parsed = parse_message_name(name)
-        if parsed is not None and parsed.bucket == bucket:
+        if parsed is not None and (
+                parsed.generation is None if place is None
+                else (parsed.inverted_priority, parsed.generation) == place):
             ours.append(name)
         else:
             foreign.append(f"{bucket}/{name}" if bucket else name)

@@ -136,14 +136,17 @@ _AFFINITY_PLAIN = frozenset(map(chr, range(0x20, 0x7F))) - set("%/,~#@")
 AFFINITY_SHARDS_HEX = 1   # 16 directories under affinity/
 
 
+@functools.lru_cache(maxsize=4096)
 def escape(name: str) -> str:
-    """Make a queue/exchange/routing-key string safe as one znode name."""
+    """Make a queue/exchange/routing-key string safe as one znode name (cached:
+    every path of a message is built from its queue's name, a few per message)."""
     escaped = _ESCAPE_RE.sub(lambda m: f"%{ord(m.group()):02X}", name)
     if escaped in ("", ".", "..", "zookeeper"):
         escaped = "%" + escaped.encode().hex() + "%"  # reserved names stay distinct
     return escaped
 
 
+@functools.lru_cache(maxsize=4096)
 def unescape(name: str) -> str:
     if name.startswith("%") and name.endswith("%") and len(name) > 1 and "%" not in name[1:-1]:
         return bytes.fromhex(name[1:-1]).decode()
@@ -299,18 +302,31 @@ def parse_message_name(name: str) -> MessageName | None:
     return MessageName(int(inv), None, uid, int(first or seq), first is not None, int(seq))
 
 
+#: A message's place in delivery order: its sort key, then its name (ties).
+OrderKey = tuple[tuple[int, int, int, bool, int], str]
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def order_key(name: str) -> OrderKey | None:
+    """``(sort_key, name)`` of a message name; ``None`` for nodes celery_zk did not
+    write. Cached like the parse: a dispatcher orders a bucket's thousands of
+    names at each listing, then looks each one up again as it is given."""
+    message = parse_message_name(name)
+    return None if message is None else (message.sort_key, name)
+
+
 def sort_messages(names: list[str]) -> tuple[list[str], list[str]]:
     """Split a listing into (ours in delivery order, foreign names)."""
-    parsed: list[tuple[tuple[int, int, int, bool, int], str]] = []
+    keyed: list[OrderKey] = []
     foreign = []
     for name in names:
-        msg = parse_message_name(name)
-        if msg is None:
+        key = order_key(name)
+        if key is None:
             foreign.append(name)
         else:
-            parsed.append((msg.sort_key, name))
-    parsed.sort()
-    return [name for _, name in parsed], foreign
+            keyed.append(key)
+    keyed.sort()
+    return [name for _, name in keyed], foreign
 
 
 def handed_name(inverted_priority: int, generation: int, uid: str,

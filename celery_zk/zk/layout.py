@@ -329,6 +329,24 @@ def sort_messages(names: list[str]) -> tuple[list[str], list[str]]:
     return [name for _, name in keyed], foreign
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _split_owned_path(queues: str, path: str) -> tuple[str, str, str]:
+    """:meth:`Layout.split_owned_path` under ``queues``; cached: a delivery tag is
+    split where it is acked, settled and where its task starts."""
+    head, _, name = path.rpartition("/")
+    parent, _, owner = head.rpartition("/")
+    if (owner and parent.endswith("/owned") and parse_message_name(name) is not None
+            and parse_consumer_name(owner) == owner):
+        queue_path = parent[:-len("/owned")]
+        if queue_path.startswith(queues + "/"):
+            return unescape(queue_path[len(queues) + 1:]), owner, name
+    queue_path, _, owned = head.rpartition("/")
+    parts = split_owned_name(name)
+    if owned != "owned" or not queue_path.startswith(queues + "/") or parts is None:
+        raise ValueError(f"not an owned-message path: {path!r}")
+    return unescape(queue_path[len(queues) + 1:]), parts[0], parts[1]
+
+
 def handed_name(inverted_priority: int, generation: int, uid: str,
                 kind: str = BODY_APART, task: str | None = None,
                 limit_key: str | None = None) -> str:
@@ -604,18 +622,7 @@ class Layout:
         """``(queue, consumer id, unowned name)`` of an owned message: in an
         inbox (``owned/{consumer}/{name}``) or flat, from before 0.2
         (``owned/{consumer}~{name}``)."""
-        head, _, name = path.rpartition("/")
-        parent, _, owner = head.rpartition("/")
-        if (owner and parent.endswith("/owned") and parse_message_name(name) is not None
-                and parse_consumer_name(owner) == owner):
-            queue_path = parent[:-len("/owned")]
-            if queue_path.startswith(self.queues + "/"):
-                return unescape(queue_path[len(self.queues) + 1:]), owner, name
-        queue_path, _, owned = head.rpartition("/")
-        parts = split_owned_name(name)
-        if owned != "owned" or not queue_path.startswith(self.queues + "/") or parts is None:
-            raise ValueError(f"not an owned-message path: {path!r}")
-        return unescape(queue_path[len(self.queues) + 1:]), parts[0], parts[1]
+        return _split_owned_path(self.queues, path)
 
     # -- routing --------------------------------------------------------------
     @property

@@ -208,6 +208,7 @@ class Channel(virtual.Channel):
             return payload
         inbox.set_credit(self.qos.prefetch_count or 0)
         while True:
+            inbox.look()
             claimed = inbox.take()
             if claimed is None:
                 inbox.fill(self._claim_limit(), self._in_hand())

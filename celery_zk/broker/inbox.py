@@ -20,7 +20,7 @@ it does can conflict.
 multi, then the dispatcher's), so a consumer whose tasks take less than that
 empties its inbox and waits. A consumer that delivered its whole prefetch
 within :data:`FAST` s and then found its inbox empty publishes the
-``lookahead`` option (4) times its prefetch as its credit; one idle for
+``lookahead`` option (16) times its prefetch as its credit; one idle for
 :data:`IDLE` s publishes its prefetch again. Messages beyond what the
 channel may take wait in the inbox; held there :data:`HOLD` s while the
 channel takes none (a long task), they go back to the queue in their places.
@@ -31,6 +31,7 @@ made on kazoo's connection thread can block it for good).
 """
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
@@ -45,7 +47,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 from ..exceptions import ChunkMissing
 from ..features import affinity
 from ..zk.client import CONNECTION_ERRORS, RedoThread, create_once, log_failure, reply_or_retry
-from ..zk.layout import parse_message_name, sort_messages
+from ..zk.layout import OrderKey, order_key, parse_message_name, sort_messages
 from ..zk.reads import read_many
 from ..zk.session import weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED
@@ -83,6 +85,39 @@ LOOK_AGAIN = (0.005, 1.0)
 OFFER_AFTER = (0.01, 1.0)
 
 
+class Ready:
+    """Messages read and not delivered yet, in the queue's order (a heap by
+    :func:`~celery_zk.zk.layout.order_key`): one given later but earlier in
+    the queue (a higher priority, a requeued one) goes out before those a deep
+    inbox holds already, as it would from the queue."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[OrderKey, Claimed]] = []
+
+    def push(self, claimed: Claimed) -> None:
+        key = order_key(claimed.name)
+        assert key is not None   # only message names are read
+        heapq.heappush(self._heap, (key, claimed))
+
+    def pop(self) -> Claimed:
+        return heapq.heappop(self._heap)[1]
+
+    def first(self) -> Claimed:
+        return self._heap[0][1]
+
+    def first_key(self) -> OrderKey | None:
+        return self._heap[0][0] if self._heap else None
+
+    def clear(self) -> None:
+        self._heap.clear()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Claimed]:
+        return (claimed for _, claimed in self._heap)
+
+
 class Inbox:
     """One connection's inbox on one queue, shared by its channels."""
 
@@ -102,7 +137,8 @@ class Inbox:
         self.delivered: set[str] = set()      # entries handed to kombu, not yet settled
         # (name, read, when the read was sent) in delivery order
         self.pending: deque[tuple[str, Any, float]] = deque()
-        self.buffer: deque[Claimed] = deque()  # read, not delivered yet
+        self.pending_first: OrderKey | None = None   # the first of them in the queue's order
+        self.buffer = Ready()                 # read, not delivered yet
         self.arrivals: deque[str] = deque()   # names the tree watch reported
         self.departures: deque[str] = deque()   # and those it saw go
         self.stale = True   # list the inbox before trusting the watch
@@ -164,6 +200,7 @@ class Inbox:
         self.taken.clear()
         self.delivered.clear()
         self.pending.clear()
+        self.pending_first = None
         self.buffer.clear()
         self.arrivals.clear()
         self.stale = True
@@ -372,13 +409,14 @@ class Inbox:
         # leaves the rest here, to deliver or give back later, not stranded.
         # Each stays taken until the watch sees it go.
         while self.buffer:
-            store.requeue(self.buffer[0].owned_path)
-            self.buffer.popleft()
+            store.requeue(self.buffer.first().owned_path)
+            self.buffer.pop()
             given += 1
         while self.pending:
             store.requeue(layout.inbox_message(self.queue, consumer_id, self.pending[0][0]))
             self.pending.popleft()
             given += 1
+        self.pending_first = None
         logger.debug("celery_zk: gave %d undelivered messages of %s back to the queue",
                      given, self.queue)
 
@@ -434,6 +472,11 @@ class Inbox:
         sent = time.monotonic()
         reads = (read_many(client, paths) if self._tree_held
                  else [client.get_async(path) for path in paths])
+        if ordered:
+            first = order_key(ordered[0])
+            if not self.pending or self.pending_first is None or (
+                    first is not None and first < self.pending_first):
+                self.pending_first = first
         self.pending.extend((name, read, sent) for name, read in zip(ordered, reads))
         if self.offer is not None and self.offer.outstanding:
             if not handed:   # the dispatcher's work made it useless: offer later
@@ -446,15 +489,16 @@ class Inbox:
             self._offer_after = OFFER_AFTER[0]   # offers are taken: make them early
 
     def _read_bodies(self, limit: int, block: bool = False) -> None:
-        """Move landed reads into the buffer, in order."""
+        """Move landed reads into the buffer."""
         store = self.transport.store
         client = store.client
         layout = self.transport.layout
         consumer_id = self.consumer_id
         assert consumer_id is not None
+        moved = False
         while self.pending and (block or self.pending[0][1].ready()):
             name, read, sent = self.pending.popleft()
-            block = False
+            block, moved = False, True
             owned = layout.inbox_message(self.queue, consumer_id, name)
             message = parse_message_name(name)
             assert message is not None
@@ -467,7 +511,28 @@ class Inbox:
                 continue
             # When the read was sent: the server answered after it (start gates
             # judge freshness by it, however long the message then waits here).
-            self.buffer.append(Claimed(self.queue, name, owned, data, sent))
+            self.buffer.push(Claimed(self.queue, name, owned, data, sent))
+        if moved:   # once a batch has landed, not per delivery
+            self.pending_first = min((key for entry in self.pending
+                                      if (key := order_key(entry[0])) is not None), default=None)
+
+    def look(self) -> None:
+        """Before each delivery: start reading what arrived meanwhile, so its
+        reads overlap what the buffer still holds, and move what landed. A
+        read of a message that goes before everything in the buffer (given
+        later, earlier in the queue's order) is waited for: it goes first."""
+        consumer_id = self.consumer_id
+        if consumer_id is None:
+            return
+        if self.arrivals and not self.stale:
+            self._learn(consumer_id)
+        if not self.pending:
+            return
+        self._read_bodies(0)
+        # With the buffer empty, take() finds nothing and fill() waits instead.
+        while (self.pending and self.buffer and self.pending_first is not None
+               and self.pending_first < self.buffer.first_key()):  # type: ignore[operator]
+            self._read_bodies(0, block=True)
 
     def _lost(self, owned: str, name: str) -> None:
         """An entry whose body is gone: acked already (a redelivery of our own
@@ -517,7 +582,7 @@ class Inbox:
         """The next message to deliver (from :attr:`buffer`)."""
         if not self.buffer:
             return None
-        claimed = self.buffer.popleft()
+        claimed = self.buffer.pop()
         self.delivered.add(claimed.name)
         self.took.append(time.monotonic())
         self._look_in = LOOK_AGAIN[0]
@@ -586,6 +651,7 @@ class Inbox:
         keep = set(self.delivered)
         handed = set(self.taken) - undelivered   # given to kombu (acked or not)
         self.pending.clear()
+        self.pending_first = None
         self.buffer.clear()
         self.taken = set(keep)
         try:

@@ -76,7 +76,7 @@ class ZKOptions:
     claim_batch: int = _opt(64, "Most messages a consumer takes out of its inbox at a "
                             "time, and its inbox's credit when its prefetch is "
                             "unlimited (also the least the dispatcher lists at once).")
-    lookahead: int = _opt(8, "A consumer that runs dry while delivering fast (its "
+    lookahead: int = _opt(16, "A consumer that runs dry while delivering fast (its "
                           "prefetch within 0.1 s) lets its inbox hold this many times "
                           "its prefetch, so refills overlap its tasks; what waits there "
                           "while its prefetch is full for 1 s goes back to the queue. "

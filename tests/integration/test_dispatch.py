@@ -297,6 +297,53 @@ def test_a_dead_consumers_inbox_goes_back_each_message_to_its_place(
         for c in zk_client.get_children(layout.owned("dies")))
 
 
+def test_a_message_given_later_but_first_in_line_overtakes_a_deep_inbox(
+        zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer looking ahead holds messages beyond its prefetch. One of a
+    higher priority, given to it after them, is delivered before them, as it
+    would be from the queue: it waits for room in the inbox, not behind what
+    the inbox holds."""
+    from celery_zk.broker import inbox as inbox_module
+
+    monkeypatch.setattr(inbox_module, "HOLD", 60.0)   # nothing goes back meanwhile
+    queue = queue_of("overtake")
+    layout = layout_of(zk_url)
+    got: list[int] = []
+    held: list[Any] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append(body["v"])
+        if body["v"] >= 100:
+            held.append(message)   # not acked yet: the prefetch fills
+        else:
+            message.ack()
+
+    with Connection(zk_url) as publisher, Connection(apart(zk_url, "deep")) as deep:
+        with Consumer(deep, [queue], callbacks=[on_message], prefetch_count=2):
+            publish(publisher, queue, list(range(60)))
+            drain_until(deep, got, 60, 20, poll=0.1)
+            credit = 2 * ZKOptions.lookahead
+            assert credit_of(zk_client, "overtake") == [credit]
+            publish(publisher, queue, list(range(100, 100 + credit)))
+            drain_until(deep, got, 62, 10, poll=0.1)
+            assert got[60:] == [100, 101]   # in hand: the channel is full
+            # The rest is in the inbox, which is full: the urgent one waits in line.
+            wait_until(lambda: waiting(zk_client, layout, "overtake") == [], 10,
+                       message="the inbox did not take its credit's worth")
+            publish(publisher, queue, [999], priorities=[9])
+            time.sleep(0.3)
+            assert len(waiting(zk_client, layout, "overtake")) == 1
+            held.pop(0).ack()   # room for one: the dispatcher gives it
+            inbox = deep.transport.inbox("overtake")
+            wait_until(lambda: any(parse_message_name(name).priority == 9  # type: ignore[union-attr]
+                                   for name in inbox.arrivals), 10,
+                       message="the urgent message never reached the inbox")
+            drain_until(deep, got, 63, 10, poll=0.1)
+            assert got[62:] == [999], got[62:]
+            for message in held:
+                message.ack()
+
+
 def test_a_dead_consumers_deep_inbox_goes_back_a_batch_per_multi(
         zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """A deep inbox (a worker looking ahead holds up to lookahead x its prefetch)

@@ -114,4 +114,4 @@ def test_lookahead_out_of_range_says_what_it_is(value: str) -> None:
 
 def test_lookahead_1_turns_it_off() -> None:
     assert parse_url("zk://h1/app?lookahead=1").options.lookahead == 1
-    assert parse_url("zk://h1/app").options.lookahead == 8
+    assert parse_url("zk://h1/app").options.lookahead == 16

@@ -6,6 +6,7 @@ test_transport_workers.py.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import threading
@@ -206,12 +207,13 @@ def test_lookahead_1_keeps_an_inbox_to_its_prefetch(
     assert most <= 2 and credit_of(zk_client, "strict") == [2]
 
 
-def test_what_waits_behind_a_long_task_goes_back_for_other_consumers(
-        zk_url: str, zk_client: KazooClient, drainers: list[Drainer]) -> None:
-    """A consumer looking ahead holds more than its channel may take; when its
-    prefetch is full (long tasks) for HOLD s, the messages waiting in its inbox
-    go back to the queue, and another consumer gets them."""
-    queue = queue_of("long")
+@contextlib.contextmanager
+def looking_ahead(zk_url: str, zk_client: KazooClient, name: str
+                  ) -> Iterator[tuple[Connection, Connection, list[int], list[Any]]]:
+    """A consumer (prefetch 2) that drained 60 messages fast and so looks ahead:
+    ``(publisher, its connection, what it got, messages it holds unacked)``.
+    It holds (does not ack) every message of value 100 or more: a long task."""
+    queue = queue_of(name)
     got: list[int] = []
     held: list[Any] = []
 
@@ -222,30 +224,40 @@ def test_what_waits_behind_a_long_task_goes_back_for_other_consumers(
         else:
             message.ack()
 
-    with Connection(zk_url) as publisher, Connection(apart(zk_url, "busy")) as busy:
-        with Consumer(busy, [queue], callbacks=[on_message], prefetch_count=2):
+    with Connection(zk_url) as publisher, Connection(apart(zk_url, name)) as conn:
+        with Consumer(conn, [queue], callbacks=[on_message], prefetch_count=2):
             publish(publisher, queue, list(range(60)))
-            drain_until(busy, got, 60, 20, poll=0.1)
-            assert credit_of(zk_client, "long") == [2 * ZKOptions.lookahead]
-            publish(publisher, queue, [100, 101] + list(range(200, 210)))
-            drain_until(busy, got, 62, 10, poll=0.1)
-            assert got[60:] == [100, 101]
-            # More given than the prefetch: waiting behind them (nothing gives them
-            # back while this thread does not look: it calls no drain_events here).
-            wait_until(lambda: len(owned(zk_client, layout_of(""), "long")) > 2, 10,
-                       message="nothing was given beyond the prefetch")
-            other = Drainer(zk_url, queue, "other", prefetch=2)
-            drainers.append(other)
-            other.start()
-            # The busy consumer keeps looking (a worker's event loop does, each second).
-            deadline = time.monotonic() + HOLD + 10
-            while len(other.got) < 10 and time.monotonic() < deadline:
-                drain_until(busy, got, 63, 0.2, poll=0.1)
-            assert sorted(other.got) == list(range(200, 210))
-            assert got[62:] == []   # the busy consumer delivered none of them
-            assert credit_of(zk_client, "long")[0] == 2   # its lookahead ended
-            for message in held:
-                message.ack()
+            drain_until(conn, got, 60, 20, poll=0.1)
+            assert credit_of(zk_client, name) == [2 * ZKOptions.lookahead]
+            yield publisher, conn, got, held
+
+
+def test_what_waits_behind_a_long_task_goes_back_for_other_consumers(
+        zk_url: str, zk_client: KazooClient, drainers: list[Drainer]) -> None:
+    """A consumer looking ahead holds more than its channel may take; when its
+    prefetch is full (long tasks) for HOLD s, the messages waiting in its inbox
+    go back to the queue, and another consumer gets them."""
+    queue = queue_of("long")
+    with looking_ahead(zk_url, zk_client, "long") as (publisher, busy, got, held):
+        publish(publisher, queue, [100, 101] + list(range(200, 210)))
+        drain_until(busy, got, 62, 10, poll=0.1)
+        assert got[60:] == [100, 101]
+        # More given than the prefetch: waiting behind them (nothing gives them
+        # back while this thread does not look: it calls no drain_events here).
+        wait_until(lambda: len(owned(zk_client, layout_of(""), "long")) > 2, 10,
+                   message="nothing was given beyond the prefetch")
+        other = Drainer(zk_url, queue, "other", prefetch=2)
+        drainers.append(other)
+        other.start()
+        # The busy consumer keeps looking (a worker's event loop does, each second).
+        deadline = time.monotonic() + HOLD + 10
+        while len(other.got) < 10 and time.monotonic() < deadline:
+            drain_until(busy, got, 63, 0.2, poll=0.1)
+        assert sorted(other.got) == list(range(200, 210))
+        assert got[62:] == []   # the busy consumer delivered none of them
+        assert credit_of(zk_client, "long")[0] == 2   # its lookahead ended
+        for message in held:
+            message.ack()
 
 
 def recovery_leader(conn: Connection) -> Consumer:
@@ -308,40 +320,26 @@ def test_a_message_given_later_but_first_in_line_overtakes_a_deep_inbox(
     monkeypatch.setattr(inbox_module, "HOLD", 60.0)   # nothing goes back meanwhile
     queue = queue_of("overtake")
     layout = layout_of(zk_url)
-    got: list[int] = []
-    held: list[Any] = []
-
-    def on_message(body: Any, message: Any) -> None:
-        got.append(body["v"])
-        if body["v"] >= 100:
-            held.append(message)   # not acked yet: the prefetch fills
-        else:
+    with looking_ahead(zk_url, zk_client, "overtake") as (publisher, deep, got, held):
+        credit = 2 * ZKOptions.lookahead
+        publish(publisher, queue, list(range(100, 100 + credit)))
+        drain_until(deep, got, 62, 10, poll=0.1)
+        assert got[60:] == [100, 101]   # in hand: the channel is full
+        # The rest is in the inbox, which is full: the urgent one waits in line.
+        wait_until(lambda: waiting(zk_client, layout, "overtake") == [], 10,
+                   message="the inbox did not take its credit's worth")
+        publish(publisher, queue, [999], priorities=[9])
+        time.sleep(0.3)
+        assert len(waiting(zk_client, layout, "overtake")) == 1
+        held.pop(0).ack()   # room for one: the dispatcher gives it
+        inbox = deep.transport.inbox("overtake")
+        wait_until(lambda: any(parse_message_name(name).priority == 9  # type: ignore[union-attr]
+                               for name in inbox.arrivals), 10,
+                   message="the urgent message never reached the inbox")
+        drain_until(deep, got, 63, 10, poll=0.1)
+        assert got[62:] == [999], got[62:]
+        for message in held:
             message.ack()
-
-    with Connection(zk_url) as publisher, Connection(apart(zk_url, "deep")) as deep:
-        with Consumer(deep, [queue], callbacks=[on_message], prefetch_count=2):
-            publish(publisher, queue, list(range(60)))
-            drain_until(deep, got, 60, 20, poll=0.1)
-            credit = 2 * ZKOptions.lookahead
-            assert credit_of(zk_client, "overtake") == [credit]
-            publish(publisher, queue, list(range(100, 100 + credit)))
-            drain_until(deep, got, 62, 10, poll=0.1)
-            assert got[60:] == [100, 101]   # in hand: the channel is full
-            # The rest is in the inbox, which is full: the urgent one waits in line.
-            wait_until(lambda: waiting(zk_client, layout, "overtake") == [], 10,
-                       message="the inbox did not take its credit's worth")
-            publish(publisher, queue, [999], priorities=[9])
-            time.sleep(0.3)
-            assert len(waiting(zk_client, layout, "overtake")) == 1
-            held.pop(0).ack()   # room for one: the dispatcher gives it
-            inbox = deep.transport.inbox("overtake")
-            wait_until(lambda: any(parse_message_name(name).priority == 9  # type: ignore[union-attr]
-                                   for name in inbox.arrivals), 10,
-                       message="the urgent message never reached the inbox")
-            drain_until(deep, got, 63, 10, poll=0.1)
-            assert got[62:] == [999], got[62:]
-            for message in held:
-                message.ack()
 
 
 def test_a_dead_consumers_deep_inbox_goes_back_a_batch_per_multi(

@@ -14,7 +14,7 @@ from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk.broker.handoff import Offer
-from celery_zk.zk.layout import Layout, parse_message_name
+from celery_zk.zk.layout import Layout, offer_name, parse_message_name
 
 from .queues import owned, stored_body, waiting
 from .queues import unowned_creations as creations
@@ -344,15 +344,23 @@ def test_offers_back_off_while_the_dispatcher_gives_the_work(
             event_loop(conn, monkeypatch) as run_until:
         inbox = conn.transport.inbox("backlog")
         waiting_url = zk_url.replace("handoff=true", "handoff=false")   # takes no offer
+
+        def offering() -> bool:
+            # The offer it makes now, not the one it withdrew a moment ago: the
+            # withdrawal's synced delete may land after the delivery's reads.
+            offer = inbox.offer
+            assert offer is not None
+            return offer.token is not None and offers(zk_client, "backlog") == [
+                offer_name(str(offer.consumer_id), offer.token)]
         for n in range(4):
-            run_until(lambda: offers(zk_client, "backlog"), "no offer")
+            run_until(offering, "no offer")
             before = inbox._offer_after
             publish(waiting_url, queue, n)
             run_until(lambda n=n: len(got) == n + 1, "not delivered")
             if n:   # the first waited in its bucket as sequence 0, as a handed one is named
                 assert inbox._offer_after == before * 2
         assert inbox._offer_after == OFFER_AFTER[0] * 8
-        run_until(lambda: offers(zk_client, "backlog"), "no offer")
+        run_until(offering, "no offer")
         publish(zk_url, queue, "handed")
         run_until(lambda: len(got) == 5, "not delivered")
         assert unowned_creations(zk_client, "backlog") == 4

@@ -585,6 +585,11 @@ class Inbox:
         claimed = self.buffer.pop()
         self.delivered.add(claimed.name)
         self.took.append(time.monotonic())
+        # The channel took one: what waits is not held back behind long tasks.
+        # (A deep inbox is delivered by take() alone, without a fill that would
+        # reset it: a prefork worker's prefetch, full between deliveries, gave
+        # its whole inbox back each second of a drain.)
+        self.held_since = None
         self._look_in = LOOK_AGAIN[0]
         self._idle_since = None
         if self._look_timer is not None:   # busy again: no look needed

@@ -260,6 +260,34 @@ def test_what_waits_behind_a_long_task_goes_back_for_other_consumers(
             message.ack()
 
 
+def test_a_prefetch_full_between_deliveries_gives_nothing_back(
+        zk_url: str, zk_client: KazooClient) -> None:
+    """Quick tasks keep a looking-ahead consumer's prefetch full between its
+    deliveries (a prefork worker draining a backlog). What waits in its inbox
+    is delivered in order, however long that goes on: HOLD is time without a
+    delivery, not time since the prefetch was first seen full."""
+    queue = queue_of("steady")
+    with looking_ahead(zk_url, zk_client, "steady") as (publisher, conn, got, held):
+        values = list(range(1000, 1150))   # held until acked below: the prefetch fills
+        publish(publisher, queue, values)
+        redelivered: list[int] = []
+        deadline = time.monotonic() + HOLD * 4 + 10
+        while len(got) < 60 + len(values) and time.monotonic() < deadline:
+            drain_until(conn, got, len(got) + 2 - len(held), 1, poll=0.1)
+            with contextlib.suppress(OSError):   # the prefetch is full: a look, no delivery
+                conn.drain_events(timeout=0.02)
+            time.sleep(0.02)
+            for message in held:
+                if message.delivery_info.get("redelivered"):
+                    redelivered.append(message.payload["v"])
+                message.ack()
+            held.clear()
+        assert time.monotonic() - (deadline - HOLD * 4 - 10) > HOLD * 1.5, \
+            "drained before HOLD passed: the test proves nothing"
+        assert redelivered == []
+        assert got[60:] == values
+
+
 def recovery_leader(conn: Connection) -> Consumer:
     """Make ``conn``'s process a consumer (of a queue of its own), and so the
     recovery leader when it is the oldest one."""

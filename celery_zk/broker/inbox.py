@@ -131,7 +131,7 @@ class Inbox:
         self.prefetch = 0                     # the channels' prefetch (0: unlimited)
         self.deep = False                     # lookahead on: credit lookahead x prefetch
         self.took: deque[float] = deque()     # when the last `prefetch` deliveries were
-        self.held_since: float | None = None  # undelivered while the channel took none
+        self.held_since: float | None = None  # the inbox fell behind its pace (_hold)
         self.consuming = 0                    # channels consuming it
         self.taken: set[str] = set()          # entries read or being read (not to take twice)
         self.delivered: set[str] = set()      # entries handed to kombu, not yet settled
@@ -384,16 +384,21 @@ class Inbox:
             self._publish_credit()
 
     def _hold(self, consumer_id: str) -> None:
-        """The channel takes nothing (its prefetch is full): what waits in the
-        inbox undelivered longer than HOLD s goes back to the queue, for other
-        consumers, and the lookahead ends."""
+        """The channel takes nothing now (its prefetch is full): when what waits
+        in the inbox would take more than HOLD s to deliver at the pace of the
+        last deliveries, and has for HOLD s, it goes back to the queue, for
+        other consumers, and the lookahead ends."""
         # What arrived since the channel filled waits too: given while our acks
         # (held back, see ACK_HOLD) freed room, or just before the credit fell.
         self._learn(consumer_id)
-        if not self.buffer and not self.pending:
+        waiting = len(self.buffer) + len(self.pending)
+        now = time.monotonic()
+        took = self.took
+        # Full between quick deliveries (a prefork worker's prefetch, in a drain)
+        # is no hold: the pace, not the moment, says whether the inbox empties.
+        if not waiting or (took and waiting * (now - took[0]) / len(took) <= HOLD):
             self.held_since = None
             return
-        now = time.monotonic()
         if self.held_since is None:
             self.held_since = now
             return
@@ -585,11 +590,6 @@ class Inbox:
         claimed = self.buffer.pop()
         self.delivered.add(claimed.name)
         self.took.append(time.monotonic())
-        # The channel took one: what waits is not held back behind long tasks.
-        # (A deep inbox is delivered by take() alone, without a fill that would
-        # reset it: a prefork worker's prefetch, full between deliveries, gave
-        # its whole inbox back each second of a drain.)
-        self.held_since = None
         self._look_in = LOOK_AGAIN[0]
         self._idle_since = None
         if self._look_timer is not None:   # busy again: no look needed

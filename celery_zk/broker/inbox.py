@@ -39,7 +39,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
@@ -85,6 +85,16 @@ LOOK_AGAIN = (0.005, 1.0)
 OFFER_AFTER = (0.01, 1.0)
 
 
+def held_back(waiting: int, took: Sequence[float], now: float) -> int:
+    """How many of ``waiting`` messages the pace of the deliveries made at
+    ``took`` (the last prefetch's worth) would not deliver within HOLD s."""
+    if not waiting:
+        return 0
+    if not took:
+        return waiting
+    return max(0, waiting - int(len(took) * HOLD / max(now - took[0], 1e-6)))
+
+
 class Ready:
     """Messages read and not delivered yet, in the queue's order (a heap by
     :func:`~celery_zk.zk.layout.order_key`): one given later but earlier in
@@ -107,6 +117,19 @@ class Ready:
 
     def first_key(self) -> OrderKey | None:
         return self._heap[0][0] if self._heap else None
+
+    def pop_last(self) -> Claimed:
+        """The last in the queue's order (what a give-back returns first)."""
+        heap = self._heap
+        last = max(range(len(heap)), key=heap.__getitem__)
+        entry = heap[last]
+        heap[last] = heap[-1]
+        heap.pop()
+        heapq.heapify(heap)
+        return entry[1]
+
+    def last(self) -> Claimed:
+        return max(self._heap)[1]
 
     def clear(self) -> None:
         self._heap.clear()
@@ -391,12 +414,10 @@ class Inbox:
         # What arrived since the channel filled waits too: given while our acks
         # (held back, see ACK_HOLD) freed room, or just before the credit fell.
         self._learn(consumer_id)
-        waiting = len(self.buffer) + len(self.pending)
         now = time.monotonic()
-        took = self.took
         # Full between quick deliveries (a prefork worker's prefetch, in a drain)
         # is no hold: the pace, not the moment, says whether the inbox empties.
-        if not waiting or (took and waiting * (now - took[0]) / len(took) <= HOLD):
+        if not held_back(len(self.buffer) + len(self.pending), self.took, now):
             self.held_since = None
             return
         if self.held_since is None:
@@ -409,19 +430,22 @@ class Inbox:
             self.deep = False
             self._publish_credit()   # sent first: the dispatcher sees it before the freed room
         layout, store = self.transport.layout, self.transport.store
+        excess = held_back(len(self.buffer) + len(self.pending), self.took, now)
         given = 0
         # One at a time, dropped once back: a requeue that fails (ZooKeeper away)
         # leaves the rest here, to deliver or give back later, not stranded.
-        # Each stays taken until the watch sees it go.
-        while self.buffer:
-            store.requeue(self.buffer.first().owned_path)
-            self.buffer.pop()
-            given += 1
-        while self.pending:
+        # Each stays taken until the watch sees it go. Unread ones first, then
+        # the buffer's last in the queue's order: what the pace delivers
+        # within HOLD stays.
+        while self.pending and given < excess:
             store.requeue(layout.inbox_message(self.queue, consumer_id, self.pending[0][0]))
             self.pending.popleft()
             given += 1
-        self.pending_first = None
+        while self.buffer and given < excess:
+            store.requeue(self.buffer.last().owned_path)
+            self.buffer.pop_last()
+            given += 1
+        self._pending_moved()
         logger.debug("celery_zk: gave %d undelivered messages of %s back to the queue",
                      given, self.queue)
 
@@ -518,8 +542,11 @@ class Inbox:
             # judge freshness by it, however long the message then waits here).
             self.buffer.push(Claimed(self.queue, name, owned, data, sent))
         if moved:   # once a batch has landed, not per delivery
-            self.pending_first = min((key for entry in self.pending
-                                      if (key := order_key(entry[0])) is not None), default=None)
+            self._pending_moved()
+
+    def _pending_moved(self) -> None:
+        self.pending_first = min((key for entry in self.pending
+                                  if (key := order_key(entry[0])) is not None), default=None)
 
     def look(self) -> None:
         """Before each delivery: start reading what arrived meanwhile, so its

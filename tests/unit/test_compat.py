@@ -195,6 +195,17 @@ def test_kombu_without_a_qos_internal_refuses_to_start(monkeypatch: pytest.Monke
     assert "cannot run on this kombu" in str(excinfo.value)
 
 
+@pytest.fixture
+def no_start_gate() -> Any:
+    """No gate of a transport an earlier test ran in a worker (its session is
+    closed, so it refuses every start): process-wide, like the hook."""
+    before = celery_compat._start_gate
+    celery_compat.gate_thread_task_starts(None)
+    yield
+    celery_compat.gate_thread_task_starts(before)
+
+
+@pytest.mark.usefixtures("no_start_gate")
 def test_a_thread_pool_flush_drops_what_it_has_not_started() -> None:
     """Celery's real thread pool: one task runs, two wait; the flush Celery calls
     on a lost connection cancels the two, the running one finishes."""

@@ -158,3 +158,11 @@ def test_kombus_zk_alias_is_the_public_path() -> None:
 
     assert TRANSPORT_ALIASES["zk"] == "celery_zk.transport:Transport"
     assert resolve_transport("zk") is Transport
+
+
+def test_the_package_says_the_version_setup_cfg_releases() -> None:
+    import celery_zk
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    assert celery_zk.__version__ == config["metadata"]["version"]

@@ -118,18 +118,22 @@ class Ready:
     def first_key(self) -> OrderKey | None:
         return self._heap[0][0] if self._heap else None
 
-    def pop_last(self) -> Claimed:
-        """The last in the queue's order (what a give-back returns first)."""
+    def _last_index(self) -> int:
         heap = self._heap
-        last = max(range(len(heap)), key=heap.__getitem__)
+        return max(range(len(heap)), key=heap.__getitem__)
+
+    def last(self) -> Claimed:
+        """The last in the queue's order (what a give-back returns first)."""
+        return self._heap[self._last_index()][1]
+
+    def pop_last(self) -> Claimed:
+        heap = self._heap
+        last = self._last_index()
         entry = heap[last]
         heap[last] = heap[-1]
         heap.pop()
         heapq.heapify(heap)
         return entry[1]
-
-    def last(self) -> Claimed:
-        return max(self._heap)[1]
 
     def clear(self) -> None:
         self._heap.clear()
@@ -417,7 +421,8 @@ class Inbox:
         now = time.monotonic()
         # Full between quick deliveries (a prefork worker's prefetch, in a drain)
         # is no hold: the pace, not the moment, says whether the inbox empties.
-        if not held_back(len(self.buffer) + len(self.pending), self.took, now):
+        excess = held_back(len(self.buffer) + len(self.pending), self.took, now)
+        if not excess:
             self.held_since = None
             return
         if self.held_since is None:
@@ -430,7 +435,6 @@ class Inbox:
             self.deep = False
             self._publish_credit()   # sent first: the dispatcher sees it before the freed room
         layout, store = self.transport.layout, self.transport.store
-        excess = held_back(len(self.buffer) + len(self.pending), self.took, now)
         given = 0
         # One at a time, dropped once back: a requeue that fails (ZooKeeper away)
         # leaves the rest here, to deliver or give back later, not stranded.

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -647,11 +648,17 @@ def test_two_consumers_claiming_without_waiting_deliver_each_message_once(
                         pass
 
     threads = [threading.Thread(target=consume) for _ in range(2)]
+    started = time.monotonic()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert sorted(seen) == list(range(300))
+    counts = Counter(seen)
+    missing = sorted(set(range(300)) - set(counts))
+    twice = sorted(i for i, n in counts.items() if n > 1)
+    assert (missing, twice) == ([], []), (
+        f"after {time.monotonic() - started:.1f} s: never delivered {missing}, "
+        f"delivered more than once {twice}")
 
 
 def test_kombus_failover_switch_keeps_the_zk_url(zk_url: str) -> None:

@@ -61,6 +61,12 @@ def watched(handle: ClientHandle, name: str) -> tuple[str, TreeWatches, Recorder
     return path, watches, recorder
 
 
+def connection_thread(client: KazooClient) -> str:
+    """The name of kazoo's connection thread (its default name carries
+    ``(zk_loop)`` on Python 3.10 and newer only)."""
+    return client._connection._connection_routine.name
+
+
 def count_raw_events(client: KazooClient) -> list[Any]:
     """Every watch event the client's connection reads, ours or kazoo's."""
     seen: list[Any] = []
@@ -87,7 +93,7 @@ def test_tree_watch_reports_each_child_by_name_until_removed(handle: ClientHandl
     assert [(t, n) for t, n, _ in recorder.events] == [
         (NODE_CREATED, first), (NODE_CREATED, second), (NODE_DELETED, first)]
     # On kazoo's connection thread, not its event thread: no hand-off per event.
-    assert all("zk_loop" in thread for _, _, thread in recorder.events)
+    assert {thread for _, _, thread in recorder.events} == {connection_thread(client)}
     assert watches.unwatch(path, recorder)
     assert not watches.active(path)
     client.sync(path)   # the removal has been processed
@@ -223,6 +229,7 @@ def test_a_new_message_is_read_once_and_never_on_kazoos_thread(
         readers: list[str] = []
         on_loop: list[str] = []
         original_get, original_call = client.get_async, client._call
+        loop = connection_thread(client)
 
         def get_async(path: str, *args: Any, **kwargs: Any) -> Any:
             if "/bodies/" in path:
@@ -230,7 +237,7 @@ def test_a_new_message_is_read_once_and_never_on_kazoos_thread(
             return original_get(path, *args, **kwargs)
 
         def call(request: Any, async_object: Any) -> Any:
-            if threading.current_thread().name.endswith("(zk_loop)"):
+            if threading.current_thread().name == loop:
                 on_loop.append(type(request).__name__)
             if isinstance(request, MultiRead):   # the body's read (celery_zk.zk.reads)
                 readers.append(threading.current_thread().name)
@@ -245,7 +252,7 @@ def test_a_new_message_is_read_once_and_never_on_kazoos_thread(
                 readers.clear()
                 _publish(zk_url, queue, n)
                 conn.drain_events(timeout=5)
-                assert len(readers) == 1 and "zk_loop" not in readers[0], readers
+                assert len(readers) == 1 and readers[0] != loop, readers
         assert got == [0, 1, 2]
         assert on_loop == []
 

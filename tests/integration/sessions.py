@@ -44,7 +44,11 @@ def session_ports(host: str, port: int) -> list[int]:
     return ports
 
 
-def _socket_inodes_by_port() -> dict[int, int]:
+def _socket_inodes_by_port(server_port: int) -> dict[int, int]:
+    """The inode of each socket connected to ``server_port``, by its local port.
+    Only those: another socket may have the same local port (one in TIME_WAIT,
+    inode 0, or one to another server), and taking it instead counted a live
+    session as nobody's."""
     inodes = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -54,7 +58,10 @@ def _socket_inodes_by_port() -> dict[int, int]:
         for line in lines:
             fields = line.split()
             local_port = int(fields[1].rpartition(":")[2], 16)
-            inodes[local_port] = int(fields[9])
+            remote_port = int(fields[2].rpartition(":")[2], 16)
+            inode = int(fields[9])
+            if remote_port == server_port and inode:
+                inodes[local_port] = inode
     return inodes
 
 
@@ -76,7 +83,7 @@ def _pid_of_inode() -> dict[int, int]:
 def sessions_by_pid(host: str, port: int) -> Counter[int]:
     """How many ZooKeeper sessions each process on this machine holds."""
     ports = session_ports(host, port)
-    inodes, owners = _socket_inodes_by_port(), _pid_of_inode()
+    inodes, owners = _socket_inodes_by_port(port), _pid_of_inode()
     return Counter(owners.get(inodes.get(p, -1), -1) for p in ports)
 
 

@@ -238,6 +238,7 @@ def test_ensemble_leader_stopped_mid_run_loses_nothing(
         start_worker: Any, task_log: Path, record_property: Any) -> None:
     ensemble = ZooKeeperEnsemble(3)
     ensemble.start()
+    worker = None
     try:
         url = f"{ensemble.url}{ROOT}?session_timeout=10"
         worker = start_worker(url, log=task_log, name="ensemble", concurrency=4)
@@ -270,6 +271,10 @@ def test_ensemble_leader_stopped_mid_run_loses_nothing(
         assert lost == 0
         assert worker.proc.poll() is None, worker.output()
     finally:
+        # Before the ensemble goes: a worker cut off from it waits out its
+        # session for acks and publishes, past Worker.stop's patience.
+        if worker is not None:
+            worker.stop()
         ensemble.close()
 
 
@@ -550,8 +555,8 @@ def test_a_revoke_sent_while_a_restarted_workers_binding_was_gone_is_honoured(
         first = start_worker(direct, log=task_log, name="same", concurrency=1)
         old_owner = binding().ephemeralOwner
         first.kill()
-        start_worker(f"zk://{proxy.hosts}{zk_chroot}{ROOT}?{query}=20", log=task_log,
-                     name="same", concurrency=1)   # binds to the old session's node
+        second = start_worker(f"zk://{proxy.hosts}{zk_chroot}{ROOT}?{query}=20",
+                              log=task_log, name="same", concurrency=1)  # binds to the old node
         proxy.blackhole()
         wait_until(lambda: binding() is None, 30, message="the old session's binding stayed")
         app = Celery("revoker", broker=direct, set_as_current=False)
@@ -569,6 +574,7 @@ def test_a_revoke_sent_while_a_restarted_workers_binding_was_gone_is_honoured(
         send_all(direct, "record", ["after"])
         wait_all_ran(task_log, ["after"], 30)
         time.sleep(1)
+        second.stop()   # while its proxy still stands: cut off, it would wait out its session
     assert doomed not in executed_values(task_log)
 
 
@@ -669,6 +675,7 @@ def test_a_thread_worker_cut_off_starts_nothing_until_it_knows_its_session_lives
             observer(f"{zookeeper_server.hosts}{zk_chroot}"), start_worker, task_log,
             "threads", settle=1.5, back=8, cut=lambda w: proxy.blackhole(),
             restore=lambda w: proxy.heal(), seconds=5)
+        a.stop()   # while its proxy still stands: cut off, it would wait out its session
     # Only the one running when cut off runs twice. Without the gate the pool
     # started the next while cut off (2 ran twice).
     assert len(twice) <= 1, (twice, a.output()[-3000:])

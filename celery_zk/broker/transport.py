@@ -91,7 +91,6 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import sys
 from queue import Empty
@@ -120,6 +119,7 @@ from ..zk.config import (
     reveal_secrets,
 )
 from ..zk.layout import Layout
+from ..zk.process import current_pid
 from ..zk.session import ClientHandle
 from ..zk.watches import TreeWatches
 from . import child_gate, start_gate
@@ -305,7 +305,7 @@ class Transport(virtual.Transport):
         client = self.handle.client
         # Again after a session expiry: the worker may have missed a broadcast
         # revoke meanwhile (its pidbox queue was swept with its holders).
-        loaded = (os.getpid(), client.client_id[0] if client.client_id else 0)
+        loaded = (current_pid(), client.client_id[0] if client.client_id else 0)
         if _revokes_loaded_by == loaded:
             return
         _revokes_loaded_by = loaded

@@ -6,7 +6,6 @@ Nothing but :mod:`celery_zk.zk.session` makes clients: it shares one per process
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 from collections import deque
@@ -33,6 +32,7 @@ from ..compat import kazoo as kazoo_compat
 from ..exceptions import ZKAuthError, ZKConfigurationError, ZKConnectionError
 from .config import ZKSettings
 from .handler import PollingHandler
+from .process import current_pid
 
 logger = logging.getLogger(__name__)
 
@@ -394,8 +394,8 @@ class Deferred:
             if self._due is None or due < self._due:
                 self._due = due
                 self._cond.notify()
-            if self._thread is None or self._pid != os.getpid():
-                self._pid = os.getpid()
+            if self._thread is None or self._pid != current_pid():
+                self._pid = current_pid()
                 self._closed = False
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="celery_zk-deferred")

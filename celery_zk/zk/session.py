@@ -29,7 +29,6 @@ parent's client (closing it would end the parent's session).
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import uuid
@@ -44,6 +43,7 @@ from kazoo.exceptions import ConnectionClosedError, NodeExistsError, NoNodeError
 
 from .client import CONNECTION_ERRORS, Deferred, check_root, log_failure, make_client
 from .config import ZKSettings
+from .process import current_pid
 
 __all__ = ["AfterExpiry", "ClientHandle", "SharedSession", "session_key", "weak_callback"]
 
@@ -102,7 +102,7 @@ class SharedSession:
         self.settings = settings
         self.leases = 0
         self.closed = False
-        self.pid = os.getpid()
+        self.pid = current_pid()
         self.deferred = Deferred(DEFERRED_WRITE_DELAY)
         self._client: KazooClient | None = None
         self._lock = threading.RLock()
@@ -183,7 +183,7 @@ class SharedSession:
         if not wait:
             _release_queue.put(lease)   # reentrant: safe from a weakref callback
             return
-        if self.pid != os.getpid():
+        if self.pid != current_pid():
             return   # the parent's session, inherited by fork: not ours to touch
         try:
             if self._client is not None and not self.closed:
@@ -325,7 +325,7 @@ class SharedSession:
                 logger.exception("celery_zk: a session close hook failed")
         self.deferred.close()
         client, self._client = self._client, None
-        if client is not None and self.pid == os.getpid():
+        if client is not None and self.pid == current_pid():
             try:
                 client.stop()
             finally:
@@ -355,12 +355,12 @@ class ClientHandle:
     # -- the lease ------------------------------------------------------------------
     def _current(self) -> _Lease:
         lease = self._lease
-        if lease is not None and self._pid == os.getpid() and not lease.session.closed:
+        if lease is not None and self._pid == current_pid() and not lease.session.closed:
             return lease
         with self._lock:
             lease = self._lease
-            if lease is None or self._pid != os.getpid() or lease.session.closed:
-                if lease is not None and self._pid == os.getpid():
+            if lease is None or self._pid != current_pid() or lease.session.closed:
+                if lease is not None and self._pid == current_pid():
                     self._end(lease, wait=True)   # its session closed under it
                 session = _register(self.settings)
                 try:
@@ -374,7 +374,7 @@ class ClientHandle:
                 lease = session._lease(self)
                 self._finalizer = weakref.finalize(self, session.release, lease, False)
                 self._finalizer.atexit = False   # at exit the registry closes every session
-                self._lease, self._pid = lease, os.getpid()
+                self._lease, self._pid = lease, current_pid()
             return lease
 
     @property
@@ -393,7 +393,7 @@ class ClientHandle:
     def started(self) -> bool:
         """This process holds a lease (and so a connected client) through this handle."""
         lease = self._lease
-        return lease is not None and self._pid == os.getpid() and not lease.session.closed
+        return lease is not None and self._pid == current_pid() and not lease.session.closed
 
     @property
     def token(self) -> str:
@@ -408,7 +408,7 @@ class ClientHandle:
         """End the lease now (deleting what it owns); a later use takes a new one."""
         with self._lock:
             lease, self._lease = self._lease, None
-            if lease is not None and self._pid == os.getpid():
+            if lease is not None and self._pid == current_pid():
                 self._end(lease, wait=True)
 
     def _end(self, lease: _Lease, wait: bool) -> None:
@@ -435,7 +435,7 @@ class ClientHandle:
 
     def release_held(self, path: str) -> None:
         lease = self._lease
-        if lease is not None and self._pid == os.getpid():
+        if lease is not None and self._pid == current_pid():
             lease.session.release_held(lease, path)
 
     # -- state listeners ------------------------------------------------------------
@@ -470,9 +470,9 @@ def _register(settings: ZKSettings) -> SharedSession:
     """The session for ``settings``, with one more lease counted on it."""
     global _registry_pid
     with _registry_lock:
-        if _registry_pid != os.getpid():   # a new process: nothing inherited is ours
+        if _registry_pid != current_pid():   # a new process: nothing inherited is ours
             _registry.clear()
-            _registry_pid = os.getpid()
+            _registry_pid = current_pid()
             _start_release_thread()
             Finalize(None, close_all, exitpriority=10)   # after unconfirmed flushes (100)
         key = session_key(settings)
@@ -498,7 +498,7 @@ def _unregister(session: SharedSession) -> None:
 def sessions() -> list[SharedSession]:
     """This process's open sessions (for tests and diagnostics)."""
     with _registry_lock:
-        return list(_registry.values()) if _registry_pid == os.getpid() else []
+        return list(_registry.values()) if _registry_pid == current_pid() else []
 
 
 def close_all(hosts: str | None = None) -> int:
@@ -532,10 +532,10 @@ def _start_release_thread() -> None:
 def _release_forever() -> None:
     """Releases leases whose handles were garbage-collected (their finalizers
     may run on any thread, kazoo's included, so they only queue the lease)."""
-    pid = os.getpid()
+    pid = current_pid()
     while True:
         lease = _release_queue.get()
-        if pid != os.getpid():
+        if pid != current_pid():
             return
         try:
             lease.session.release(lease, wait=True)

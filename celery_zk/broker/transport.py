@@ -92,13 +92,12 @@ from __future__ import annotations
 
 import logging
 import socket
-import sys
 from queue import Empty
 from time import monotonic
 from typing import Any
 
 import kazoo
-from celery.signals import worker_shutting_down
+from celery.signals import worker_init, worker_shutting_down
 from kazoo.client import KazooState
 from kazoo.exceptions import SessionExpiredError
 from kombu.transport import virtual
@@ -164,9 +163,25 @@ def _on_worker_shutting_down(**_: Any) -> None:
     start_gate.close_all()   # a pool's stop waits for starts that wait for a server
 
 
+#: This process runs a Celery worker (set by ``worker_init``; a prefork pool
+#: process inherits it).
+_worker = False
+
+
+@worker_init.connect(weak=False)
+def _on_worker_init(**_: Any) -> None:
+    # Sent once the worker's broker URL is parsed (which imports this module),
+    # before its consumer makes its first connection.
+    global _worker
+    _worker = True
+
+
 def _in_a_worker() -> bool:
-    """Whether this process runs a Celery worker (whose revoked set to fill)."""
-    return "celery.worker.state" in sys.modules
+    """Whether this process runs a Celery worker (whose revoked set to fill).
+    Not whether ``celery.worker.state`` is imported: Celery's Django fix-up
+    imports it in every process that makes an app, so clients (Flower, a web
+    app calling ``inspect``) read the kept revokes and patched the pools too."""
+    return _worker
 
 
 class Transport(virtual.Transport):
@@ -217,14 +232,20 @@ class Transport(virtual.Transport):
         self._shutdowns_seen = _shutdowns
         self._session_lost = False
         self.handle.add_listener(self._on_state)
+        self._stamps = False   # this connection stamps prefork hand-overs (it consumes)
         if _in_a_worker():
-            self._gate_prefork_children()
+            self._gate_prefork_children(replace=False)
 
-    def _gate_prefork_children(self) -> None:
+    def _gate_prefork_children(self, replace: bool) -> None:
         """A prefork child asks whether a task handed to it before a cut-off or
         pause was revoked meanwhile (:mod:`.child_gate`). Installed when the
         worker's first connection is made: Celery binds its pool's
-        ``apply_async`` into each task's request class when its consumer starts."""
+        ``apply_async`` into each task's request class when its consumer starts.
+        The stamp is then the consuming connection's (``replace``, at its first
+        consume: :meth:`prepare_worker`), not a later one's that only publishes or asks (``inspect
+        report`` makes one and closes it: a stamp on its closed handle took a
+        lease of its own on the session, and another root's would read the
+        wrong revokes)."""
         from celery import current_app
 
         if child_gate.backend_handle(current_app, self.settings.hosts) is None:
@@ -236,7 +257,7 @@ class Transport(virtual.Transport):
             # hand-over: after the pool forked its children, not before.
             return child_gate.stamp(start_gate.start_gate(handle.session), root, read_at)
 
-        celery_compat.hand_prefork_tasks_through(child_gate.start_in_child, stamp)
+        celery_compat.hand_prefork_tasks_through(child_gate.start_in_child, stamp, replace)
 
     @staticmethod
     def _settings(client: Any) -> ZKSettings:
@@ -298,6 +319,9 @@ class Transport(virtual.Transport):
         global _revokes_loaded_by
         if not _in_a_worker():
             return
+        if not self._stamps:
+            self._stamps = True
+            self._gate_prefork_children(replace=True)
         if celery_compat.flush_unstarted_thread_tasks():
             # A pool thread asks before each start whether the session it was
             # delivered under lives (cut off, or back from a pause: start_gate).

@@ -338,18 +338,21 @@ def flush_unstarted_thread_tasks() -> bool:
 
 
 def hand_prefork_tasks_through(starter: Callable[..., Any],
-                               stamp: Callable[[float | None], tuple[Any, ...]]) -> bool:
+                               stamp: Callable[[float | None], tuple[Any, ...]],
+                               replace: bool = True) -> bool:
     """Make prefork children call ``starter(tracer, *stamp(read_at), *tracer_args)``
     in place of Celery's tracer (``stamp`` runs in the parent at the hand-over,
-    told when the task's message was read, :data:`READ_AT`; idempotent, the
-    last ``stamp`` wins). False, nothing changed, when this Celery's prefork
-    pool is not the one this was written against."""
+    told when the task's message was read, :data:`READ_AT`). Idempotent: a
+    later call's ``stamp`` replaces the installed one only with ``replace``.
+    False, nothing changed, when this Celery's prefork pool is not the one this
+    was written against."""
     from celery.concurrency import base, prefork
 
     global _prefork_stamp
     pool = prefork.TaskPool
     if getattr(pool.apply_async, "_celery_zk", False):
-        _prefork_stamp = stamp
+        if replace or _prefork_stamp is None:
+            _prefork_stamp = stamp
         return True
     problem = _prefork_problem()
     if problem is not None:

@@ -17,7 +17,7 @@ day) would run the task.
   adds what is younger than its ``REVOKE_EXPIRES`` to its revoked set, with
   the original time, exactly as if it had received the broadcast; older
   nodes it deletes. Revokes sent while it runs arrive as broadcasts, as
-  before. (A process is a worker when it has loaded ``celery.worker.state``.)
+  before. (A process is a worker once Celery has sent it ``worker_init``.)
 
 Revoked task ids are sharded like results (Celery keeps up to 50,000 of
 them, more names than one listing may carry); reading them is one pipelined

@@ -4,6 +4,8 @@ that came while a task waited in it."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -131,3 +133,59 @@ def test_a_task_revoked_while_it_waits_in_a_thread_pool_does_not_start(
         assert executed_values(task_log) == {"long": 1}, worker.output()[-3000:]
     finally:
         client.close()
+
+
+_PROCESS = r'''
+import json, socket, sys
+from celery import Celery, signals
+from celery.concurrency import prefork
+from kombu import Connection, Queue
+import celery.worker.state as worker_state
+from celery_zk.compat import celery as celery_compat
+
+url, other, as_worker = sys.argv[1], sys.argv[2], sys.argv[3] == "worker"
+app = Celery("proc", broker=url, backend=url, set_as_current=True)
+app.control.revoke("kept-task")        # kept in ZooKeeper for workers started later
+if as_worker:
+    signals.worker_init.send(sender=None)
+with app.connection_for_read() as conn:
+    with conn.Consumer(Queue("replies"), callbacks=[lambda body, message: None]):
+        try:
+            conn.drain_events(timeout=0.3)
+        except socket.timeout:
+            pass
+        # A connection made and closed later in the worker (inspect report's is so)
+        with Connection(other) as later:
+            later.transport
+        stamp = celery_compat._prefork_stamp
+        print(json.dumps({
+            "revoked": sorted(worker_state.revoked),
+            "pool_patched": getattr(prefork.TaskPool.apply_async, "_celery_zk", False),
+            "stamped_root": stamp(None)[2] if stamp else None,
+        }))
+'''
+
+
+def _run_process(url: str, other: str, role: str) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-c", _PROCESS, url, other, role],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_client_that_consumes_is_no_worker(zk_url: str, zk_client: KazooClient) -> None:
+    """Flower or a web app calling ``inspect`` consumes too; it must not read
+    every kept revoke into memory or patch pools it has not got. (Celery's
+    Django fix-up imports ``celery.worker.state`` in every process with an
+    app, which had counted as being a worker.)"""
+    seen = _run_process(zk_url, zk_url, "client")
+    assert seen == {"revoked": [], "pool_patched": False, "stamped_root": None}
+
+
+def test_prefork_hand_overs_are_stamped_by_the_consuming_connection(
+        zk_url: str, zk_chroot: str, zk_client: KazooClient) -> None:
+    """A worker's consuming connection stamps what its prefork pool starts
+    (which root's kept revokes a child reads, on which session); a connection
+    the worker makes later, and closes, does not take that over."""
+    seen = _run_process(zk_url, f"{zk_url}-other", "worker")
+    assert seen == {"revoked": ["kept-task"], "pool_patched": True, "stamped_root": zk_chroot}

@@ -24,7 +24,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError, NotEmptyError
+from kazoo.exceptions import (
+    ConnectionClosedError,
+    ConnectionLoss,
+    NodeExistsError,
+    NoNodeError,
+    NotEmptyError,
+)
+from kazoo.protocol.states import KeeperState
 
 from ..zk.client import CONNECTION_ERRORS, log_failure, multi_failure
 from ..zk.layout import Layout
@@ -45,6 +52,8 @@ META = json.dumps({"auto_delete": True}).encode()
 def _session_id(client: KazooClient) -> int:
     client_id = client.client_id  # None while disconnected: retried until connected
     if client_id is None:
+        if client.client_state == KeeperState.CLOSED:   # stopped: no retry brings it back
+            raise ConnectionClosedError("celery_zk: this ZooKeeper client was stopped")
         raise ConnectionLoss("not connected to ZooKeeper")
     return int(client_id[0])
 

@@ -119,7 +119,7 @@ from ..zk.config import (
 )
 from ..zk.layout import Layout
 from ..zk.process import current_pid
-from ..zk.session import ClientHandle
+from ..zk.session import ClientHandle, give_up_when_cut_off
 from ..zk.watches import TreeWatches
 from . import child_gate, start_gate
 from .autodelete import AutoDeleteQueues
@@ -161,6 +161,7 @@ def _on_worker_shutting_down(**_: Any) -> None:
     global _shutdowns
     _shutdowns += 1
     start_gate.close_all()   # a pool's stop waits for starts that wait for a server
+    give_up_when_cut_off()   # else the shutdown's tidying waits for the outage to end
 
 
 #: This process runs a Celery worker (set by ``worker_init``; a prefork pool

@@ -27,7 +27,14 @@ therefore need three private names, all here:
   before it sends). A kazoo that stopped doing so would leave only its own
   ping: ``tests/integration/test_wire.py`` runs on every supported release.
 
-Fallback: without the read's names kazoo reads as it always did. Without the others
+* ``ConnectionHandler._socket`` again: :func:`abort_connect` shuts down the
+  socket of a client being stopped while it waits for a server that never
+  answers (:meth:`celery_zk.zk.session.SharedSession.give_up`): kazoo's
+  connect attempt reads the server's reply for up to ``session_timeout`` s
+  and looks at nothing else meanwhile, so its ``stop()`` waited that long.
+
+Fallback: without the read's names kazoo reads as it always did; without
+``_socket`` a stop waits for the connect attempt to time out. Without the others
 :class:`~celery_zk.zk.watches.TreeWatches` reports
 persistent watches unsupported, and consumers use one-shot child watches
 (one more request per idle delivery) and one ``get`` per body (no
@@ -36,6 +43,7 @@ persistent watches unsupported, and consumers use one-shot child watches
 from __future__ import annotations
 
 import logging
+import socket
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -47,7 +55,7 @@ from kazoo.protocol.serialization import Watch
 
 from . import PrivateAPIChanged, describe
 
-__all__ = ["buffer_reads", "intercept_watch_events", "missing", "send"]
+__all__ = ["abort_connect", "buffer_reads", "intercept_watch_events", "missing", "send"]
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +220,21 @@ def buffer_reads(client: KazooClient) -> bool:
     if not hasattr(client.handler, "wait_readable"):
         return False   # not our handler: it would wait on a socket whose bytes we took
     connection._read = _BufferedReads(connection, original, client.handler)
+    return True
+
+
+def abort_connect(client: KazooClient) -> bool:
+    """Shut down the socket of ``client``'s connection, so that a read waiting
+    on it (a connect attempt to a server that never answers) ends now; False
+    when there is none (or kazoo's internals differ: the read then ends at
+    its timeout). Only for a client being stopped: kazoo would reconnect."""
+    sock = getattr(getattr(client, "_connection", None), "_socket", None)
+    if sock is None:
+        return False
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        return False   # closed meanwhile, or never connected
     return True
 
 

@@ -22,6 +22,11 @@ closes the session.
 A session loss (expiry) still affects every user of the process, which is the
 liveness the design relies on: each one re-creates what it owns.
 
+A worker shutting down while cut off from ZooKeeper gives its sessions up
+(:func:`give_up_when_cut_off`): kazoo holds a request made while it
+reconnects until it is connected again, so each step of the warm shutdown
+(an offer withdrawn, an inbox given back) would wait for the outage to end.
+
 Fork safety: the registry is per process. A handle used in a child after
 ``fork()`` takes a lease on the child's own session and never touches the
 parent's client (closing it would end the parent's session).
@@ -31,6 +36,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
@@ -41,17 +47,24 @@ from typing import Any, TypeVar
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import ConnectionClosedError, NodeExistsError, NoNodeError
 
+from ..compat import kazoo as kazoo_compat
 from .client import CONNECTION_ERRORS, Deferred, check_root, log_failure, make_client
 from .config import ZKSettings
 from .process import current_pid
 
-__all__ = ["AfterExpiry", "ClientHandle", "SharedSession", "session_key", "weak_callback"]
+__all__ = ["AfterExpiry", "ClientHandle", "SharedSession", "give_up_when_cut_off", "session_key",
+           "weak_callback"]
 
 logger = logging.getLogger(__name__)
 
 #: Seconds acks and offers are held back (see Deferred): longer than a fast
 #: task's reply takes to be sent, short enough to be invisible otherwise.
 DEFERRED_WRITE_DELAY = 0.005
+
+#: Seconds a process that is shutting down waits for a lost connection to come
+#: back before it gives that session up (:func:`give_up_when_cut_off`): a
+#: dropped connection to a live ensemble is made again well within it.
+SHUTDOWN_GRACE = 2.0
 
 T = TypeVar("T")
 
@@ -102,6 +115,7 @@ class SharedSession:
         self.settings = settings
         self.leases = 0
         self.closed = False
+        self.given_up = False   # cut off while shutting down: see give_up
         self.pid = current_pid()
         self.deferred = Deferred(DEFERRED_WRITE_DELAY)
         self._client: KazooClient | None = None
@@ -316,6 +330,38 @@ class SharedSession:
         with self._lock:
             return list(self._held)
 
+    def give_up(self, cut_off_for: float) -> None:
+        """Stop the client of a session cut off from ZooKeeper while this process
+        shuts down: each request waiting for a reconnect fails now, and every
+        later one at once (:func:`give_up_when_cut_off`)."""
+        client = self._client
+        if client is None or self.pid != current_pid() or self.given_up:
+            return
+        self.given_up = True
+        logger.warning(
+            "celery_zk: shutting down while cut off from ZooKeeper at %s for %.1f s: "
+            "giving the session up. What this process held (messages given to it, its "
+            "offers and registrations) goes back when ZooKeeper ends the session, up to "
+            "session_timeout=%s s from now", self.settings.hosts, cut_off_for,
+            self.settings.options.session_timeout)
+        # kazoo's stop() waits for its connection thread, which may be reading a
+        # connect reply that never comes (up to session_timeout s): stop on
+        # another thread, and end that read once the stop is under way.
+        stopper = threading.Thread(target=self._stop_quietly, args=(client,),
+                                   name="celery_zk-give-up", daemon=True)
+        stopper.start()
+        deadline = time.monotonic() + self.settings.options.session_timeout + 5
+        while stopper.is_alive() and time.monotonic() < deadline:
+            stopper.join(0.05)
+            kazoo_compat.abort_connect(client)
+
+    @staticmethod
+    def _stop_quietly(client: KazooClient) -> None:
+        try:
+            client.stop()
+        except Exception:   # its connection thread would not stop: the exit ends it
+            logger.debug("celery_zk: stopping a cut-off client failed", exc_info=True)
+
     def close(self) -> None:
         """Stop the client (the session ends: ZooKeeper drops its ephemeral nodes)."""
         for callback in self._on_close:
@@ -529,19 +575,66 @@ def _start_release_thread() -> None:
     threading.Thread(target=_release_forever, name="celery_zk-release", daemon=True).start()
 
 
+#: Set (from a signal handler) once this process began to shut down.
+_shutting_down = False
+_GIVE_UP = object()   # wakes the release thread to watch for cut-off sessions
+
+
+def give_up_when_cut_off() -> None:
+    """This process is shutting down (a worker's warm shutdown began). From
+    now on, a session whose client has not been connected for
+    :data:`SHUTDOWN_GRACE` seconds is given up (:meth:`SharedSession.give_up`).
+
+    Without it a worker cut off from the ensemble never finished its warm
+    shutdown: kazoo holds a request made while it reconnects until it is
+    connected again, however long that takes, and the shutdown's tidying
+    (offers withdrawn, inboxes given back, ephemeral nodes deleted) is such
+    requests. Given up, each fails at once and is left to the session's end,
+    which does the same as after a kill: its ephemeral nodes go, and recovery
+    gives its messages back (at-least-once).
+
+    Safe in a signal handler: it only sets a flag and wakes the release
+    thread (``SimpleQueue.put`` is reentrant), which does the watching.
+    """
+    global _shutting_down
+    _shutting_down = True
+    _release_queue.put(_GIVE_UP)  # type: ignore[arg-type]
+
+
 def _release_forever() -> None:
     """Releases leases whose handles were garbage-collected (their finalizers
-    may run on any thread, kazoo's included, so they only queue the lease)."""
+    may run on any thread, kazoo's included, so they only queue the lease);
+    once shutting down, also gives up sessions that stay cut off."""
     pid = current_pid()
+    cut_off_since: dict[SharedSession, float] = {}
     while True:
-        lease = _release_queue.get()
+        try:
+            lease = _release_queue.get(timeout=0.1 if _shutting_down else None)
+        except queue.Empty:
+            lease = None
         if pid != current_pid():
             return
+        if _shutting_down:
+            _give_up_cut_off(cut_off_since)
+        if lease is None or lease is _GIVE_UP:
+            continue
         try:
             lease.session.release(lease, wait=True)
         except Exception as exc:
             log_failure(logger, exc, "celery_zk: releasing a dropped connection's session "
                         "share failed")
+
+
+def _give_up_cut_off(cut_off_since: dict[SharedSession, float]) -> None:
+    now = time.monotonic()
+    for session in sessions():
+        client = session.current_client
+        if client is None or client.state == KazooState.CONNECTED:
+            cut_off_since.pop(session, None)
+            continue
+        since = cut_off_since.setdefault(session, now)
+        if now - since >= SHUTDOWN_GRACE:
+            session.give_up(now - since)
 
 
 class AfterExpiry:

@@ -787,3 +787,39 @@ def test_a_write_whose_retry_gave_up_as_the_client_reconnected_is_tried_once_mor
     monkeypatch.setattr(zk_client, "retry", retry)
     connected_retry(zk_client, zk_client.create, "/once-more", b"x", patience=0.0)
     assert zk_client.get("/once-more")[0] == b"x" and calls == ["CONNECTED"] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool,outage", [("threads", "cut-off"), ("prefork", "server-stopped")])
+def test_a_worker_cut_off_from_zookeeper_finishes_its_warm_shutdown(
+        own_server: ZooKeeperServer, start_worker: Any, task_log: Path, pool: str,
+        outage: str) -> None:
+    """An operator stops a worker during an outage (a deploy, a drained node).
+    kazoo holds a request made while it reconnects until it is connected
+    again, and the shutdown's tidying (offers withdrawn, its inbox given back)
+    is such requests: the worker never exited. It now gives its session up
+    (SHUTDOWN_GRACE after the shutdown began cut off) and exits; what it held
+    runs elsewhere once ZooKeeper ends the session."""
+    host, port = own_server.hosts.rsplit(":", 1)
+    values = list(range(6))
+    with TCPProxy(host, int(port)) as proxy:
+        via = proxy.hosts if outage == "cut-off" else own_server.hosts
+        url = f"zk://{via}{ROOT}?session_timeout=4"
+        direct = f"zk://{own_server.hosts}{ROOT}?session_timeout=4"
+        a = start_worker(url, log=task_log, name="a", pool=pool, concurrency=1)
+        send_all(direct, "slow_record", values, 1.0)   # acks_late
+        wait_until(lambda: len(read_log(task_log)) >= 1, 30, message="A ran nothing")
+        if outage == "cut-off":
+            proxy.blackhole()
+        else:
+            own_server.stop()
+        code = a.stop(timeout=45)
+        output = a.output()
+        assert code is not None and code >= 0, f"SIGKILLed after 45 s:\n{output[-3000:]}"
+        assert "giving the session up" in output, output[-3000:]
+        if outage == "cut-off":
+            proxy.heal()
+        else:
+            own_server.start()
+        start_worker(direct, log=task_log, name="b", pool=pool, concurrency=4)
+        wait_all_ran(task_log, values, 60)

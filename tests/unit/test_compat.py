@@ -420,3 +420,24 @@ def test_a_prefork_pool_whose_apply_async_changed_is_named(
                for problem in celery_compat.missing())
     assert not celery_compat.hand_prefork_tasks_through(print, lambda read_at: ())
     assert celery_compat._prefork_stamp is None
+
+
+def test_a_connect_is_aborted_only_where_a_socket_is() -> None:
+    """abort_connect shuts down the connection's socket (a stop no longer
+    waits for a connect reply that never comes); a client never connected has
+    none, and says so."""
+    import socket
+
+    from kazoo.client import KazooClient
+
+    client = KazooClient()
+    assert kazoo_compat.abort_connect(client) is False
+    left, right = socket.socketpair()
+    try:
+        client._connection._socket = left
+        assert kazoo_compat.abort_connect(client) is True
+        assert right.recv(1) == b""   # the other end sees the shutdown
+    finally:
+        client._connection._socket = None
+        left.close()
+        right.close()

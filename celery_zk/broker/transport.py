@@ -242,11 +242,11 @@ class Transport(virtual.Transport):
         pause was revoked meanwhile (:mod:`.child_gate`). Installed when the
         worker's first connection is made: Celery binds its pool's
         ``apply_async`` into each task's request class when its consumer starts.
-        The stamp is then the consuming connection's (``replace``, at its first
-        consume: :meth:`prepare_worker`), not a later one's that only publishes or asks (``inspect
-        report`` makes one and closes it: a stamp on its closed handle took a
-        lease of its own on the session, and another root's would read the
-        wrong revokes)."""
+        The stamp is then the consuming connection's (``replace``, at its
+        first consume: :meth:`prepare_worker`), not that of a later one that
+        only publishes or asks: ``inspect report`` makes one and closes it, and
+        a stamp on its closed handle took a lease of its own on the session
+        (another root's would read the wrong revokes)."""
         from celery import current_app
 
         if child_gate.backend_handle(current_app, self.settings.hosts) is None:

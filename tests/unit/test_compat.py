@@ -392,6 +392,8 @@ def test_a_prefork_hand_over_goes_through_the_starter_with_celerys_tracer_argume
     assert hand_over(starter, lambda read_at: (1.5, False, "/root"))
     try:
         assert hand_over(starter, lambda read_at: (2.5, True, read_at))
+        # A connection that does not consume installs, and replaces nothing.
+        assert hand_over(starter, lambda read_at: (9.5, True, "/other"), replace=False)
         message = TaskMessage("compat.add", "id-1", args=(1, 2))
         message.properties = {celery_compat.READ_AT: 7.0}   # set by the zk transport
         request = Request(message, app=app, task=add)
@@ -399,7 +401,7 @@ def test_a_prefork_hand_over_goes_through_the_starter_with_celerys_tracer_argume
         [(target, args)] = handed
         assert target is starter
         tracer, stamp, (name, task_id, request_dict) = args[0], args[1:4], args[4:7]
-        assert callable(tracer) and stamp == (2.5, True, 7.0)   # the last stamp wins
+        assert callable(tracer) and stamp == (2.5, True, 7.0)   # the last replacing stamp
         assert (name, task_id) == ("compat.add", "id-1") and isinstance(request_dict, dict)
         # Anything but a tracer's arguments is handed over as it is.
         handed.clear()

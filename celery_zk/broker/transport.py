@@ -161,20 +161,45 @@ def _on_worker_shutting_down(**_: Any) -> None:
     global _shutdowns
     _shutdowns += 1
     start_gate.close_all()   # a pool's stop waits for starts that wait for a server
-    give_up_when_cut_off()   # else the shutdown's tidying waits for the outage to end
+    # Else the shutdown's tidying waits for the outage to end; not while a task
+    # still runs (its result and ack may need the session).
+    give_up_when_cut_off(_tasks_running)
+
+
+def _tasks_running() -> bool:
+    """A task of this worker runs on a thread of this process: it stores its
+    result through this process's session, and ends (``task_ready``) on its
+    own thread. A prefork pool's tasks end on the event loop's thread, the one
+    waiting in the shutdown's tidying, so they cannot count: their children
+    have sessions of their own."""
+    if not _thread_pool:
+        return False
+    from celery.worker import state as worker_state
+
+    return bool(worker_state.active_requests)
 
 
 #: This process runs a Celery worker (set by ``worker_init``; a prefork pool
 #: process inherits it).
 _worker = False
+#: Its pool runs tasks on threads of this process, which end them there too.
+_thread_pool = False
 
 
 @worker_init.connect(weak=False)
-def _on_worker_init(**_: Any) -> None:
+def _on_worker_init(sender: Any = None, **_: Any) -> None:
     # Sent once the worker's broker URL is parsed (which imports this module),
     # before its consumer makes its first connection.
-    global _worker
+    global _worker, _thread_pool
     _worker = True
+    pool = getattr(sender, "pool_cls", None)   # a class, or still its name
+    if isinstance(pool, str):
+        from celery import concurrency
+        try:
+            pool = concurrency.get_implementation(pool)
+        except Exception:   # Celery's own start says what is wrong with it
+            pool = None
+    _thread_pool = getattr(pool, "__module__", "") == "celery.concurrency.thread"
 
 
 def _in_a_worker() -> bool:

@@ -578,12 +578,18 @@ def _start_release_thread() -> None:
 #: Set (from a signal handler) once this process began to shut down.
 _shutting_down = False
 _GIVE_UP = object()   # wakes the release thread to watch for cut-off sessions
+#: While this says so, nothing is given up (see give_up_when_cut_off).
+_busy: Callable[[], bool] | None = None
 
 
-def give_up_when_cut_off() -> None:
+def give_up_when_cut_off(busy: Callable[[], bool] | None = None) -> None:
     """This process is shutting down (a worker's warm shutdown began). From
     now on, a session whose client has not been connected for
-    :data:`SHUTDOWN_GRACE` seconds is given up (:meth:`SharedSession.give_up`).
+    :data:`SHUTDOWN_GRACE` seconds, counted while ``busy()`` is false, is
+    given up (:meth:`SharedSession.give_up`). ``busy``: a task of the worker
+    still runs, and may yet store its result and send its ack through the
+    session (a threads pool runs tasks in this process): those wait for the
+    ensemble as they would without a shutdown.
 
     Without it a worker cut off from the ensemble never finished its warm
     shutdown: kazoo holds a request made while it reconnects until it is
@@ -596,7 +602,8 @@ def give_up_when_cut_off() -> None:
     Safe in a signal handler: it only sets a flag and wakes the release
     thread (``SimpleQueue.put`` is reentrant), which does the watching.
     """
-    global _shutting_down
+    global _shutting_down, _busy
+    _busy = busy
     _shutting_down = True
     _release_queue.put(_GIVE_UP)  # type: ignore[arg-type]
 
@@ -625,8 +632,13 @@ def _release_forever() -> None:
                         "share failed")
 
 
-def _give_up_cut_off(cut_off_since: dict[SharedSession, float]) -> None:
-    now = time.monotonic()
+def _give_up_cut_off(cut_off_since: dict[SharedSession, float],
+                     now: float | None = None) -> None:
+    now = time.monotonic() if now is None else now
+    busy = _busy
+    if busy is not None and busy():
+        cut_off_since.clear()   # the grace starts once the last task ended
+        return
     for session in sessions():
         client = session.current_client
         if client is None or client.state == KazooState.CONNECTED:

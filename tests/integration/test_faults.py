@@ -823,3 +823,33 @@ def test_a_worker_cut_off_from_zookeeper_finishes_its_warm_shutdown(
             own_server.start()
         start_worker(direct, log=task_log, name="b", pool=pool, concurrency=4)
         wait_all_ran(task_log, values, 60)
+
+
+@pytest.mark.slow
+def test_a_thread_worker_stopped_while_cut_off_stores_the_result_of_its_running_task(
+        own_server: ZooKeeperServer, start_worker: Any, task_log: Path) -> None:
+    """A threads worker stores its tasks' results through its own session: it
+    is not given up while a task runs. Cut off 1 s into a 10 s task, stopped,
+    and back 6.5 s later, before the task ends: the result lands. (Given up
+    2 s after the client noticed the cut, the write failed at once.)"""
+    host, port = own_server.hosts.rsplit(":", 1)
+    direct = f"zk://{own_server.hosts}{ROOT}?session_timeout=4"
+    with TCPProxy(host, int(port)) as proxy:
+        url = f"zk://{proxy.hosts}{ROOT}?session_timeout=4"
+        a = start_worker(url, backend=url, log=task_log, name="a", pool="threads",
+                         concurrency=1)
+        client = Celery("client", broker=direct, backend=direct, set_as_current=False)
+        try:
+            result = client.send_task("proj.app.slow_record", args=("long", 10))
+            a.wait_for(f"Task proj.app.slow_record[{result.id}] received", 30)
+            time.sleep(1.0)
+            proxy.blackhole()
+            time.sleep(0.5)
+            os.kill(a.pid, signal.SIGTERM)
+            time.sleep(6.0)
+            proxy.heal()
+            assert result.get(timeout=60) == "long", a.output()[-3000:]
+            code = a.stop(timeout=45)
+            assert code is not None and code >= 0, a.output()[-3000:]
+        finally:
+            client.close()

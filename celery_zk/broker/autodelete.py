@@ -24,16 +24,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import (
-    ConnectionClosedError,
-    ConnectionLoss,
-    NodeExistsError,
-    NoNodeError,
-    NotEmptyError,
-)
-from kazoo.protocol.states import KeeperState
+from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 
-from ..zk.client import CONNECTION_ERRORS, log_failure, multi_failure
+from ..zk.client import CONNECTION_ERRORS, log_failure, multi_failure, not_connected
 from ..zk.layout import Layout
 from ..zk.session import AfterExpiry, ClientHandle
 from .queue import ClientSource, QueueStore
@@ -52,9 +45,7 @@ META = json.dumps({"auto_delete": True}).encode()
 def _session_id(client: KazooClient) -> int:
     client_id = client.client_id  # None while disconnected: retried until connected
     if client_id is None:
-        if client.client_state == KeeperState.CLOSED:   # stopped: no retry brings it back
-            raise ConnectionClosedError("celery_zk: this ZooKeeper client was stopped")
-        raise ConnectionLoss("not connected to ZooKeeper")
+        raise not_connected(client)
     return int(client_id[0])
 
 

@@ -231,6 +231,16 @@ _RETRIED = KazooRetry.RETRY_EXCEPTIONS + KazooRetry.EXPIRED_EXCEPTIONS
 FAILOVER_PATIENCE = 30.0
 
 
+def not_connected(client: KazooClient) -> ConnectionLoss | ConnectionClosedError:
+    """What a request made while ``client`` is not connected raises:
+    ConnectionLoss, which kazoo's retry repeats until it is connected again,
+    or ConnectionClosedError once it was stopped (given up at a shutdown, see
+    :func:`celery_zk.zk.session.give_up_when_cut_off`): no retry brings it back."""
+    if client.client_state == KeeperState.CLOSED:
+        return ConnectionClosedError("celery_zk: this ZooKeeper client was stopped")
+    return ConnectionLoss("not connected to ZooKeeper")
+
+
 def connected_retry(client: KazooClient, func: Callable[..., T], *args: Any,
                     patience: float = 0.0) -> T:
     """``client.retry(func, *args)``, where an attempt made while the connection
@@ -248,9 +258,7 @@ def connected_retry(client: KazooClient, func: Callable[..., T], *args: Any,
     """
     def attempt(*inner: Any) -> T:
         if client.state != KazooState.CONNECTED:
-            if client.client_state == KeeperState.CLOSED:   # stopped: no retry brings it back
-                raise ConnectionClosedError("celery_zk: this ZooKeeper client was stopped")
-            raise ConnectionLoss("not connected to ZooKeeper")
+            raise not_connected(client)
         return func(*inner)
 
     until = monotonic() + patience

@@ -35,6 +35,7 @@ from ..zk.layout import (
     MessageName,
     parse_message_name,
     requeued_name,
+    without_body,
 )
 from ..zk.payload import commit_deleting
 from . import big
@@ -365,7 +366,9 @@ class Acking(StoreBase):
                 return False
             raise failure[1]
         queue, message = self._message(owned_path)
-        name = layout.split_owned_path(owned_path)[2]
+        # Without the copy of its body a handed message's name may carry: the
+        # dead node holds the body, and a requeue names it again.
+        name = without_body(layout.split_owned_path(owned_path)[2])
         return self._move_to_dead(owned_path, layout.dead_message(queue, name), reason,
                                   self.body_of(owned_path),
                                   (queue, message.uid) if message.chunked else None)

@@ -25,7 +25,10 @@ Why it is safe:
 
 The handed name's sequence is zero: the message was handed over while its
 queue was empty, so if it is requeued it goes back ahead of everything that
-arrived since (see :func:`celery_zk.zk.layout.handed_name`).
+arrived since (see :func:`celery_zk.zk.layout.handed_name`). The name also
+carries a copy of the body, when the consumer's offer says it reads one
+there and the body is small: the watch event that tells the consumer of the
+message then brings the body too, and the delivery needs no read.
 """
 from __future__ import annotations
 
@@ -42,7 +45,9 @@ from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
 
 from ..zk.client import RedoThread, connected_retry, log_failure, multi_failure, synced
 from ..zk.layout import (
+    BODY_APART,
     Layout,
+    encode_body,
     handed_name,
     offer_name,
     parse_offer_name,
@@ -120,11 +125,12 @@ class HandOff:
         parsed = parse_offer_name(offer)
         if parsed is None:
             return False
-        consumer_id, _ = parsed
         layout, client, queue = self.layout, self.client, message.queue
+        body = (encode_body(message.data)
+                if parsed.takes_body and message.kind == BODY_APART else None)
         name = handed_name(message.inverted_priority, message.generation, message.uid,
-                           message.kind, message.task, message.limit_key)
-        owned = layout.inbox_message(queue, consumer_id, name)
+                           message.kind, message.task, message.limit_key, body)
+        owned = layout.inbox_message(queue, parsed.consumer_id, name)
 
         lost = False
 
@@ -237,13 +243,15 @@ class HandOff:
     # -- consuming ----------------------------------------------------------------
     def make_offer(self, queue: str, consumer_id: str, token: str,
                    still_wanted: Callable[[Callable[[], None]], object],
-                   failed: Callable[[], None]) -> None:
+                   failed: Callable[[], None],
+                   made: Callable[[float], None] | None = None) -> None:
         """Create an offer, held back briefly (QueueStore.deferred) and never waited for.
 
         When it is due, ``still_wanted(send)`` decides under the offer's lock
         whether to send it (a withdrawal meanwhile must not be overtaken by the
         create). ``failed`` runs on kazoo's thread if it could not be made, and
-        when it is deleted (taken by a publisher, or withdrawn).
+        when it is deleted (taken by a publisher, or withdrawn); ``made`` with
+        when the create was sent (monotonic), once the server has made it.
         """
         client = self.client
         if queue not in self._directories and not self._ensure_directory(client, queue):
@@ -252,6 +260,8 @@ class HandOff:
         path = self.layout.offer(queue, offer_name(consumer_id, token))
         self.handle.own(path)   # a connection dropped without close() deletes it too
 
+        sent = 0.0
+
         def done(result: Any) -> None:   # kazoo's thread: never block
             try:
                 result.get()
@@ -259,10 +269,15 @@ class HandOff:
                 self._directories.discard(queue)
                 self.handle.disown(path)
                 failed()
+                return
             except Exception:   # lost with the connection: withdrawing will tell
-                pass
+                return
+            if made is not None:
+                made(sent)
 
         def send() -> None:
+            nonlocal sent
+            sent = monotonic()
             client.create_async(path, ephemeral=True).rawlink(done)
             # Sent after the create, so it sees the offer: it fires when a
             # publisher takes it (or we withdraw it, which the caller ignores).
@@ -353,6 +368,11 @@ class Offer:
         self.token: str | None = None
         self.consumer_id: str | None = None
         self._sent: str | None = None   # the token whose create went out
+        #: When the create of the last offer the server made was sent
+        #: (monotonic): the session lived at some moment after it. A message
+        #: handed over with its body in its name was not read, and the start
+        #: gate takes this as the time of the server's last answer instead.
+        self.answered_at = 0.0
         self._lock = threading.Lock()
 
     @property
@@ -381,7 +401,10 @@ class Offer:
                 self.token = None
             self.handoff.taken(self.queue, consumer_id, token)
 
-        self.handoff.make_offer(self.queue, consumer_id, token, still_wanted, gone)
+        def made(sent: float) -> None:   # kazoo's thread
+            self.answered_at = max(self.answered_at, sent)
+
+        self.handoff.make_offer(self.queue, consumer_id, token, still_wanted, gone, made)
 
     def withdraw(self, wait: bool = True) -> None:
         """Withdraw the outstanding offer, unless a publisher took it (``wait``:

@@ -12,7 +12,8 @@ a one-shot child watch and a listing of the inbox (a handful of names).
 
 For each new entry it reads the body (from ``bodies/``, or from the entry
 itself for a message from before 0.2), pipelined (many in one ``multiRead``,
-:mod:`celery_zk.zk.reads`), and delivers in the queue's order. Only it
+:mod:`celery_zk.zk.reads`), and delivers in the queue's order. A message
+handed over with a copy of its body in its name needs no read. Only it
 deletes from its inbox (acks, in :mod:`celery_zk.broker.acks`), so nothing
 it does can conflict.
 
@@ -47,7 +48,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 from ..exceptions import ChunkMissing
 from ..features import affinity
 from ..zk.client import CONNECTION_ERRORS, RedoThread, create_once, log_failure, reply_or_retry
-from ..zk.layout import OrderKey, order_key, parse_message_name, sort_messages
+from ..zk.layout import OrderKey, inline_body, order_key, parse_message_name, sort_messages
 from ..zk.reads import read_many
 from ..zk.session import weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED
@@ -490,6 +491,7 @@ class Inbox:
             logger.error("celery_zk: %r in the inbox of %s is not a message name; "
                          "left there", name, consumer_id)
         paths = []
+        to_read = []
         handed = False
         for name in ordered:
             self.taken.add(name)
@@ -498,8 +500,18 @@ class Inbox:
             # Named with sequence zero; so is the first message of a bucket (one
             # in bucket_size), which then resets the offers' wait once.
             handed = handed or (message.seq == 0 and not message.requeued)
+            body = inline_body(name)
+            if body is not None:
+                # Handed over with a copy of its body in its name: nothing to
+                # read. The server's last answer we know of is our offer's create.
+                self.buffer.push(Claimed(self.queue, name,
+                                         layout.inbox_message(self.queue, consumer_id, name),
+                                         body, self.offer.answered_at if self.offer else 0.0))
+                continue
+            to_read.append(name)
             paths.append(layout.body(self.queue, message)
                          or layout.inbox_message(self.queue, consumer_id, name))
+        ordered = to_read
         # With a persistent watch held the server is 3.6 or newer: the bodies in
         # one multiRead per batch, not one request each.
         sent = time.monotonic()

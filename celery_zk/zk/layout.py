@@ -22,9 +22,12 @@
         owned/{consumer}/             the consumer's inbox: what it was given
           {unowned name}              given by the dispatcher, or handed over by a
                                       publisher (celery_zk.broker.handoff)
+          {unowned name}~{body}       handed over with a copy of its body in the name
+                                      (base64url of zlib): the watch event carries it
         owned/{consumer}~{name}       claimed by celery_zk before 0.2 (recovered as before)
-        offers/{consumer}~{token}     ephemeral: an idle consumer offers to take the
-                                      next message (celery_zk.broker.handoff)
+        offers/{consumer}~{token}~b   ephemeral: an idle consumer offers to take the
+                                      next message (celery_zk.broker.handoff); "~b": it
+                                      reads a body from the name (before 0.3: no "~b")
         dead/{unowned name}           dead-lettered (rejected / undecodable); data: a
                                       reason line, then the message (celery_zk.broker.dead)
         holders/s{session}-{lease}    auto-delete queues only: ephemeral, one per
@@ -76,11 +79,14 @@ advances a counter either. Messages of celery_zk before buckets (flat
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import hashlib
 import re
 import time
 import uuid
+import zlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -122,7 +128,17 @@ _BUCKET_RE = re.compile(r"^p(\d)-(\d{10})$")
 _CONSUMER_RE = re.compile(r"^(c[0-9a-f]{1,32})(?:-\d{10})?$")
 _PAYLOAD_RE = re.compile(r"^([a-z])~([^/~]+)~([0-9a-f]{1,32})~(\d{1,12})$")
 _HOLDING_RE = re.compile(r"^([^/~]+)~([0-9a-f]{1,32})-(\d{1,10})$")
-_OFFER_RE = re.compile(r"^(c[0-9a-f]{1,32})~([0-9a-f]{1,32})$")
+_OFFER_RE = re.compile(r"^(c[0-9a-f]{1,32})~([0-9a-f]{1,32})(~b)?$")
+OFFER_TAKES_BODY = OWNER_SEP + "b"
+#: A handed message's name may carry a copy of its body after this: the
+#: watch event that tells its consumer of it carries the body too.
+INLINE_SEP = OWNER_SEP
+_INLINE_RE = re.compile(r"[A-Za-z0-9_-]+")
+#: The most characters a body copied into a name may take. A Celery task's
+#: message (about 1 KB, 0.6 KB compressed) fits; a bigger one is handed over
+#: without it. Only an idle consumer's inbox holds such names, one or two at
+#: a time, so listings stay far below jute.maxbuffer.
+INLINE_CHARS = 2048
 # Characters that cannot appear raw in a node name, or that we use as separators.
 _ESCAPE_RE = re.compile(r"[%/,~\x00-\x1f\x7f]")
 #: Longest affinity key kept readable in a message name; a longer one is named
@@ -282,14 +298,55 @@ def requeued_name(message: MessageName) -> str:
             + f"r{message.order:0{SEQ_DIGITS}d}")
 
 
-@functools.lru_cache(maxsize=1 << 14)
 def parse_message_name(name: str) -> MessageName | None:
     """Parse a waiting-message name; ``None`` for nodes celery_zk did not write.
 
-    Cached: a message's name is parsed where it is listed, sorted, given,
-    read, delivered and acked, a dozen times between publish and ack; the
-    result is immutable. The cache holds about a listing's worth (~4 MB).
+    A handed message's body copy (see :func:`inline_body`) is not part of
+    what the name says: it is cut off first, so the caches never hold it.
     """
+    return _parse_message_name(without_body(name))
+
+
+def without_body(name: str) -> str:
+    """``name`` without the copy of its body a handed message's name may
+    carry (``{name}~{body}``); any other name as it is (a flat owned name,
+    ``{consumer}~{name}``, is not a message name before its ``~``)."""
+    cut = name.find(INLINE_SEP)
+    if cut < 0:
+        return name
+    thin = name[:cut]
+    if _parse_message_name(thin) is None or not _INLINE_RE.fullmatch(name, cut + 1):
+        return name
+    return thin
+
+
+def inline_body(name: str) -> bytes | None:
+    """The body copied into a handed message's name, or ``None`` (none there,
+    or it does not decode: the consumer then reads the body node)."""
+    thin = without_body(name)
+    if thin is name:
+        return None
+    text = name[len(thin) + 1:]
+    try:
+        return zlib.decompress(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
+    except (binascii.Error, ValueError, zlib.error):
+        return None
+
+
+def encode_body(data: bytes) -> str | None:
+    """A body as it goes into a handed message's name; ``None`` when it would
+    be longer than :data:`INLINE_CHARS`."""
+    if len(data) > INLINE_CHARS * 4:   # no hope of fitting: do not compress it
+        return None
+    text = base64.urlsafe_b64encode(zlib.compress(data)).rstrip(b"=").decode()
+    return text if len(text) <= INLINE_CHARS else None
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _parse_message_name(name: str) -> MessageName | None:
+    """Cached: a message's name is parsed where it is listed, sorted, given,
+    read, delivered and acked, a dozen times between publish and ack; the
+    result is immutable. The cache holds about a listing's worth (~4 MB)."""
     match = _MESSAGE_RE.match(name)
     if match:
         kind, inv, generation, uid, task, limit, affinity, requeued, seq = match.groups()
@@ -306,10 +363,19 @@ def parse_message_name(name: str) -> MessageName | None:
 OrderKey = tuple[tuple[int, int, int, bool, int], str]
 
 
-@functools.lru_cache(maxsize=1 << 14)
 def order_key(name: str) -> OrderKey | None:
     """``(sort_key, name)`` of a message name; ``None`` for nodes celery_zk did not
-    write. Cached like the parse: a dispatcher orders a bucket's thousands of
+    write."""
+    thin = without_body(name)
+    if thin is name:
+        return _order_key(name)
+    key = _order_key(thin)
+    return None if key is None else (key[0], name)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _order_key(name: str) -> OrderKey | None:
+    """Cached like the parse: a dispatcher orders a bucket's thousands of
     names at each listing, then looks each one up again as it is given."""
     message = parse_message_name(name)
     return None if message is None else (message.sort_key, name)
@@ -349,26 +415,35 @@ def _split_owned_path(queues: str, path: str) -> tuple[str, str, str]:
 
 def handed_name(inverted_priority: int, generation: int, uid: str,
                 kind: str = BODY_APART, task: str | None = None,
-                limit_key: str | None = None) -> str:
+                limit_key: str | None = None, body: str | None = None) -> str:
     """The name a message handed straight to an idle consumer gets.
 
     It never waited in a bucket, so it has no sequence: zero. Its body is in
     the bucket of ``generation`` like any other's, and a requeue puts it at
     the front of that bucket: it was handed over while the queue was empty,
-    ahead of its priority's later arrivals, where it belongs.
+    ahead of its priority's later arrivals, where it belongs. ``body`` (from
+    :func:`encode_body`) is a copy of the body for the consumer to take from
+    the name instead of reading it: one round trip less on an idle delivery.
     """
-    return (message_prefix(inverted_priority, generation, uid, kind=kind, task=task,
+    name = (message_prefix(inverted_priority, generation, uid, kind=kind, task=task,
                            limit_key=limit_key) + "0" * SEQ_DIGITS)
+    return name if body is None else f"{name}{INLINE_SEP}{body}"
+
+
+class OfferName(NamedTuple):
+    consumer_id: str
+    token: str
+    takes_body: bool   # its consumer takes a body from a handed name (0.3 on)
 
 
 def offer_name(consumer_id: str, token: str) -> str:
-    return f"{consumer_id}{OWNER_SEP}{token}"
+    return f"{consumer_id}{OWNER_SEP}{token}{OFFER_TAKES_BODY}"
 
 
-def parse_offer_name(name: str) -> tuple[str, str] | None:
-    """``(consumer id, token)`` of an offer node, or ``None`` if foreign."""
+def parse_offer_name(name: str) -> OfferName | None:
+    """What an offer node's name says, or ``None`` if foreign."""
     match = _OFFER_RE.match(name)
-    return (match.group(1), match.group(2)) if match else None
+    return OfferName(match.group(1), match.group(2), bool(match.group(3))) if match else None
 
 
 def owned_name(consumer_id: str, message_name: str) -> str:
@@ -620,9 +695,14 @@ class Layout:
 
     def split_owned_path(self, path: str) -> tuple[str, str, str]:
         """``(queue, consumer id, unowned name)`` of an owned message: in an
-        inbox (``owned/{consumer}/{name}``) or flat, from before 0.2
-        (``owned/{consumer}~{name}``)."""
-        return _split_owned_path(self.queues, path)
+        inbox (``owned/{consumer}/{name}``, the name as it is there) or flat,
+        from before 0.2 (``owned/{consumer}~{name}``)."""
+        head, _, name = path.rpartition("/")
+        thin = without_body(name)
+        if thin is name:
+            return _split_owned_path(self.queues, path)
+        queue, owner, _ = _split_owned_path(self.queues, f"{head}/{thin}")
+        return queue, owner, name
 
     # -- routing --------------------------------------------------------------
     @property

@@ -14,9 +14,9 @@ from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk.broker.handoff import Offer
-from celery_zk.zk.layout import Layout, offer_name, parse_message_name
+from celery_zk.zk.layout import Layout, inline_body, offer_name, parse_message_name
 
-from .queues import owned, stored_body, waiting
+from .queues import body_path, owned, stored_body, waiting
 from .queues import unowned_creations as creations
 from .sessions import apart
 from .workers import wait_until
@@ -118,6 +118,94 @@ def test_an_idle_consumer_is_handed_each_message_without_a_claim(
     wait_until(lambda: not offers(zk_client, "hand"), 5, 0.05, "offer left behind")
     wait_until(lambda: owned(zk_client, LAYOUT, "hand") == [], 5, 0.02,
                "not all acked")   # acks are held back a moment (Deferred)
+
+
+def count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every path the consumers of this process read bodies from."""
+    import celery_zk.broker.inbox as inbox_module
+
+    paths: list[str] = []
+    real = inbox_module.read_many
+
+    def counting(client: KazooClient, batch: list[str]) -> list[Any]:
+        paths.extend(batch)
+        return real(client, batch)
+    monkeypatch.setattr(inbox_module, "read_many", counting)
+    return paths
+
+
+def test_a_handed_message_brings_its_body_in_its_name(
+        conn: Connection, zk_url: str, zk_client: KazooClient,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inbox watch's event names the entry, and the name holds a copy of
+    the body: delivered without a read. The start gate's time of the server's
+    last answer is the offer's create, not nothing."""
+    from celery_zk.compat.celery import READ_AT
+
+    reads = count_reads(monkeypatch)
+    queue = Queue("inline", Exchange("inline", "direct"), "inline")
+    got: list[Any] = []
+    payload = {"args": [1, 2], "kwargs": {"x": "y" * 300}}
+    with consumer(conn, queue, got):
+        expect_idle(conn)
+        wait_until(lambda: offers(zk_client, "inline"), 5, 0.02, "no offer was made")
+        publish(zk_url, queue, payload, headers={"task": "proj.add"})
+        conn.drain_events(timeout=5)
+        delivered_at = time.monotonic()
+    body, message = got[0]
+    assert body == payload and message.headers == {"task": "proj.add"}
+    name = message.delivery_tag.rpartition("/")[2]
+    assert parse_message_name(name).seq == 0   # handed over
+    assert inline_body(name) is not None, "the handed name carries no body"
+    assert reads == [], f"read although its name carried the body: {reads}"
+    assert 0 < delivered_at - message.properties[READ_AT] < 5
+    # Acked as any message: the entry and the one body node go.
+    wait_until(lambda: owned(zk_client, LAYOUT, "inline") == [], 5, 0.02, "not acked")
+    assert zk_client.exists(body_path(LAYOUT, "inline", name)) is None
+
+
+def test_a_body_too_big_for_a_name_is_handed_over_and_read(
+        conn: Connection, zk_url: str, zk_client: KazooClient,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import base64
+    import os
+
+    reads = count_reads(monkeypatch)
+    queue = Queue("thick", Exchange("thick", "direct"), "thick")
+    got: list[Any] = []
+    payload = base64.b64encode(os.urandom(6000)).decode()   # does not compress
+    with consumer(conn, queue, got):
+        expect_idle(conn)
+        wait_until(lambda: offers(zk_client, "thick"), 5, 0.02, "no offer was made")
+        publish(zk_url, queue, payload)
+        conn.drain_events(timeout=5)
+    body, message = got[0]
+    name = message.delivery_tag.rpartition("/")[2]
+    assert body == payload and parse_message_name(name).seq == 0
+    assert inline_body(name) is None and "~" not in name
+    assert len(reads) == 1
+
+
+def test_an_offer_of_an_earlier_release_is_handed_a_name_without_a_body(
+        conn: Connection, zk_url: str, zk_client: KazooClient,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer of a release before 0.3 would take a name with a body for a
+    foreign node: its offers (no "~b") are handed plain names."""
+    import celery_zk.broker.handoff as handoff_module
+
+    monkeypatch.setattr(handoff_module, "offer_name", lambda consumer, token:
+                        f"{consumer}~{token}")   # as 0.2 named offers
+    queue = Queue("older", Exchange("older", "direct"), "older")
+    got: list[Any] = []
+    with consumer(conn, queue, got):
+        expect_idle(conn)
+        wait_until(lambda: offers(zk_client, "older"), 5, 0.02, "no offer was made")
+        assert not offers(zk_client, "older")[0].endswith("~b")
+        publish(zk_url, queue, "plain")
+        conn.drain_events(timeout=5)
+    name = got[0][1].delivery_tag.rpartition("/")[2]
+    assert got[0][0] == "plain" and parse_message_name(name).seq == 0
+    assert "~" not in name
 
 
 def test_no_offers_with_handoff_off(zk_url: str, zk_client: KazooClient) -> None:
@@ -417,6 +505,8 @@ def test_a_handed_message_of_a_killed_consumer_is_requeued(
     wait_until(lambda: offers(zk_client, "dies"), 5, 0.02, "no offer was made")
     publish(zk_url, queue, "survives")   # handed over; doomed never drains again
     wait_until(lambda: owned(zk_client, LAYOUT, "dies"), 5, 0.02)
+    # With a copy of its body in its name; requeued, it waits under its plain name.
+    assert inline_body(owned(zk_client, LAYOUT, "dies")[0].rpartition("/")[2]) is not None
     # End its session without the transport's close: no withdrawal, no requeue
     # by the owner, as when a worker is killed.
     doomed.transport.handle.client.stop()
@@ -428,6 +518,7 @@ def test_a_handed_message_of_a_killed_consumer_is_requeued(
                            "the handed message was not requeued")
             assert [body for body, _ in again] == ["survives"]
             assert again[0][1].delivery_info.get("redelivered")
+            assert "~" not in again[0][1].delivery_tag.rpartition("/")[2]
     finally:
         try:
             doomed.release()

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 
 from celery_zk.zk.layout import (
+    INLINE_CHARS,
     Layout,
     binding_name,
     bucket_name,
@@ -15,6 +17,7 @@ from celery_zk.zk.layout import (
     message_prefix,
     new_consumer_id,
     offer_name,
+    order_key,
     owned_name,
     parse_binding_name,
     parse_bucket_name,
@@ -178,12 +181,44 @@ def test_result_shards_bound_directory_size() -> None:
 
 def test_offer_and_handed_names() -> None:
     offer = offer_name("c0123456789ab", "abcdef0123456789")
-    assert parse_offer_name(offer) == ("c0123456789ab", "abcdef0123456789")
+    assert parse_offer_name(offer) == ("c0123456789ab", "abcdef0123456789", True)
+    # An offer of a release before 0.3 takes no body in a name.
+    assert parse_offer_name("c0123456789ab~abcdef0123456789") == (
+        "c0123456789ab", "abcdef0123456789", False)
     assert parse_offer_name("x~y") is None and parse_offer_name("c01") is None
     handed = parse_message_name(handed_name(inverted(7), 3, "abcdef0123456789"))
     assert handed is not None
     assert (handed.priority, handed.uid, handed.generation, handed.requeued, handed.seq,
             handed.body_apart) == (7, "abcdef0123456789", 3, False, 0, True)
+
+
+def test_a_handed_name_carries_its_body_and_says_what_the_thin_name_says() -> None:
+    from celery_zk.zk.layout import encode_body, inline_body, without_body
+
+    body = b'{"body": "W1tdLCB7fV0=", "headers": {"task": "proj.add"}}' * 8
+    thin = handed_name(inverted(3), 5, "abcdef0123456789", task="0a1b2c3d")
+    fat = handed_name(inverted(3), 5, "abcdef0123456789", task="0a1b2c3d",
+                      body=encode_body(body))
+    assert fat.startswith(thin + "~") and inline_body(fat) == body
+    assert without_body(fat) == thin and parse_message_name(fat) == parse_message_name(thin)
+    assert order_key(fat) == (order_key(thin)[0], fat)   # type: ignore[index]
+    # A requeue names it thin: the copy stays out of the queue's listings.
+    assert requeued_name(parse_message_name(fat)) == requeued(thin)  # type: ignore[arg-type]
+    layout = Layout("/r")
+    assert layout.split_owned_path(layout.inbox_message("q", "c0123456789ab", fat)) == (
+        "q", "c0123456789ab", fat)
+    # Names without a copy, and flat owned names (consumer~name), are left alone.
+    assert inline_body(thin) is None and without_body(thin) is thin
+    flat = f"c0123456789ab~{new(0, 'a' * 16, 4)}"
+    assert without_body(flat) is flat and parse_message_name(flat) is None
+    assert layout.split_owned_path(layout.owned_message("q", flat)) == (
+        "q", "c0123456789ab", new(0, "a" * 16, 4))
+    # A copy that does not decode is no body: the consumer reads the body node.
+    assert inline_body(thin + "~AAAA") is None and parse_message_name(thin + "~AAAA")
+    assert parse_message_name(thin + "~not/base64!") is None
+    # What does not fit stays out of the name.
+    assert encode_body(os.urandom(3000)) is None and encode_body(os.urandom(9000)) is None
+    assert len(encode_body(body) or "") < INLINE_CHARS
 
 
 def test_a_requeued_handed_message_sorts_ahead_of_the_first_arrival() -> None:

@@ -164,6 +164,18 @@ def test_a_handed_message_brings_its_body_in_its_name(
     assert zk_client.exists(body_path(LAYOUT, "inline", name)) is None
 
 
+def test_the_longest_name_with_a_body_is_a_node_name(zk_client: KazooClient) -> None:
+    """ZooKeeper takes (and lists, and deletes) an inbox entry whose name
+    carries the longest body copy there may be."""
+    from celery_zk.zk.layout import INLINE_CHARS, handed_name
+
+    name = handed_name(0, 1, "ab" * 8, body="A" * INLINE_CHARS)
+    zk_client.ensure_path("/longest")
+    zk_client.create(f"/longest/{name}")
+    assert zk_client.get_children("/longest") == [name]
+    zk_client.delete(f"/longest/{name}")
+
+
 def test_a_body_too_big_for_a_name_is_handed_over_and_read(
         conn: Connection, zk_url: str, zk_client: KazooClient,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -120,9 +121,11 @@ def test_countdown_task_held_by_live_worker_runs_once(zk_url: str, client_app: C
     url = f"{zk_url}?session_timeout=2"
     start_worker(url, log=task_log, name="a")
     start_worker(url, log=task_log, name="b")
-    send(client_app, "record", "later", countdown=30)
+    # The server grants at least 4 s (2 ticks) for the 2 asked: 15 s of
+    # countdown is held through more than three session timeouts.
+    send(client_app, "record", "later", countdown=15)
     wait_until(lambda: len(owned(zk_client, LAYOUT, "celery")) == 1, 10)
-    wait_until(lambda: read_log(task_log), 40, message="the countdown task never ran")
+    wait_until(lambda: read_log(task_log), 30, message="the countdown task never ran")
     time.sleep(3)  # room for a second delivery, were there any
     assert executed_values(task_log) == {"later": 1}
 
@@ -134,14 +137,18 @@ def test_control_and_inspect_with_two_workers(zk_url: str, client_app: Celery,
     w1 = start_worker(zk_url, log=task_log, name="one", env=env)
     w2 = start_worker(zk_url, log=task_log, name="two", env=env)
 
-    ping = celery_cli(["inspect", "ping", "--timeout", "5"], zk_url)
+    # Both named: the CLI returns once both have answered (kombu's pidbox stops
+    # at as many replies as destinations) instead of waiting out the timeout.
+    # The request is still a broadcast, through the fanout exchange.
+    both = ["--destination", f"one@{socket.gethostname()},two@{socket.gethostname()}"]
+    ping = celery_cli(["inspect", "ping", "--timeout", "5", *both], zk_url)
     assert "one@" in ping.stdout and "two@" in ping.stdout, ping.stdout + ping.stderr
 
-    status = celery_cli(["status", "--timeout", "5"], zk_url)
+    status = celery_cli(["status", "--timeout", "5", *both], zk_url)
     assert "2 nodes online" in status.stdout, status.stdout + status.stderr
 
-    rate = celery_cli(["control", "rate_limit", "proj.app.add", "10/m", "--timeout", "5"],
-                      zk_url)
+    rate = celery_cli(["control", "rate_limit", "proj.app.add", "10/m", "--timeout", "5",
+                       *both], zk_url)
     assert rate.stdout.count("new rate limit set successfully") == 2, rate.stdout + rate.stderr
 
     # events: a monitor sees the workers' heartbeats and task events
@@ -155,7 +162,7 @@ def test_control_and_inspect_with_two_workers(zk_url: str, client_app: Celery,
         result = send(client_app, "slow_record", "active", 3)
         wait_until(lambda: "task started:" in events_out.read_text(), 30,
                    message="celery events saw no task-started event")
-        active = celery_cli(["inspect", "active", "--timeout", "5"], zk_url)
+        active = celery_cli(["inspect", "active", "--timeout", "5", *both], zk_url)
         assert result.id in active.stdout, active.stdout + active.stderr
         assert "heartbeat:" in events_out.read_text()
     finally:

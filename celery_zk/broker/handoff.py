@@ -50,6 +50,7 @@ from ..zk.layout import (
     encode_body,
     handed_name,
     offer_name,
+    offer_token,
     parse_offer_name,
 )
 from ..zk.session import ClientHandle
@@ -379,8 +380,10 @@ class Offer:
     def outstanding(self) -> bool:
         return self.token is not None
 
-    def make(self, consumer_id: str) -> None:
-        token = new_uid()
+    def make(self, consumer_id: str, takes_body: bool = True) -> None:
+        """Offer to take the next message (``takes_body``: with its body in its
+        name; see ConsumerSession.bodies_in_names)."""
+        token = offer_token(new_uid(), takes_body)
         with self._lock:
             self.token, self.consumer_id = token, consumer_id
 

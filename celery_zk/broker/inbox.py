@@ -377,7 +377,8 @@ class Inbox:
             if wait > 0 and self._look_again(wait):
                 return
             self._look_in = LOOK_AGAIN[0]
-            self.offer.make(consumer_id)   # idle: let a publisher hand us the next one
+            # Idle: let a publisher hand us the next one.
+            self.offer.make(consumer_id, self.transport.session.bodies_in_names)
 
     def _look_again(self, wait: float) -> bool:
         """Come back when the offer's ``wait`` is over and, while our worker still

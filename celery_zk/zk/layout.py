@@ -25,9 +25,10 @@
           {unowned name}~{body}       handed over with a copy of its body in the name
                                       (base64url of zlib): the watch event carries it
         owned/{consumer}~{name}       claimed by celery_zk before 0.2 (recovered as before)
-        offers/{consumer}~{token}~b   ephemeral: an idle consumer offers to take the
+        offers/{consumer}~{token}[~b] ephemeral: an idle consumer offers to take the
                                       next message (celery_zk.broker.handoff); "~b": it
-                                      reads a body from the name (before 0.3: no "~b")
+                                      reads a body from the name, and so does the
+                                      process leading recovery (before 0.3: no "~b")
         dead/{unowned name}           dead-lettered (rejected / undecodable); data: a
                                       reason line, then the message (celery_zk.broker.dead)
         holders/s{session}-{lease}    auto-delete queues only: ephemeral, one per
@@ -128,8 +129,14 @@ _BUCKET_RE = re.compile(r"^p(\d)-(\d{10})$")
 _CONSUMER_RE = re.compile(r"^(c[0-9a-f]{1,32})(?:-\d{10})?$")
 _PAYLOAD_RE = re.compile(r"^([a-z])~([^/~]+)~([0-9a-f]{1,32})~(\d{1,12})$")
 _HOLDING_RE = re.compile(r"^([^/~]+)~([0-9a-f]{1,32})-(\d{1,10})$")
-_OFFER_RE = re.compile(r"^(c[0-9a-f]{1,32})~([0-9a-f]{1,32})(~b)?$")
+_OFFER_RE = re.compile(r"^(c[0-9a-f]{1,32})~([0-9a-f]{1,32}(~b)?)$")
+#: The end of an offer's token when its consumer takes a body from a handed
+#: name (and the process leading recovery can requeue such a name).
 OFFER_TAKES_BODY = OWNER_SEP + "b"
+#: The key a consumer process's node under consumers/ holds (true) when it
+#: knows names with a body (0.3 on): only while the oldest, which leads
+#: recovery, does are bodies put in names.
+BODY_IN_NAME = "body_in_name"
 #: A handed message's name may carry a copy of its body after this: the
 #: watch event that tells its consumer of it carries the body too.
 INLINE_SEP = OWNER_SEP
@@ -436,8 +443,14 @@ class OfferName(NamedTuple):
     takes_body: bool   # its consumer takes a body from a handed name (0.3 on)
 
 
+def offer_token(uid: str, takes_body: bool) -> str:
+    """An offer's token: ``uid``, and ``~b`` when a body may be put in the name
+    of what is handed over (releases before 0.3 make offers without it)."""
+    return uid + OFFER_TAKES_BODY if takes_body else uid
+
+
 def offer_name(consumer_id: str, token: str) -> str:
-    return f"{consumer_id}{OWNER_SEP}{token}{OFFER_TAKES_BODY}"
+    return f"{consumer_id}{OWNER_SEP}{token}"
 
 
 def parse_offer_name(name: str) -> OfferName | None:

@@ -198,26 +198,50 @@ def test_a_body_too_big_for_a_name_is_handed_over_and_read(
     assert len(reads) == 1
 
 
-def test_an_offer_of_an_earlier_release_is_handed_a_name_without_a_body(
-        conn: Connection, zk_url: str, zk_client: KazooClient,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A consumer of a release before 0.3 would take a name with a body for a
-    foreign node: its offers (no "~b") are handed plain names."""
-    import celery_zk.broker.handoff as handoff_module
+def test_no_body_in_a_name_while_a_release_before_0_3_leads_recovery(
+        conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
+    """A rolling upgrade from 0.2: the oldest consumer process leads recovery,
+    and 0.2 could not requeue a name with a body (its pass would stop there).
+    While such a process leads, offers say so (no "~b", as 0.2's own offers)
+    and publishers hand over plain names; once it is gone, bodies ride again."""
+    import json
 
-    monkeypatch.setattr(handoff_module, "offer_name", lambda consumer, token:
-                        f"{consumer}~{token}")   # as 0.2 named offers
+    from celery_zk.zk.layout import BODY_IN_NAME
+
+    # A 0.2 worker's node, older than any real one: its data has no body_in_name.
+    old = LAYOUT.consumer("c" + "0" * 16 + "0a0b0c0d")
+    zk_client.create(old, json.dumps({"host": "old", "pid": 1, "queues": []}).encode(),
+                     ephemeral=True, makepath=True)
     queue = Queue("older", Exchange("older", "direct"), "older")
     got: list[Any] = []
-    with consumer(conn, queue, got):
-        expect_idle(conn)
-        wait_until(lambda: offers(zk_client, "older"), 5, 0.02, "no offer was made")
-        assert not offers(zk_client, "older")[0].endswith("~b")
-        publish(zk_url, queue, "plain")
-        conn.drain_events(timeout=5)
-    name = got[0][1].delivery_tag.rpartition("/")[2]
-    assert got[0][0] == "plain" and parse_message_name(name).seq == 0
-    assert "~" not in name
+    try:
+        with consumer(conn, queue, got):
+            expect_idle(conn)
+            wait_until(lambda: offers(zk_client, "older"), 5, 0.02, "no offer was made")
+            mine = json.loads(zk_client.get(
+                LAYOUT.consumer(str(conn.transport.session.consumer_id)))[0])
+            assert mine[BODY_IN_NAME] is True
+            assert not offers(zk_client, "older")[0].endswith("~b")
+            publish(zk_url, queue, "plain")
+            conn.drain_events(timeout=5)
+            name = got[-1][1].delivery_tag.rpartition("/")[2]
+            assert got[-1][0] == "plain" and parse_message_name(name).seq == 0
+            assert "~" not in name
+            zk_client.delete(old)   # the last 0.2 worker stops
+            wait_until(lambda: conn.transport.session.bodies_in_names, 5, 0.02,
+                       "the new leader was not looked at")
+            publish(zk_url, queue, "bridge")   # takes the offer made before, plain
+            conn.drain_events(timeout=5)
+            expect_idle(conn)
+            wait_until(lambda: any(o.endswith("~b") for o in offers(zk_client, "older")), 5,
+                       0.02, "no offer with ~b was made")
+            publish(zk_url, queue, "with body")
+            conn.drain_events(timeout=5)
+            name = got[-1][1].delivery_tag.rpartition("/")[2]
+            assert got[-1][0] == "with body" and inline_body(name) is not None
+    finally:
+        if zk_client.exists(old):
+            zk_client.delete(old)
 
 
 def test_no_offers_with_handoff_off(zk_url: str, zk_client: KazooClient) -> None:

@@ -105,7 +105,12 @@ def test_sigkill_one_of_two_workers_loses_nothing(zk_url: str, start_worker: Any
           f"recovery={recovery:.2f}s (session timeout {session_timeout}s, "
           f"{len([h for h in held if h in dead])} messages held by the killed worker)")
     assert lost == 0
-    assert recovery <= session_timeout + 2
+    # The server expires a session at the first tick (tickTime, 2 s by
+    # default) after its timeout, not at the timeout: up to 4 + 2 s here
+    # (6.01 s seen in CI against the 6 s this said before), then 1 s to
+    # requeue.
+    tick = 2
+    assert recovery <= session_timeout + tick + 1
     # Its auto-delete pidbox queue went too (the leader found no holder); the survivor's stays.
     wait_until(lambda: zk_client.exists(LAYOUT.queue(pidboxes["doomed"][0])) is None, 10,
                message="the killed worker's pidbox queue was left behind")

@@ -180,11 +180,16 @@ def test_result_shards_bound_directory_size() -> None:
 
 
 def test_offer_and_handed_names() -> None:
-    offer = offer_name("c0123456789ab", "abcdef0123456789")
-    assert parse_offer_name(offer) == ("c0123456789ab", "abcdef0123456789", True)
-    # An offer of a release before 0.3 takes no body in a name.
-    assert parse_offer_name("c0123456789ab~abcdef0123456789") == (
-        "c0123456789ab", "abcdef0123456789", False)
+    from celery_zk.zk.layout import offer_token
+
+    offer = offer_name("c0123456789ab", offer_token("abcdef0123456789", True))
+    assert offer == "c0123456789ab~abcdef0123456789~b"
+    assert parse_offer_name(offer) == ("c0123456789ab", "abcdef0123456789~b", True)
+    # An offer of a release before 0.3 (or made while 0.2 leads recovery)
+    # takes no body in a name.
+    plain = offer_name("c0123456789ab", offer_token("abcdef0123456789", False))
+    assert plain == "c0123456789ab~abcdef0123456789"
+    assert parse_offer_name(plain) == ("c0123456789ab", "abcdef0123456789", False)
     assert parse_offer_name("x~y") is None and parse_offer_name("c01") is None
     handed = parse_message_name(handed_name(inverted(7), 3, "abcdef0123456789"))
     assert handed is not None

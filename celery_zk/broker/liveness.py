@@ -252,7 +252,10 @@ class Recovery:
 
     def is_leader(self) -> bool:
         ids = self.live_ids()
-        return bool(ids) and any(m.consumer_id == ids[0] for m in list(self._members))
+        return bool(ids) and self._ours(ids[0])
+
+    def _ours(self, consumer_id: str) -> bool:
+        return any(m.consumer_id == consumer_id for m in list(self._members))
 
     def _run(self) -> None:
         while not self._stopped:
@@ -289,7 +292,7 @@ class Recovery:
             return
         if leader is None:
             takes = False
-        elif any(m.consumer_id == leader for m in list(self._members)):
+        elif self._ours(leader):
             takes = True
         else:
             client = self.session.client
@@ -297,10 +300,7 @@ class Recovery:
                 data, _ = client.retry(client.get, self.layout.consumer(leader))
             except NoNodeError:
                 return   # gone already: the watch tells of the next one
-            try:
-                takes = json.loads(data).get(BODY_IN_NAME) is True
-            except (ValueError, AttributeError):
-                takes = False
+            takes = node_meta(data).get(BODY_IN_NAME) is True
         self.leader_takes_bodies, self._leader_seen = takes, leader
 
     def recover_dead_owners(self) -> int:
@@ -352,10 +352,20 @@ class Recovery:
         self._wake.set()
 
 
+def node_meta(data: bytes | None) -> dict[str, Any]:
+    """A consumer node's data as :meth:`ConsumerSession._data` wrote it
+    (``{"host", "pid", "queues", "body_in_name"}``; before 0.3 without the
+    last), ``{}`` if unreadable."""
+    try:
+        meta = json.loads(data or b"{}")
+    except ValueError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
 def consumer_nodes(client: KazooClient, layout: Layout) -> list[tuple[str, dict[str, Any], float]]:
     """``(consumer id, node data, registered at)`` of every live consumer, oldest
-    first; the data is what :meth:`ConsumerSession.set_queues` wrote
-    (``{"host", "pid", "queues"}``, ``{}`` if unreadable)."""
+    first; the data as :func:`node_meta` reads it."""
     try:
         names = [n for n in client.retry(client.get_children, layout.consumers)
                  if parse_consumer_name(n)]
@@ -368,11 +378,7 @@ def consumer_nodes(client: KazooClient, layout: Layout) -> list[tuple[str, dict[
             data, stat = reply.get()
         except NoNodeError:
             continue   # gone meanwhile
-        try:
-            meta = json.loads(data or b"{}")
-        except ValueError:
-            meta = {}
-        found.append((parse_consumer_name(name) or name, meta if isinstance(meta, dict) else {},
+        found.append((parse_consumer_name(name) or name, node_meta(data),
                       stat.ctime / 1000))
     return sorted(found, key=lambda consumer: consumer[2])
 

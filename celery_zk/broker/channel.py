@@ -211,7 +211,7 @@ class Channel(virtual.Channel):
             inbox.look()
             claimed = inbox.take()
             if claimed is None:
-                inbox.fill(self._claim_limit(), self._in_hand())
+                inbox.fill(self._claim_limit(), self._in_hand(), celery_compat.pool_slots())
                 claimed = inbox.take()
             if claimed is None:
                 raise Empty()

@@ -2,8 +2,9 @@
 
 Without it a message that arrives while its queue is empty costs two durable
 writes in sequence before a consumer has it: the publish and the dispatcher's
-assignment (:mod:`celery_zk.broker.dispatcher`). With it, an idle consumer
-leaves an *offer*, an ephemeral node ``offers/{consumer}~{token}``, and a
+assignment (:mod:`celery_zk.broker.dispatcher`). With it, a consumer with
+nothing waiting in its inbox and a free slot in its worker's pool leaves an
+*offer*, an ephemeral node ``offers/{consumer}~{token}``, and a
 publisher that knows of the offer publishes with one multi that deletes the
 offer, writes the body where every body goes, and creates the message's name
 directly in that consumer's inbox. The consumer learns of it from the watch on
@@ -18,10 +19,13 @@ Why it is safe:
 * When the offer is gone (taken by another publisher, withdrawn), the multi
   changes nothing and the publisher publishes the message as usual. A stale
   cache of offers costs a refused request, never a message.
-* A consumer withdraws its offer (deletes it) when it is given other work,
-  when it stops consuming the queue and when its prefetch fills. Whatever
-  was handed over before that is in its inbox and is delivered (or requeued
-  when it stops).
+* A consumer withdraws its offer (deletes it) when the work it is given or
+  runs fills its worker's pool (every slot busy: a handed message would wait
+  behind it), when it stops consuming the queue and when its prefetch fills.
+  Work from the dispatcher that leaves a slot free keeps the offer: a worker
+  under a steady load, whose queue is empty between tasks, is handed
+  messages too. Whatever was handed over before a withdrawal is in its
+  inbox and is delivered (or requeued when it stops).
 
 The handed name's sequence is zero: the message was handed over while its
 queue was empty, so if it is requeued it goes back ahead of everything that

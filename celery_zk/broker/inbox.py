@@ -4,8 +4,9 @@ A consumer never lists its queue. It registers a node under the queue's
 ``consumers/`` (ephemeral; its data says the consumer's *credit*, how many
 messages its inbox may hold, which is the channel's prefetch) and the queue's
 dispatcher (:mod:`celery_zk.broker.dispatcher`) moves waiting names into its
-inbox, ``owned/{consumer}/``, as its credit allows; an idle consumer also
-leaves an offer, and a publisher may hand a message straight into the inbox
+inbox, ``owned/{consumer}/``, as its credit allows; a consumer with nothing
+waiting in its inbox and a free slot in its worker's pool also leaves an
+offer, and a publisher may hand a message straight into the inbox
 (:mod:`celery_zk.broker.handoff`). The consumer watches only its inbox: a
 persistent watch that names each new entry, or, without persistent watches,
 a one-shot child watch and a listing of the inbox (a handful of names).
@@ -77,12 +78,12 @@ HOLD = 1.0
 #: again whether it may make an offer (nothing wakes it when a task ends: Celery
 #: acked it as it started), doubled while they run, up to the second.
 LOOK_AGAIN = (0.005, 1.0)
-#: Seconds a consumer in an event loop has been idle (nothing to deliver,
-#: nothing in hand) before it makes an offer: one refilled within moments,
-#: as in a drain, would only withdraw it again (two synced writes for nothing).
-#: Doubled, up to the second, each time an offer is withdrawn because the
-#: dispatcher gave work (the queue has a backlog: publishers find no offer
-#: useful), back to the first once a publisher hands a message over.
+#: Seconds a consumer in an event loop waits, dry and with a free pool slot,
+#: before its next offer once an offer was withdrawn because the dispatcher's
+#: work filled its slots (the queue has a backlog, as in a drain: an offer
+#: would be withdrawn again within moments, two synced writes for nothing).
+#: The first such withdrawal waits the first, each next one twice as long, up
+#: to the second; none once a publisher hands a message over.
 OFFER_AFTER = (0.01, 1.0)
 
 
@@ -176,8 +177,10 @@ class Inbox:
         self._look_in = LOOK_AGAIN[0]   # the next look-again's delay
         self._look_at = 0.0             # when the one asked for is due
         self._look_timer: Any = None    # and its timer, cancelled by a delivery
-        self._idle_since: float | None = None   # nothing to deliver, nothing in hand
-        self._offer_after = OFFER_AFTER[0]
+        self._idle_since: float | None = None   # dry (nothing to deliver) since
+        self._offer_after = 0.0
+        # What the last fill was told: tasks in hand, and how many run at once.
+        self._in_hand, self._slots = 0, 1
         self._lock = threading.Lock()
         self._tree_cb = weak_callback(self._on_tree)
         self._one_shot_cb = weak_callback(self._on_one_shot)
@@ -333,9 +336,9 @@ class Inbox:
         self.close()
 
     # -- the consuming thread -------------------------------------------------------
-    def fill(self, limit: int, in_hand: int) -> None:
+    def fill(self, limit: int, in_hand: int, slots: int = 1) -> None:
         """Make up to ``limit`` messages ready in :attr:`buffer` (``in_hand``:
-        delivered and not done with)."""
+        delivered and not done with; ``slots``: how many the worker runs at once)."""
         consumer_id = self._registered()
         if consumer_id is None:
             return
@@ -344,6 +347,7 @@ class Inbox:
             self._hold(consumer_id)
             return
         self.held_since = None
+        self._in_hand, self._slots = in_hand, max(1, slots)
         self._learn(consumer_id)
         self._read_bodies(limit)
         store = self.transport.store
@@ -362,22 +366,25 @@ class Inbox:
             self._read_bodies(limit, block=True)
             return
         self._dry()
-        if (self.consuming and not self.delivered and self.offer is not None
+        slots = self._slots
+        if self.offer is not None and self.offer.outstanding and in_hand >= slots:
+            self._withdraw()   # every slot busy: a handed message would wait
+        if (self.consuming and len(self.delivered) < slots and self.offer is not None
                 and not self.offer.outstanding and self._tree_held):
-            # Dry since: a consumer refilled within moments (a drain) makes no
-            # offer it would withdraw; one that stayed dry while its tasks ran
-            # has no backlog behind it.
+            # Dry since: after a backlog (see OFFER_AFTER) a consumer refilled
+            # within moments makes no offer it would withdraw; one that stayed
+            # dry while its tasks ran has no backlog behind it.
             now = time.monotonic()
             if self._idle_since is None:
                 self._idle_since = now
             wait = self._idle_since + self._offer_after - now
-            if in_hand:
+            if in_hand >= slots:
                 self._look_again(wait)
                 return
             if wait > 0 and self._look_again(wait):
                 return
             self._look_in = LOOK_AGAIN[0]
-            # Idle: let a publisher hand us the next one.
+            # A free slot: let a publisher hand us the next one.
             self.offer.make(consumer_id, self.transport.session.bodies_in_names)
 
     def _look_again(self, wait: float) -> bool:
@@ -524,15 +531,18 @@ class Inbox:
                     first is not None and first < self.pending_first):
                 self.pending_first = first
         self.pending.extend((name, read, sent) for name, read in zip(ordered, reads))
-        if self.offer is not None and self.offer.outstanding:
-            if not handed:   # the dispatcher's work made it useless: offer later
-                self._offer_after = min(self._offer_after * 2, OFFER_AFTER[1])
-            # Given work: no more hand-offs until idle again. After the reads: the
-            # server answers a session's requests in order, and a delete is a
-            # synced write.
+        if (self.offer is not None and self.offer.outstanding
+                and self._in_hand + len(self.buffer) + len(self.pending) >= self._slots):
+            # Given work for every slot: a message handed over now would wait.
+            # Work from the dispatcher (not handed) says the queue has a backlog:
+            # offer later. After the reads: the server answers a session's
+            # requests in order, and a delete is a synced write.
+            if not handed:
+                self._offer_after = min(max(self._offer_after * 2, OFFER_AFTER[0]),
+                                        OFFER_AFTER[1])
             self._withdraw()
         if handed:
-            self._offer_after = OFFER_AFTER[0]   # offers are taken: make them early
+            self._offer_after = 0.0   # offers are taken: make them at once
 
     def _read_bodies(self, limit: int, block: bool = False) -> None:
         """Move landed reads into the buffer."""

@@ -192,6 +192,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     # before its consumer makes its first connection.
     global _worker, _thread_pool
     _worker = True
+    celery_compat.record_worker(sender)
     pool = getattr(sender, "pool_cls", None)   # a class, or still its name
     if isinstance(pool, str):
         from celery import concurrency

@@ -49,6 +49,12 @@
   The same wrapper asks ``Request.revoked()`` again right before the start,
   as Celery does when it hands the task over: a revoke that came while the
   task waited behind others in the pool is honoured.
+* **Pool size**, ``WorkController.pool`` (set by the worker's ``Pool``
+  bootstep) and its ``num_processes`` (``BasePool``'s, ``limit``; prefork's
+  counts the processes, so autoscaling shows): how many tasks the worker of
+  this process runs at once (:func:`pool_slots`). A consumer keeps its
+  hand-off offer while one of them is free. Fallback: the worker's
+  ``concurrency``, else 1 (an offer only while nothing is in hand).
 * **Prefork hand-over**, ``celery.concurrency.prefork.TaskPool.apply_async``
   (``BasePool``'s, not overridden) and the arguments
   ``Request.execute_using_pool`` passes Celery's tracer (task name, task id,
@@ -75,7 +81,8 @@ from . import PrivateAPIChanged, describe
 __all__ = ["BACKEND_HOOKS", "READ_AT", "StartRefused", "drop_unstarted_thread_tasks",
            "flush_unstarted_thread_tasks", "gate_thread_task_starts",
            "hand_prefork_tasks_through", "is_lazy",
-           "is_stray_copy", "missing", "wrap_group_apply_tasks", "wrap_url_masking"]
+           "is_stray_copy", "missing", "pool_slots", "record_worker", "wrap_group_apply_tasks",
+           "wrap_url_masking"]
 
 logger = logging.getLogger(__name__)
 
@@ -407,6 +414,31 @@ def _prefork_problem() -> str | None:
 _prefork_stamp: Callable[[float | None], tuple[Any, ...]] | None = None
 
 
+#: The Celery worker (WorkController) of this process, once it has started.
+_worker: Callable[[], Any] | None = None
+
+
+def record_worker(worker: Any) -> None:
+    """Remember ``worker`` (``worker_init``'s sender), weakly, for :func:`pool_slots`."""
+    global _worker
+    try:
+        _worker = weakref.ref(worker)
+    except TypeError:
+        _worker = None
+
+
+def pool_slots() -> int:
+    """How many tasks this process's Celery worker runs at once; 1 outside a worker."""
+    worker = _worker() if _worker is not None else None
+    if worker is None:
+        return 1
+    for value in (getattr(getattr(worker, "pool", None), "num_processes", None),
+                  getattr(worker, "concurrency", None)):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 1
+
+
 def is_stray_copy(pending_results: Any, result: Any) -> bool:
     """Whether ``result`` is not the object waiting on its task id in a pending
     map that holds one object per id (Celery before 5.7; see above)."""
@@ -423,6 +455,7 @@ def missing(backend: Any = None) -> list[str]:
     import importlib
 
     from celery.app import utils
+    from celery.concurrency import base as pool_base
     from celery.utils import functional
 
     problems = []
@@ -442,6 +475,11 @@ def missing(backend: Any = None) -> list[str]:
     if problem is not None:
         problems.append(str(_changed(problem, "to drop a thread pool's unstarted tasks on "
                                      "a lost connection", "They run after redelivery.")))
+    if not isinstance(getattr(pool_base.BasePool, "num_processes", None), property):
+        problems.append(str(_changed("celery.concurrency.base.BasePool.num_processes",
+                                     "to know when a worker has a free pool slot",
+                                     "A worker offers to take a handed message only while "
+                                     "it holds none.")))
     problem = _prefork_problem()
     if problem is not None:
         problems.append(str(_changed(problem, *_PREFORK_HAND_OVER)))

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from celery_zk.zk.layout import Layout, inline_body, offer_name, parse_message_n
 from .queues import body_path, owned, stored_body, waiting
 from .queues import unowned_creations as creations
 from .sessions import apart
-from .workers import wait_until
+from .workers import read_log, wait_until
 
 LAYOUT = Layout("/")   # as the zk_client fixture sees it: chrooted at the URL's path
 
@@ -478,17 +479,102 @@ def test_offers_back_off_while_the_dispatcher_gives_the_work(
                 offer_name(str(offer.consumer_id), offer.token)]
         for n in range(4):
             run_until(offering, "no offer")
-            before = inbox._offer_after
             publish(waiting_url, queue, n)
             run_until(lambda n=n: len(got) == n + 1, "not delivered")
-            if n:   # the first waited in its bucket as sequence 0, as a handed one is named
-                assert inbox._offer_after == before * 2
-        assert inbox._offer_after == OFFER_AFTER[0] * 8
+            # The first waited in its bucket as sequence 0, as a handed one is
+            # named: no wait after it. Then the first wait, doubled each time.
+            assert inbox._offer_after == (OFFER_AFTER[0] * 2 ** (n - 1) if n else 0.0)
         run_until(offering, "no offer")
         publish(zk_url, queue, "handed")
         run_until(lambda: len(got) == 5, "not delivered")
         assert unowned_creations(zk_client, "backlog") == 4
-        assert inbox._offer_after == OFFER_AFTER[0]
+        assert inbox._offer_after == 0.0
+
+
+def test_work_that_leaves_a_pool_slot_free_keeps_the_offer(
+        zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that runs two tasks at once keeps its offer while the dispatcher
+    gives it one message at a time (a steady load on an empty queue), so a
+    message published meanwhile is handed over; it withdraws the offer once
+    both slots are busy, and offers again when one is free."""
+    import celery.worker.state as worker_state
+
+    import celery_zk.compat.celery as celery_compat
+
+    class Running:   # a task request in Celery's worker state (kept weakly)
+        pass
+
+    monkeypatch.setattr(celery_compat, "pool_slots", lambda: 2)
+    queue = Queue("steady", Exchange("steady", "direct"), "steady")
+    got: list[Any] = []
+    with Connection(zk_url) as conn, consumer(conn, queue, got), \
+            event_loop(conn, monkeypatch) as run_until:
+        offer = conn.transport.inbox("steady").offer
+        assert offer is not None
+        waiting_url = zk_url.replace("handoff=true", "handoff=false")   # takes no offer
+        run_until(lambda: offers(zk_client, "steady"), "no offer")
+        made = offers(zk_client, "steady")
+        for n in range(3):
+            publish(waiting_url, queue, n)
+            run_until(lambda n=n: len(got) == n + 1, "not delivered")
+            assert offers(zk_client, "steady") == made   # the same offer, kept
+        assert unowned_creations(zk_client, "steady") == 3
+        publish(zk_url, queue, "handed")
+        run_until(lambda: len(got) == 4, "not delivered")
+        assert unowned_creations(zk_client, "steady") == 3   # straight into the inbox
+        run_until(lambda: offers(zk_client, "steady") not in ([], made), "no new offer")
+
+        # Two tasks run; what the worker learns of it comes with a delivery.
+        running = [Running(), Running()]
+        worker_state.reserved_requests.update(running)
+        try:
+            publish(waiting_url, queue, "third")
+            run_until(lambda: len(got) == 5, "not delivered")
+            run_until(lambda: not offers(zk_client, "steady") and not offer.outstanding,
+                      "the offer stayed while every slot was busy")
+            deadline = time.monotonic() + 0.2
+
+            def no_offer_for_a_while() -> bool:
+                assert not offers(zk_client, "steady")
+                return time.monotonic() >= deadline
+            run_until(no_offer_for_a_while, "")
+            worker_state.reserved_requests.discard(running.pop())   # one ended
+            run_until(lambda: offers(zk_client, "steady"), "no offer with a slot free again")
+        finally:
+            for request in running:
+                worker_state.reserved_requests.discard(request)
+
+
+@pytest.mark.parametrize("pool, concurrency", [("threads", 1), ("threads", 2), ("prefork", 2)])
+def test_a_real_worker_offers_while_a_pool_slot_is_free(
+        pool: str, concurrency: int, zk_url: str, zk_client: KazooClient,
+        start_worker: Callable[..., Any], task_log: Path) -> None:
+    """A ``celery worker`` running a task still offers while its pool has a
+    free slot (a message published then starts at once), and not while every
+    slot is busy (the message would wait behind the task)."""
+    from celery import Celery
+
+    runs = 4.0
+    start_worker(zk_url, log=task_log, pool=pool, concurrency=concurrency)
+    wait_until(lambda: offers(zk_client, "celery"), 30, 0.05, "an idle worker made no offer")
+    app = Celery("client", broker=zk_url, set_as_current=False)
+    try:
+        app.send_task("proj.app.record_then_sleep", args=("long", runs))
+        wait_until(lambda: read_log(task_log), 10, 0.02, "the task did not start")
+        started = time.monotonic()
+        if concurrency > 1:
+            wait_until(lambda: offers(zk_client, "celery"), runs, 0.02,
+                       "no offer while a slot was free")
+            assert time.monotonic() - started < runs   # made while the task ran
+        else:
+            # A withdrawal sent as the message came may land after the start.
+            wait_until(lambda: not offers(zk_client, "celery"), 2, 0.02,
+                       "the offer stayed while the only slot was busy")
+            while time.monotonic() - started < runs / 2:
+                assert not offers(zk_client, "celery"), "an offer while the only slot was busy"
+                time.sleep(0.05)
+    finally:
+        app.close()
 
 
 @pytest.mark.parametrize("handoff", ["true", "false"])

@@ -443,3 +443,33 @@ def test_a_connect_is_aborted_only_where_a_socket_is() -> None:
         client._connection._socket = None
         left.close()
         right.close()
+
+
+def test_pool_slots_are_the_pool_size_of_this_processs_worker(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery import Celery
+    from celery.concurrency import prefork, thread
+
+    monkeypatch.setattr(celery_compat, "_worker", None)
+    assert celery_compat.pool_slots() == 1   # no worker in this process
+
+    class Worker:   # what worker_init sends: a WorkController
+        concurrency = 3
+        pool: Any = None
+
+    worker = Worker()
+    celery_compat.record_worker(worker)
+    assert celery_compat.pool_slots() == 3   # its pool not made yet
+    worker.pool = thread.TaskPool(limit=5)
+    assert celery_compat.pool_slots() == 5
+    worker.pool = prefork.TaskPool(limit=2, app=Celery(set_as_current=False))
+    assert celery_compat.pool_slots() == 3   # not started: no processes to count yet
+    del worker
+    assert celery_compat.pool_slots() == 1   # kept weakly
+
+
+def test_a_pool_without_num_processes_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery.concurrency import base
+
+    monkeypatch.delattr(base.BasePool, "num_processes")
+    assert any("BasePool.num_processes" in problem for problem in celery_compat.missing())

@@ -123,6 +123,13 @@ def huge_result(size: int) -> str:
 
 
 @app.task
+def record_then_sleep(value: object, seconds: float = 0.5) -> object:
+    _record("record_then_sleep", value)
+    time.sleep(seconds)
+    return value
+
+
+@app.task
 def sleep_then(value: object, seconds: float = 0.5) -> object:
     time.sleep(seconds)
     return value

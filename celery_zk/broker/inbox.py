@@ -83,7 +83,8 @@ LOOK_AGAIN = (0.005, 1.0)
 #: work filled its slots (the queue has a backlog, as in a drain: an offer
 #: would be withdrawn again within moments, two synced writes for nothing).
 #: The first such withdrawal waits the first, each next one twice as long, up
-#: to the second; none once a publisher hands a message over.
+#: to the second; none once a publisher hands a message over or the
+#: dispatcher's work leaves a slot free (a burst in a steady trickle).
 OFFER_AFTER = (0.01, 1.0)
 
 
@@ -531,8 +532,8 @@ class Inbox:
                     first is not None and first < self.pending_first):
                 self.pending_first = first
         self.pending.extend((name, read, sent) for name, read in zip(ordered, reads))
-        if (self.offer is not None and self.offer.outstanding
-                and self._in_hand + len(self.buffer) + len(self.pending) >= self._slots):
+        busy = self._in_hand + len(self.buffer) + len(self.pending) >= self._slots
+        if self.offer is not None and self.offer.outstanding and busy:
             # Given work for every slot: a message handed over now would wait.
             # Work from the dispatcher (not handed) says the queue has a backlog:
             # offer later. After the reads: the server answers a session's
@@ -541,8 +542,10 @@ class Inbox:
                 self._offer_after = min(max(self._offer_after * 2, OFFER_AFTER[0]),
                                         OFFER_AFTER[1])
             self._withdraw()
-        if handed:
-            self._offer_after = 0.0   # offers are taken: make them at once
+        if handed or not busy:
+            # Offers are taken, or the dispatcher's work leaves a slot free (no
+            # backlog behind it, a steady trickle): offer at once.
+            self._offer_after = 0.0
 
     def _read_bodies(self, limit: int, block: bool = False) -> None:
         """Move landed reads into the buffer."""

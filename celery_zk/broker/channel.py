@@ -208,10 +208,11 @@ class Channel(virtual.Channel):
             return payload
         inbox.set_credit(self.qos.prefetch_count or 0)
         while True:
-            inbox.look()
+            in_hand, slots = self._in_hand(), celery_compat.pool_slots()
+            inbox.look(in_hand, slots)
             claimed = inbox.take()
             if claimed is None:
-                inbox.fill(self._claim_limit(), self._in_hand(), celery_compat.pool_slots())
+                inbox.fill(self._claim_limit(), in_hand, slots)
                 claimed = inbox.take()
             if claimed is None:
                 raise Empty()

@@ -578,15 +578,17 @@ class Inbox:
         self.pending_first = min((key for entry in self.pending
                                   if (key := order_key(entry[0])) is not None), default=None)
 
-    def look(self) -> None:
+    def look(self, in_hand: int = 0, slots: int = 1) -> None:
         """Before each delivery: start reading what arrived meanwhile, so its
         reads overlap what the buffer still holds, and move what landed. A
         read of a message that goes before everything in the buffer (given
-        later, earlier in the queue's order) is waited for: it goes first."""
+        later, earlier in the queue's order) is waited for: it goes first.
+        (``in_hand``, ``slots``: as for :meth:`fill`.)"""
         consumer_id = self.consumer_id
         if consumer_id is None:
             return
         if self.arrivals and not self.stale:
+            self._in_hand, self._slots = in_hand, max(1, slots)
             self._learn(consumer_id)
         if not self.pending:
             return

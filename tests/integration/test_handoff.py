@@ -500,6 +500,7 @@ def test_work_that_leaves_a_pool_slot_free_keeps_the_offer(
     import celery.worker.state as worker_state
 
     import celery_zk.compat.celery as celery_compat
+    from celery_zk.broker.inbox import OFFER_AFTER
 
     class Running:   # a task request in Celery's worker state (kept weakly)
         pass
@@ -509,7 +510,8 @@ def test_work_that_leaves_a_pool_slot_free_keeps_the_offer(
     got: list[Any] = []
     with Connection(zk_url) as conn, consumer(conn, queue, got), \
             event_loop(conn, monkeypatch) as run_until:
-        offer = conn.transport.inbox("steady").offer
+        inbox = conn.transport.inbox("steady")
+        offer = inbox.offer
         assert offer is not None
         waiting_url = zk_url.replace("handoff=true", "handoff=false")   # takes no offer
         run_until(lambda: offers(zk_client, "steady"), "no offer")
@@ -540,6 +542,13 @@ def test_work_that_leaves_a_pool_slot_free_keeps_the_offer(
             run_until(no_offer_for_a_while, "")
             worker_state.reserved_requests.discard(running.pop())   # one ended
             run_until(lambda: offers(zk_client, "steady"), "no offer with a slot free again")
+            # Work that leaves a slot free says there is no backlog: the wait a
+            # backlog left (as after a drain) ends.
+            worker_state.reserved_requests.discard(running.pop())
+            inbox._offer_after = OFFER_AFTER[1]
+            publish(waiting_url, queue, "fourth")
+            run_until(lambda: len(got) == 6, "not delivered")
+            assert inbox._offer_after == 0.0
         finally:
             for request in running:
                 worker_state.reserved_requests.discard(request)

@@ -25,8 +25,8 @@
           {unowned name}~{body}       handed over with a copy of its body in the name
                                       (base64url of zlib): the watch event carries it
         owned/{consumer}~{name}       claimed by celery_zk before 0.2 (recovered as before)
-        offers/{consumer}~{token}[~b] ephemeral: an idle consumer offers to take the
-                                      next message (celery_zk.broker.handoff); "~b": it
+        offers/{consumer}~{token}[~b] ephemeral: a consumer with a free pool slot offers
+                                      to take the next message (broker.handoff); "~b": it
                                       reads a body from the name, and so does the
                                       process leading recovery (before 0.3: no "~b")
         dead/{unowned name}           dead-lettered (rejected / undecodable); data: a

@@ -262,7 +262,11 @@ class Dispatcher:
     def _on_owned(self, event_type: int, path: str) -> None:
         if event_type in (NODE_CREATED, NODE_DELETED) and path.count("/") == 1:
             self._inbox_events.append((event_type, path))
-            self._wake.set()
+            # Only a departure frees credit. An arrival is our own gift seen
+            # (counted already) or a hand-off (less to give): read at the next
+            # round, not worth waking this thread for, once per message.
+            if event_type == NODE_DELETED:
+                self._wake.set()
 
     def _on_child_event(self, event: Any) -> None:
         # One-shot watches, without persistent ones: a bucket or an inbox changed.

@@ -182,6 +182,10 @@ class Inbox:
         self._offer_after = 0.0
         # What the last fill was told: tasks in hand, and how many run at once.
         self._in_hand, self._slots = 0, 1
+        # Looked up on every turn of the consuming loop, so kept: our inbox's path
+        # (for consumer_id) and the queue's dispatcher (for a session).
+        self._path: tuple[str | None, str] = (None, "")
+        self._duty: tuple[Any, Dispatcher | None] = (None, None)
         self._lock = threading.Lock()
         self._tree_cb = weak_callback(self._on_tree)
         self._one_shot_cb = weak_callback(self._on_one_shot)
@@ -255,8 +259,12 @@ class Inbox:
 
     def _dispatcher(self) -> Dispatcher:
         transport = self.transport
-        return Dispatcher.of(transport.handle.session, transport.layout, self.options,
-                             self.queue)
+        session = transport.handle.session
+        cached_for, dispatcher = self._duty
+        if cached_for is not session or dispatcher is None:
+            dispatcher = Dispatcher.of(session, transport.layout, self.options, self.queue)
+            self._duty = (session, dispatcher)
+        return dispatcher
 
     def _join(self) -> None:
         """Register under the queue's consumers/ with our credit; the dispatcher
@@ -353,7 +361,7 @@ class Inbox:
         self._read_bodies(limit)
         store = self.transport.store
         if (len(self.buffer) + len(self.pending) <= (self.credit or self.options.claim_batch) // 2
-                and store.holds_acks(self.transport.layout.inbox(self.queue, consumer_id))):
+                and store.holds_acks(self._inbox_path())):
             # Running low: the dispatcher refills our inbox only once it sees our
             # acks, so the acks held back go now, not in ACK_HOLD, and the refill
             # overlaps what is left instead of following it. Only for our own
@@ -473,7 +481,7 @@ class Inbox:
             self.stale = False
             self.arrivals.clear()   # the listing has them
             client = self.transport.handle.client
-            path = self.transport.layout.inbox(self.queue, consumer_id)
+            path = self._inbox_path()
             try:
                 names = client.retry(client.get_children, path,
                                      watch=None if self._tree_held else self._one_shot_cb)
@@ -664,13 +672,17 @@ class Inbox:
         self.delivered.discard(name)
 
     def _tree_active(self) -> bool:
+        if not self._tree_held:
+            return False
         watches = self.transport.watches
-        return (self._tree_held and watches is not None
-                and watches.active(self._inbox_path()))
+        return watches is not None and watches.active(self._inbox_path())
 
     def _inbox_path(self) -> str:
-        assert self.consumer_id is not None
-        return self.transport.layout.inbox(self.queue, self.consumer_id)
+        consumer_id = self.consumer_id
+        assert consumer_id is not None
+        if self._path[0] != consumer_id:
+            self._path = (consumer_id, self.transport.layout.inbox(self.queue, consumer_id))
+        return self._path[1]
 
     def _ensure_watch(self) -> None:
         """Hold the persistent watch on the inbox (added before the listing it covers)."""

@@ -45,6 +45,11 @@ _WRITE = select.POLLOUT
 _TROUBLE = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 
+#: While packets wait in the read buffer, the other sockets (kazoo's wake-up
+#: for requests to send) are looked at every this many packets.
+HELD_PEEK = 8
+
+
 def _fd(fileobj: Any) -> int:
     return fileobj if isinstance(fileobj, int) else int(fileobj.fileno())
 
@@ -62,6 +67,8 @@ class PollingHandler(SequentialThreadingHandler):
     silence: float | None = None
     #: (socket, when): the first write on it since the server was last heard.
     asked: tuple[Any, float] | None = None
+    #: Looks answered from the buffer in a row (see HELD_PEEK).
+    _held_looks = 0
 
     def heard(self, sock: Any) -> None:
         """Bytes came from ``sock``'s server: what was asked is being answered."""
@@ -86,9 +93,17 @@ class PollingHandler(SequentialThreadingHandler):
                      else next((f for f in rlist if self.silent(f)), None))
         if ready is not None:
             # Its packets are here already (or it is silent: its read says
-            # which): look at the rest without waiting.
+            # which): look at the rest without waiting, but only every few
+            # packets while a buffer drains (a busy consumer's burst of watch
+            # events): a poll() per packet released the GIL to the consuming
+            # thread and took it back, once per event. Every HELD_PEEK-th look
+            # still sees a request waiting to be sent (kazoo's PR #633).
+            self._held_looks += 1
+            if ready is self.held and not wlist and self._held_looks % HELD_PEEK:
+                return [ready], [], []
             readable, writable = self._poll([f for f in rlist if f is not ready], wlist, 0)
             return [ready, *readable], writable, []
+        self._held_looks = 0
         readable, writable = self._poll(rlist, wlist, timeout)
         return readable, writable, []
 

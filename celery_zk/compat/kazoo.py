@@ -167,21 +167,8 @@ class _BufferedReads:
             self.sock, self.buf, self.pieces = sock, bytearray(), 0
         buf = self.buf
         try:
-            with connection._socket_error_handling():
-                while len(buf) < length:
-                    if handler.silent(sock):   # dead, unless its bytes came just now
-                        if not handler.wait_readable(sock, 0):
-                            raise ConnectionDropped(
-                                f"no reply from the server for {handler.silence:.1f}s "
-                                "while requests waited: taken for dead (a partition?)")
-                    elif not handler.wait_readable(sock, timeout):
-                        raise handler.timeout_exception("socket time-out during read")
-                    chunk = sock.recv(max(READ_SIZE, length - len(buf)))
-                    self.recvs += 1
-                    if not chunk:
-                        raise ConnectionDropped("socket connection broken")
-                    handler.heard(sock)
-                    buf += chunk
+            if len(buf) < length:   # the socket's error handling only around socket calls
+                self._fill(sock, length, timeout)
             data = bytes(buf[:length])
             del buf[:length]
             self.reads += 1
@@ -193,6 +180,25 @@ class _BufferedReads:
             # not wait on the socket for them.
             handler.held = sock if buf else None
         return data
+
+    def _fill(self, sock: Any, length: int, timeout: float) -> None:
+        """Read from ``sock`` until the buffer holds ``length`` bytes."""
+        connection, handler, buf = self.connection, self.handler, self.buf
+        with connection._socket_error_handling():
+            while len(buf) < length:
+                if handler.silent(sock):   # dead, unless its bytes came just now
+                    if not handler.wait_readable(sock, 0):
+                        raise ConnectionDropped(
+                            f"no reply from the server for {handler.silence:.1f}s "
+                            "while requests waited: taken for dead (a partition?)")
+                elif not handler.wait_readable(sock, timeout):
+                    raise handler.timeout_exception("socket time-out during read")
+                chunk = sock.recv(max(READ_SIZE, length - len(buf)))
+                self.recvs += 1
+                if not chunk:
+                    raise ConnectionDropped("socket connection broken")
+                handler.heard(sock)
+                buf += chunk
 
     def _granted(self, connect_response: bytes) -> None:
         """The first packet of a connection is ZooKeeper's ConnectResponse

@@ -19,7 +19,11 @@ therefore need three private names, all here:
   holds in one ``recv()``. kazoo waits for and reads every packet in two
   steps (its length, then the rest): four system calls a packet, each
   giving up the GIL to the process's other threads and waiting to get it
-  back; under load a read now takes many packets. The same reader notes
+  back; under load a read now takes many packets. The watch events that
+  wait in that buffer right behind one kazoo's loop read are handed out
+  with it (up to the first reply, so the server's order holds), not one per
+  turn of the loop: a busy consumer gets an event per message given, acked
+  and moved. The same reader notes
   every byte that arrives and the session timeout the server granted (the
   first packet, ZooKeeper's ConnectResponse), for the handler's watch on a
   silent server (:mod:`celery_zk.zk.handler`), which sees each write
@@ -126,16 +130,36 @@ def intercept_watch_events(client: KazooClient,
     if data_watchers is None or child_watchers is None:
         raise _changed("KazooClient._data_watchers/_child_watchers")
 
-    def read_watch_event(buffer: bytes, offset: int) -> Any:
+    def read_one(buffer: bytes, offset: int) -> None:
         watch, _ = Watch.deserialize(buffer, offset)
         taken = ours(watch.type, client.unchroot(watch.path))
         # kazoo replaces these dicts on a session change: read them each time.
         if (not taken or watch.path in client._data_watchers
                 or watch.path in client._child_watchers):
-            return original(buffer, offset)   # kazoo's own watchers
-        return None
+            original(buffer, offset)   # kazoo's own watchers
+
+    def read_watch_event(buffer: bytes, offset: int) -> None:
+        read_one(buffer, offset)
+        # The events right behind it in the read buffer, here and now: a busy
+        # consumer's burst (an event per message given, acked, moved) costs a
+        # turn of kazoo's loop per event otherwise. Only events, and only up to
+        # the first reply: the order the server sent them in is kept.
+        reads = connection._read   # type: ignore[union-attr]
+        if isinstance(reads, _BufferedReads):
+            for packet in reads.watch_events(EVENT_BATCH):
+                read_one(packet, _REPLY_HEADER)
 
     connection._read_watch_event = read_watch_event  # type: ignore[union-attr]
+
+
+#: Most watch events read from the buffer behind the one kazoo's loop read,
+#: before its loop gets a turn (it also sends requests).
+EVENT_BATCH = 64
+#: ZooKeeper's reply header (xid, zxid, err) before a watch event's body, and
+#: the xid of a watch event.
+_REPLY_HEADER = 16
+_WATCH_XID = -1
+_INT = struct.Struct("!i")
 
 
 #: Most bytes one read takes from the socket: a few hundred packets of a busy
@@ -180,6 +204,22 @@ class _BufferedReads:
             # not wait on the socket for them.
             handler.held = sock if buf else None
         return data
+
+    def watch_events(self, most: int) -> list[bytes]:
+        """Up to ``most`` whole watch-event packets (each from its reply header
+        on) from the head of the buffer, taken out of it; none once the next
+        packet is a reply or not all here."""
+        buf, taken = self.buf, []
+        while len(taken) < most and len(buf) >= 8:
+            length = _INT.unpack_from(buf, 0)[0]
+            if len(buf) < 4 + length or _INT.unpack_from(buf, 4)[0] != _WATCH_XID:
+                break
+            taken.append(bytes(buf[4:4 + length]))
+            del buf[:4 + length]
+        if taken:
+            self.reads += 2 * len(taken)
+            self.handler.held = self.sock if buf else None
+        return taken
 
     def _fill(self, sock: Any, length: int, timeout: float) -> None:
         """Read from ``sock`` until the buffer holds ``length`` bytes."""

@@ -188,3 +188,38 @@ def test_an_idle_connection_is_never_taken_for_dead(pairs: list) -> None:
     ours, theirs, handler, read = connected(pairs, granted_ms=90)
     threading.Event().wait(0.1)
     assert handler.select([ours], [], [], 0) == ([], [], [])
+
+
+def event(xid: int, body: bytes) -> bytes:
+    """A packet with ZooKeeper's reply header (xid, zxid, err) and ``body``."""
+    return packet(struct.pack("!iqi", xid, 7, 0) + body)
+
+
+def test_watch_events_behind_one_are_taken_up_to_the_first_reply(pairs: list) -> None:
+    a, b = pair(pairs)
+    connection = Connection(a)
+    read = _BufferedReads(connection, never, connection.handler)
+    b.sendall(event(-1, b"first") + event(-1, b"second") + event(-1, b"third")
+              + event(5, b"reply") + event(-1, b"after"))
+    assert read_packet(read)[16:] == b"first"   # kazoo's loop reads one
+    taken = read.watch_events(1)   # at most this many
+    assert [p[16:] for p in taken] == [b"second"]
+    assert [p[16:] for p in read.watch_events(64)] == [b"third"]   # not past the reply
+    assert connection.handler.held is a   # the reply waits in the buffer
+    assert read.watch_events(64) == []
+    assert read_packet(read)[16:] == b"reply"
+    assert [p[16:] for p in read.watch_events(64)] == [b"after"]
+    assert connection.handler.held is None
+
+
+def test_an_event_not_all_here_is_left_for_the_socket(pairs: list) -> None:
+    a, b = pair(pairs)
+    connection = Connection(a)
+    read = _BufferedReads(connection, never, connection.handler)
+    whole, partial = event(-1, b"whole"), event(-1, b"x" * 100)
+    b.sendall(event(-1, b"first") + whole + partial[:20])
+    assert read_packet(read)[16:] == b"first"
+    assert [p[16:] for p in read.watch_events(64)] == [b"whole"]
+    assert read.watch_events(64) == []
+    b.sendall(partial[20:])
+    assert read_packet(read)[16:] == b"x" * 100

@@ -74,6 +74,8 @@ IDLE = 1.0
 #: Seconds undelivered messages may wait in the inbox while the channel takes
 #: none (its prefetch is full: a long task) before they go back to the queue.
 HOLD = 1.0
+#: Seconds between two looks of a full channel at what waits in its inbox.
+HOLD_LOOK = 0.01
 #: Seconds after which an idle consumer whose worker still runs tasks looks
 #: again whether it may make an offer (nothing wakes it when a task ends: Celery
 #: acked it as it started), doubled while they run, up to the second.
@@ -162,6 +164,7 @@ class Inbox:
         self.deep = False                     # lookahead on: credit lookahead x prefetch
         self.took: deque[float] = deque()     # when the last `prefetch` deliveries were
         self.held_since: float | None = None  # the inbox fell behind its pace (_hold)
+        self._hold_look_at = 0.0              # when _hold looks again
         self.consuming = 0                    # channels consuming it
         self.taken: set[str] = set()          # entries read or being read (not to take twice)
         self.delivered: set[str] = set()      # entries handed to kombu, not yet settled
@@ -433,10 +436,15 @@ class Inbox:
         in the inbox would take more than HOLD s to deliver at the pace of the
         last deliveries, and has for HOLD s, it goes back to the queue, for
         other consumers, and the lookahead ends."""
+        now = time.monotonic()
+        # Asked after every delivery that fills the channel (each task of a busy
+        # prefork worker): judged every HOLD_LOOK s, HOLD s is what counts.
+        if now < self._hold_look_at:
+            return
+        self._hold_look_at = now + HOLD_LOOK
         # What arrived since the channel filled waits too: given while our acks
         # (held back, see ACK_HOLD) freed room, or just before the credit fell.
         self._learn(consumer_id)
-        now = time.monotonic()
         # Full between quick deliveries (a prefork worker's prefetch, in a drain)
         # is no hold: the pace, not the moment, says whether the inbox empties.
         excess = held_back(len(self.buffer) + len(self.pending), self.took, now)

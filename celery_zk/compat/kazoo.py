@@ -209,7 +209,8 @@ class _BufferedReads:
         """Up to ``most`` whole watch-event packets (each from its reply header
         on) from the head of the buffer, taken out of it; none once the next
         packet is a reply or not all here."""
-        buf, taken = self.buf, []
+        buf = self.buf
+        taken: list[bytes] = []
         while len(taken) < most and len(buf) >= 8:
             length = _INT.unpack_from(buf, 0)[0]
             if len(buf) < 4 + length or _INT.unpack_from(buf, 4)[0] != _WATCH_XID:

@@ -9,7 +9,8 @@ benchmarks/README.md, "Throughput as workers are added".
           ``--tasks`` no-op tasks, started together at a gate: tasks/s, CPU
           per task machine-wide (``machine.py``), for zk failed ZooKeeper
           transactions per task (server's log, ``txnlog.py``; workers' CLAIMS).
-(single)  one ``-P threads -c 4`` and one ``-P prefork -c 4`` worker, the same way.
+(single)  one ``-P threads -c 4`` and one ``-P prefork -c 4`` worker, the same way
+          (``--pools prefork``: only that one).
 (latency) ``shapes.py``'s latency shapes, idle and under ``--load`` tasks/s.
 
 Usage::
@@ -183,6 +184,8 @@ class Run:
                         server, f"k{k}", k, "threads", 1, args.tasks)
             if "single" in args.only:
                 for pool, concurrency in SINGLE:
+                    if pool not in args.pools:
+                        continue
                     out.setdefault("single", {})[f"{pool} -c {concurrency}"] = self.undisturbed(
                         server, pool, 1, pool, concurrency, args.single_tasks)
             if "latency" in args.only:
@@ -342,6 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ks", help="worker processes per scaling drain (default 1,4,16)")
     parser.add_argument("--tasks", type=int, help="scaling backlog (default 6000)")
     parser.add_argument("--single-tasks", type=int, help="single-worker backlog (3000)")
+    parser.add_argument("--pools", default="threads,prefork",
+                        help="the single-worker pools to run (default threads,prefork)")
     parser.add_argument("--samples", type=int, help="latency samples per shape (200)")
     parser.add_argument("--load", type=float, default=200.0, help="background tasks/s")
     parser.add_argument("--settle", type=float, default=120.0,
@@ -358,6 +363,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.ks = [int(k) for k in (args.ks or ("1,4" if quick else "1,4,16")).split(",")]
     args.tasks = args.tasks or (600 if quick else 6000)
     args.single_tasks = args.single_tasks or (300 if quick else 3000)
+    args.pools = [p for p in args.pools.split(",") if p]
+    unknown = set(args.pools) - {pool for pool, _ in SINGLE}
+    if unknown:
+        parser.error(f"--pools: unknown {', '.join(sorted(unknown))}; "
+                     f"choose from {', '.join(pool for pool, _ in SINGLE)}")
     args.samples = args.samples or (20 if quick else 200)
     args.brokers = [b for b in args.brokers.split(",") if b]
     args.only = [p for p in args.only.split(",") if p]

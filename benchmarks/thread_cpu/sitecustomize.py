@@ -1,0 +1,96 @@
+"""Where a ``celery worker`` parent's CPU goes, thread by thread, per task.
+
+Not imported by celery_zk: a benchmark puts this directory first on the
+workers' ``PYTHONPATH`` and sets ``BENCH_THREAD_CPU_DIR``; Python then runs
+this file in every process it starts. In a ``celery worker`` it starts a
+daemon thread that, every 50 ms, notes the tasks received so far (Celery's
+``Request`` objects made in this process), the process's CPU time, and
+every 200 ms each of its threads' CPU (``/proc/self/task``, by thread name)
+and that of its child processes (a prefork pool). ``thread_cpu.py`` turns
+the samples into microseconds per task between 10% and 90% of the tasks.
+Elsewhere it does nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+_OUT = os.environ.get("BENCH_THREAD_CPU_DIR")
+_count = [0]
+
+
+def _ticks(stat_line: str) -> float:
+    fields = stat_line.rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> float:
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                line = f.read()
+        except OSError:
+            continue
+        if int(line.rpartition(")")[2].split()[1]) == pid:
+            total += _ticks(line)
+    return total
+
+
+def _threads() -> dict[str, float]:
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    found: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                found[names.get(int(tid), tid)] = _ticks(f.read())
+        except OSError:
+            pass
+    return found
+
+
+def _count_requests() -> bool:
+    module = sys.modules.get("celery.worker.request")
+    request = getattr(module, "Request", None)
+    if request is None:
+        return False
+    made = request.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _count[0] += 1
+        made(self, *args, **kwargs)
+    request.__init__ = __init__   # subclasses made per task type look it up here
+    return True
+
+
+def _sample(pid: int, pool: str) -> None:
+    samples: list[Any] = []
+    counting = False
+    turn = 0
+    while os.getpid() == pid:   # a forked child has no such thread anyway
+        counting = counting or _count_requests()
+        times = os.times()
+        detail = {}
+        if turn % 4 == 0:
+            detail = _threads()
+            detail["(children)"] = _children(pid)
+        samples.append((time.monotonic(), times.user + times.system, _count[0], detail))
+        turn += 1
+        if turn % 10 == 0 and _count[0]:
+            path = os.path.join(_OUT or ".", f"{pid}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump({"pool": pool, "samples": samples}, f)
+            os.replace(path + ".tmp", path)
+        time.sleep(0.05)
+
+
+if _OUT and "worker" in sys.argv:
+    _pool = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--pool=")), "?")
+    threading.Thread(target=_sample, args=(os.getpid(), _pool), daemon=True,
+                     name="bench-thread-cpu").start()

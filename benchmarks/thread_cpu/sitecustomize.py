@@ -23,8 +23,12 @@ _OUT = os.environ.get("BENCH_THREAD_CPU_DIR")
 _count = [0]
 
 
-def _ticks(stat_line: str) -> float:
-    fields = stat_line.rpartition(")")[2].split()
+def _fields(stat_line: str) -> list[str]:
+    """A /proc stat line's fields after the command name (state, ppid, ...)."""
+    return stat_line.rpartition(")")[2].split()
+
+
+def _ticks(fields: list[str]) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -38,8 +42,9 @@ def _children(pid: int) -> float:
                 line = f.read()
         except OSError:
             continue
-        if int(line.rpartition(")")[2].split()[1]) == pid:
-            total += _ticks(line)
+        fields = _fields(line)
+        if int(fields[1]) == pid:
+            total += _ticks(fields)
     return total
 
 
@@ -49,7 +54,7 @@ def _threads() -> dict[str, float]:
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
-                found[names.get(int(tid), tid)] = _ticks(f.read())
+                found[names.get(int(tid), tid)] = _ticks(_fields(f.read()))
         except OSError:
             pass
     return found

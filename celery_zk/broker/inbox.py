@@ -445,6 +445,7 @@ class Inbox:
         # What arrived since the channel filled waits too: given while our acks
         # (held back, see ACK_HOLD) freed room, or just before the credit fell.
         self._learn(consumer_id)
+        now = time.monotonic()   # after a listing's round trip, as before the rate limit
         # Full between quick deliveries (a prefork worker's prefetch, in a drain)
         # is no hold: the pace, not the moment, says whether the inbox empties.
         excess = held_back(len(self.buffer) + len(self.pending), self.took, now)

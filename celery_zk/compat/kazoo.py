@@ -54,8 +54,8 @@ from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionDropped
-from kazoo.protocol.connection import ConnectionHandler
-from kazoo.protocol.serialization import Watch
+from kazoo.protocol.connection import WATCH_XID, ConnectionHandler
+from kazoo.protocol.serialization import Watch, int_struct, reply_header_struct
 
 from . import PrivateAPIChanged, describe
 
@@ -147,7 +147,7 @@ def intercept_watch_events(client: KazooClient,
         reads = connection._read   # type: ignore[union-attr]
         if isinstance(reads, _BufferedReads):
             for packet in reads.watch_events(EVENT_BATCH):
-                read_one(packet, _REPLY_HEADER)
+                read_one(packet, reply_header_struct.size)
 
     connection._read_watch_event = read_watch_event  # type: ignore[union-attr]
 
@@ -155,11 +155,6 @@ def intercept_watch_events(client: KazooClient,
 #: Most watch events read from the buffer behind the one kazoo's loop read,
 #: before its loop gets a turn (it also sends requests).
 EVENT_BATCH = 64
-#: ZooKeeper's reply header (xid, zxid, err) before a watch event's body, and
-#: the xid of a watch event.
-_REPLY_HEADER = 16
-_WATCH_XID = -1
-_INT = struct.Struct("!i")
 
 
 #: Most bytes one read takes from the socket: a few hundred packets of a busy
@@ -212,8 +207,10 @@ class _BufferedReads:
         buf = self.buf
         taken: list[bytes] = []
         while len(taken) < most and len(buf) >= 8:
-            length = _INT.unpack_from(buf, 0)[0]
-            if len(buf) < 4 + length or _INT.unpack_from(buf, 4)[0] != _WATCH_XID:
+            # kazoo's own wire constants: a packet's length, then its reply
+            # header (xid, zxid, err), whose xid says a watch event.
+            length = int_struct.unpack_from(buf, 0)[0]
+            if len(buf) < 4 + length or int_struct.unpack_from(buf, 4)[0] != WATCH_XID:
                 break
             taken.append(bytes(buf[4:4 + length]))
             del buf[:4 + length]

@@ -17,22 +17,27 @@ operation, as for ``client.transaction()``. It is queued with
 """
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.protocol.serialization import CheckVersion, Create, Delete, SetData, Transaction
+from kazoo.protocol.serialization import (
+    CheckVersion,
+    Create,
+    Delete,
+    SetData,
+    Transaction,
+    int_struct,
+    multiheader_struct,
+)
 from kazoo.security import OPEN_ACL_UNSAFE
 
 from ..compat import kazoo as kazoo_compat
 
 __all__ = ["Multi"]
 
-_INT = struct.Struct("!i")
-#: ZooKeeper's MultiHeader (type, done, err): one before each operation, a
-#: done one after the last.
-_HEADER = struct.Struct("!iBi")
-_END = _HEADER.pack(-1, True, -1)
+#: The done MultiHeader (type, done, err) after the last operation; each
+#: operation has one of its own before it.
+_END = multiheader_struct.pack(-1, True, -1)
 _acls: dict[tuple[Any, ...], bytes] = {}
 
 
@@ -41,11 +46,11 @@ def _acl_bytes(acl: Any) -> bytes:
     key = tuple(acl)
     found = _acls.get(key)
     if found is None:
-        parts = [_INT.pack(len(key))]
+        parts = [int_struct.pack(len(key))]
         for entry in key:
             scheme, ident = entry.id.scheme.encode(), entry.id.id.encode()
-            parts += [_INT.pack(entry.perms), _INT.pack(len(scheme)), scheme,
-                      _INT.pack(len(ident)), ident]
+            parts += [int_struct.pack(entry.perms), int_struct.pack(len(scheme)), scheme,
+                      int_struct.pack(len(ident)), ident]
         found = _acls[key] = b"".join(parts)
     return found
 
@@ -61,20 +66,20 @@ class _Request(Transaction):
         for op in self.operations:
             kind = op.type
             path = op.path.encode()
-            add(_HEADER.pack(kind, False, -1))
-            add(_INT.pack(len(path)))
+            add(multiheader_struct.pack(kind, False, -1))
+            add(int_struct.pack(len(path)))
             add(path)
             if kind == Create.type:
-                add(_INT.pack(len(op.data)))
+                add(int_struct.pack(len(op.data)))
                 add(op.data)
                 add(_acl_bytes(op.acl))
-                add(_INT.pack(op.flags))
+                add(int_struct.pack(op.flags))
             elif kind == SetData.type:
-                add(_INT.pack(len(op.data)))
+                add(int_struct.pack(len(op.data)))
                 add(op.data)
-                add(_INT.pack(op.version))
+                add(int_struct.pack(op.version))
             else:   # Delete, CheckVersion: a version
-                add(_INT.pack(op.version))
+                add(int_struct.pack(op.version))
         add(_END)
         return b"".join(parts)
 

@@ -67,6 +67,8 @@ class Acking(StoreBase):
         self._acks: list[tuple[str, str]] = []   # (owned path, consumer node) held back
         self._held_in: set[str] = set()   # the inboxes those are in
         self._acks_lock = threading.Lock()
+        # Held from taking the acks until their multis are queued: see send_held_acks.
+        self._send_lock = threading.Lock()
         self._drops: RedoThread[str] = RedoThread("celery_zk-drop", self._drop_again)
 
     def body_of(self, owned_path: str) -> str | None:
@@ -177,10 +179,21 @@ class Acking(StoreBase):
         consumer node, which every one of them checks. False on timeout."""
         return self._ack_retries.join(timeout)
 
+    def send_held_acks(self) -> None:
+        """Queue every ack held back so far, before a request sent after this
+        (a closing connection's delete of its consumer node, which each ack
+        checks). Not :meth:`Deferred.flush` alone: a flush on another thread
+        may have taken our send and not made it yet; then this waits for it."""
+        self._send_acks()
+
     def _send_acks(self) -> None:
-        with self._acks_lock:
-            acks, self._acks = self._acks, []
-            self._held_in = set()
+        with self._send_lock:
+            with self._acks_lock:
+                acks, self._acks = self._acks, []
+                self._held_in = set()
+            self._send(acks)
+
+    def _send(self, acks: list[tuple[str, str]]) -> None:
         by_owner: dict[str, list[str]] = {}
         for owned_path, consumer_node in acks:
             if self._big(owned_path):   # its chunks: read, then deleted, on that thread

@@ -419,6 +419,7 @@ class Transport(virtual.Transport):
         try:
             if self.handle.started:
                 self.store.deferred.flush()   # acks held back must land before we go
+                self.store.send_held_acks()   # ours, even if another thread's flush took them
                 if not self.store.acks_landed(timeout=self.settings.options.session_timeout):
                     logger.warning("celery_zk: closing before every ack landed; the "
                                    "messages not acked will run again (at-least-once)")

@@ -661,6 +661,35 @@ def test_two_consumers_claiming_without_waiting_deliver_each_message_once(
         f"delivered more than once {twice}")
 
 
+def test_a_closing_connection_sends_its_held_acks_before_it_deletes_its_node(
+        zk_url: str) -> None:
+    """Held-back acks go through the session's Deferred, whose flush takes
+    what is pending under its lock and sends it outside. A flush on another
+    thread (the Deferred's own, or another connection's close) that took a
+    connection's ack send and had not made it yet when that connection
+    closed: the close found nothing pending, deleted its consumer node, and
+    the ack, sent after, was refused by the node's check. Recovery then gave
+    the acked message to another consumer (the two-consumer race test saw
+    one message twice so). The closing connection sends its own held acks."""
+    queue = Queue("held", Exchange("held", "direct"), "held")
+    with Connection(zk_url) as other:   # keeps the session (and recovery) alive
+        other.connect()
+        with Connection(zk_url) as conn:
+            Producer(conn.channel()).publish({"i": 1}, exchange=queue.exchange,
+                                             routing_key="held", declare=[queue])
+            assert [body for body, _ in drain(conn, queue, 1)] == [{"i": 1}]
+            # What a flush on another thread does first: take what is pending.
+            deferred = conn.default_channel.connection.store.deferred
+            with deferred._cond:
+                taken, deferred._pending = deferred._pending, []
+                deferred._due = None
+            assert taken, "the ack was not held back (ACK_HOLD)"
+        for send in taken:   # ... and then, later, send it
+            send()
+        got = drain(other, queue, 1, timeout=3)
+        assert [body for body, _ in got] == [], "an acked message was delivered again"
+
+
 def test_kombus_failover_switch_keeps_the_zk_url(zk_url: str) -> None:
     """kombu's failover moves to the next of several ``;``-separated URLs with
     ``Connection.switch(url)``, which leaves a bare host in ``hostname`` (and,

@@ -63,6 +63,14 @@ class Worker:
             time.sleep(0.05)
         raise AssertionError(f"worker {self.name} never printed {text!r}:\n{self.output()}")
 
+    def diagnosis(self, tail: int = 30000) -> str:
+        """The end of the worker's output after it logged every thread's stack
+        (Celery's SIGUSR1 handler): for a failure that says it stalled."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGUSR1)
+            time.sleep(1.0)
+        return self.output()[-tail:]
+
     @property
     def pid(self) -> int:
         assert self.proc is not None

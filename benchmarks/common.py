@@ -470,14 +470,14 @@ class Workers:
 
     @contextmanager
     def worker(self, broker: str, queue: str, backend: str | None = None,
-               env: dict[str, str] | None = None, wait: bool = True
+               env: dict[str, str] | None = None, wait: bool = True, pool: str = "threads"
                ) -> Iterator[tuple[subprocess.Popen[bytes], float]]:
         """A worker on ``queue``; yields (process, time.time() at spawn)."""
         self.started += 1
         name = f"{self.prefix}{self.started}"
         spawned = time.time()
         proc = spawn_worker(self.procs, self.work_dir, name, broker, queue, backend=backend,
-                            env=env, wait=wait)
+                            env=env, pool=pool, wait=wait)
         try:
             yield proc, spawned
             if proc.poll() is not None:

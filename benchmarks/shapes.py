@@ -40,6 +40,7 @@ import argparse
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -79,12 +80,15 @@ GROUP_SIZE = 1000
 
 
 # -- background load -----------------------------------------------------------------
-def load_main(url: str, queue: str, rate: float) -> None:
-    """The load process: ``rate`` no-op tasks per second into ``queue`` until killed."""
+def load_main(url: str, queue: str, rate: float, count_file: str = "") -> None:
+    """The load process: ``rate`` no-op tasks per second into ``queue`` until
+    killed; with ``count_file``, how many it has published so far is kept
+    there (a machine too busy to keep up publishes fewer)."""
     app = make_app(url)
     noop = app.tasks[NOOP]
     start = time.monotonic()
     index = 0
+    counter = os.open(count_file, os.O_WRONLY | os.O_CREAT, 0o644) if count_file else None
     while True:
         due = start + index / rate
         delay = due - time.monotonic()
@@ -92,22 +96,26 @@ def load_main(url: str, queue: str, rate: float) -> None:
             time.sleep(delay)
         noop.apply_async((index,), queue=queue)
         index += 1
+        if counter is not None:
+            os.pwrite(counter, b"%12d" % index, 0)
 
 
 @contextmanager
-def load(procs: Processes, work_dir: str, url: str, queue: str, rate: float
-         ) -> Iterator[None]:
+def load(procs: Processes, work_dir: str, url: str, queue: str, rate: float,
+         count_file: str = "") -> Iterator[subprocess.Popen[bytes] | None]:
+    """The load process, publishing ``rate`` tasks/s (none if 0) while in the
+    block (``count_file``: see :func:`load_main`)."""
     if rate <= 0:
-        yield
+        yield None
         return
     out = os.path.join(work_dir, f"load-{queue}.out")
     proc = procs.spawn([sys.executable, os.path.abspath(__file__), "--load-process", url,
-                        queue, str(rate)], out, child_env())
+                        queue, str(rate), count_file], out, child_env())
     try:
         time.sleep(2.0)   # connected and steady
         if proc.poll() is not None:
             raise RuntimeError(f"load process exited:\n{tail(out)}")
-        yield
+        yield proc
     finally:
         procs.stop_and_remove(proc)
 
@@ -291,7 +299,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--load-process"]:
-        load_main(argv[1], argv[2], float(argv[3]))
+        load_main(argv[1], argv[2], float(argv[3]), *argv[4:5])
         return 0
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # clean up as on Ctrl-C

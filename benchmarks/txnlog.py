@@ -38,6 +38,7 @@ class TxnCounts:
     failed_multis: int = 0
     failed_requests: int = 0  # single requests that failed (a create that found its node)
     errors: dict[str, int] = field(default_factory=dict)   # by kind and error code
+    kinds: dict[str, int] = field(default_factory=dict)    # every transaction, by type
 
     def add_error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -59,6 +60,9 @@ def last_zxid(host: str, port: int) -> int:
 #: KeeperException codes a queue's transactions meet.
 CODES = {-101: "NoNode", -103: "BadVersion", -110: "NodeExists", -111: "NotEmpty",
          -2: "RuntimeInconsistency"}
+#: ZooKeeper's OpCodes of the transactions a log holds.
+KINDS = {1: "create", 2: "delete", 5: "setData", 14: "multi", 15: "create2",
+         -10: "createSession", -11: "closeSession", -1: "error"}
 
 
 def _multi_error(entry: bytes, offset: int) -> int | None:
@@ -99,6 +103,8 @@ def count(data_dir: str, after: int, upto: int) -> TxnCounts:
                 if not after < zxid <= upto:
                     continue
                 counts.transactions += 1
+                name = KINDS.get(kind, str(kind))
+                counts.kinds[name] = counts.kinds.get(name, 0) + 1
                 if kind == ERROR:
                     counts.failed_requests += 1
                     code = INT.unpack_from(entry, TXN_HEADER.size)[0]

@@ -360,9 +360,15 @@ class Dispatcher:
             hungry = [c for c in self.consumers.values() if c.free > 0]
             if not hungry:
                 break
-            if self._stale_listing or not self.head.names:
+            if self._stale_listing or not (self.head.names or self.head.complete):
                 if not self._list():
                     break
+            elif not self.head.names:
+                # The last listing saw every waiting message and the watches
+                # added each one since: nothing waits. (Listing here cost two
+                # requests per message in a trickle, whose head runs out at
+                # every give.)
+                break
             plan, retry_in = self._plan(hungry)
             if not plan:
                 break

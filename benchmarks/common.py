@@ -184,6 +184,10 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
     timeline.py)."""
     parser.add_argument("--zk-force-sync", choices=("yes", "no"), default="yes",
                         help="ZooKeeper's forceSync (fsync every write; default yes)")
+    parser.add_argument("--zk-warm-up", type=float, default=30.0, metavar="SECONDS",
+                        help="before measuring zk, run a worker under a steady load for "
+                             "this long: the server's JIT compiles its request path "
+                             "meanwhile, as a server running for days has (default 30)")
     parser.add_argument("--zk-jvm-flag", action="append", default=[], metavar="FLAG",
                         help="extra JVM flag for the ZooKeeper server, repeatable, e.g. "
                              "-Dzookeeper.commitProcessor.numWorkerThreads=0")

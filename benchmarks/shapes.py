@@ -120,6 +120,24 @@ def load(procs: Processes, work_dir: str, url: str, queue: str, rate: float,
         procs.stop_and_remove(proc)
 
 
+def warm_up_with_load(procs: Processes, work_dir: str, url: str, seconds: float) -> None:
+    """A worker under ``--load``'s steady load for ``seconds``, on a queue of its
+    own. ZooKeeper's JVM compiles its request path with C2 for about half a
+    minute of such a load (its C2 compiler thread took 0.4 of a core for 25 s,
+    then nothing: ``benchmarks/README.md``, *A warm server*): measured before,
+    zk pays for its server's start, which a server running for days has
+    paid long ago. ``warm_up_zookeeper``'s few seconds of plain requests do
+    not reach the multis with checks, the persistent watches' events or the
+    multiReads."""
+    if seconds <= 0:
+        return
+    log(f"warming up ZooKeeper with a worker under load for {seconds:.0f}s")
+    queue = f"warm-up-{uuid.uuid4().hex[:8]}"
+    with Workers(procs, work_dir, "warm-up-").worker(url, queue), \
+            load(procs, work_dir, url, queue, 200.0):
+        time.sleep(seconds)
+
+
 # -- one broker --------------------------------------------------------------------------
 class Broker:
     def __init__(self, name: str, url: str, backend: str, procs: Processes, work_dir: str,
@@ -209,6 +227,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with bench_run("celery-zk-shapes-", args.keep) as (procs, work_dir, stack):
         urls, _ = start_brokers(args, procs, work_dir, stack, "shapes")
+        if "zk" in urls:
+            warm_up_with_load(procs, work_dir, urls["zk"][0], args.zk_warm_up)
         brokers = {name: Broker(name, *urls[name], procs, work_dir, args)
                    for name in args.brokers}
         if "latency" in args.only:
@@ -293,6 +313,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"unknown part {part!r}: choose from {', '.join(PARTS)}")
     if args.quick:
         args.samples, args.tasks, args.publish = 30, 1000, 400
+        args.zk_warm_up = min(args.zk_warm_up, 2.0)
     return args
 
 

@@ -29,7 +29,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from celery_zk.server import four_letter_word  # noqa: E402
+import txnlog  # noqa: E402
 from common import (  # noqa: E402
     Workers,
     add_server_options,
@@ -42,8 +42,9 @@ from common import (  # noqa: E402
     write_json,
 )
 from machine import busy_jiffies, process_jiffies, run_pids  # noqa: E402
-from shapes import load  # noqa: E402
-import txnlog  # noqa: E402
+from shapes import load, warm_up_with_load  # noqa: E402
+
+from celery_zk.server import four_letter_word  # noqa: E402
 
 BROKERS = ("zk", "redis", "rabbitmq")
 CLK_MS = 1000 / os.sysconf("SC_CLK_TCK")
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     with bench_run("celery-zk-steady-") as (procs, work_dir, stack):
         urls, zk = start_brokers(args, procs, work_dir, stack, "steady")
+        if "zk" in urls:
+            warm_up_with_load(procs, work_dir, urls["zk"][0], args.zk_warm_up)
         for rate in rates:
             for name in args.brokers:
                 log(f"{name}: {rate:.0f} tasks/s for {args.seconds:.0f} s")

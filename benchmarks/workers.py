@@ -118,6 +118,8 @@ def start_server(name: str, args: argparse.Namespace, procs: Processes, work_dir
         zk.start()
         warm_up_zookeeper(zk.hosts)
         query = "?" + "&".join(args.zk_option) if args.zk_option else ""
+        import shapes  # a script: imported only for this
+        shapes.warm_up_with_load(procs, work_dir, f"{zk.url}/warm-up{query}", args.zk_warm_up)
         srvr = four_letter_word(zk.host, zk.port or 0, "srvr").splitlines()[0]
         return Server(name, f"{zk.url}/workers{query}", f"{zk.url}/workers-results{query}",
                       srvr, stop_zk, [zk.pid or 0], zk)
@@ -369,6 +371,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--pools: unknown {', '.join(sorted(unknown))}; "
                      f"choose from {', '.join(pool for pool, _ in SINGLE)}")
     args.samples = args.samples or (20 if quick else 200)
+    if quick:   # checks the parts, measures nothing
+        args.zk_warm_up = min(args.zk_warm_up, 2.0)
     args.brokers = [b for b in args.brokers.split(",") if b]
     args.only = [p for p in args.only.split(",") if p]
     for value, known in ((args.brokers, BROKERS), (args.only, PARTS)):

@@ -65,7 +65,7 @@ class Acking(StoreBase):
         self._ack_retries: RedoThread[tuple[str, str]] = RedoThread(
             "celery_zk-ack-retry", self._ack_again)
         self._acks: list[tuple[str, str]] = []   # (owned path, consumer node) held back
-        self._held_in: set[str] = set()   # the inboxes those are in
+        self._held_in: dict[str, int] = {}   # how many of those each inbox holds
         self._acks_lock = threading.Lock()
         # Held from taking the acks until their multis are queued: see send_held_acks.
         self._send_lock = threading.Lock()
@@ -165,13 +165,14 @@ class Acking(StoreBase):
         with self._acks_lock:
             first = not self._acks
             self._acks.append((owned_path, consumer_node))
-            self._held_in.add(owned_path.rpartition("/")[0])
+            inbox = owned_path.rpartition("/")[0]
+            self._held_in[inbox] = self._held_in.get(inbox, 0) + 1
         if first:
             self.deferred.later(self._send_acks, ACK_HOLD)
 
-    def holds_acks(self, inbox: str) -> bool:
-        """Whether acks of messages in ``inbox`` (a path) are held back."""
-        return inbox in self._held_in
+    def holds_acks(self, inbox: str) -> int:
+        """How many acks of messages in ``inbox`` (a path) are held back."""
+        return self._held_in.get(inbox, 0)
 
     def acks_landed(self, timeout: float) -> bool:
         """Wait for the acks sent on the background thread (big messages, and
@@ -190,7 +191,7 @@ class Acking(StoreBase):
         with self._send_lock:
             with self._acks_lock:
                 acks, self._acks = self._acks, []
-                self._held_in = set()
+                self._held_in = {}
             self._send(acks)
 
     def _send(self, acks: list[tuple[str, str]]) -> None:

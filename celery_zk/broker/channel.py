@@ -308,9 +308,13 @@ class Channel(virtual.Channel):
         # consumer by its key: it is never handed to whichever consumer is idle.
         # Nor is a big one, whose chunks' state its publish multi sets, nor one
         # a limit may hold back (the dispatcher applies limits).
-        if (affinity is not None or new.big or transport.handoff is None
-                or transport.limited(queue, task) or not transport.handoff.give(new)):
-            store.put_new(new)
+        handoff = transport.handoff
+        if affinity is not None or transport.limited(queue, task):
+            store.put_new(new)   # the dispatcher orders these itself
+        elif new.big or handoff is None or not handoff.give(new):
+            name = store.put_new(new)
+            if handoff is not None:
+                handoff.in_line(queue, name)
         transport.store.deferred.flush()   # the write they waited for has been made
 
     def _once_marker(self, message: dict[str, Any]) -> str | None:

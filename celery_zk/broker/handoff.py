@@ -41,7 +41,6 @@ import random
 import threading
 import weakref
 from collections.abc import Callable
-from time import monotonic
 from typing import Any
 
 from kazoo.client import KazooClient, TransactionRequest
@@ -62,16 +61,7 @@ from .queue import NewMessage, QueueStore, new_uid
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HANDOFF_GAP", "HandOff", "Offer"]
-
-#: Seconds after a publish that went to wait in line during which this process
-#: hands no message of that queue over (see HandOff.give): longer than a
-#: dispatcher with an idle consumer takes to give the waiting one to it (an
-#: event and a multi, a few ms). Each message published meanwhile waits in
-#: line too and starts the gap again, so a publisher that publishes more
-#: often than this never hands over. It was 0.25 s: a publisher sending
-#: four messages a second, as a latency probe does, then never handed over.
-HANDOFF_GAP = 0.02
+__all__ = ["HandOff", "Offer"]
 
 
 class HandOff:
@@ -87,8 +77,9 @@ class HandOff:
         self._offers: dict[str, tuple[str, ...]] = {}
         self._watchers: dict[str, Callable[[Any], None]] = {}
         self._directories: set[str] = set()   # queues whose offers/ exists
-        # queue -> when this process last published a message of it to wait in line
-        self._waited: dict[str, float] = {}
+        # queue -> (unowned path, watched) of this process's last message of it put
+        # in line, while it may still wait there (see give)
+        self._line: dict[str, tuple[str, bool]] = {}
         self._lock = threading.Lock()
         self._withdrawals: RedoThread[tuple[str, str, str]] = RedoThread(
             "celery_zk-withdraw", self._withdraw_again)
@@ -107,24 +98,50 @@ class HandOff:
     # -- publishing -------------------------------------------------------------
     def give(self, message: NewMessage) -> bool:
         """Hand ``message`` to an idle consumer of its queue; False when none took it
-        (the caller then publishes it to wait for the dispatcher)."""
+        (the caller then publishes it to wait for the dispatcher, and says so:
+        :meth:`in_line`)."""
         queue = message.queue
-        if monotonic() - self._waited.get(queue, -HANDOFF_GAP) < HANDOFF_GAP:
-            # This process just put a message of the queue in line: one handed
-            # over now could reach a consumer before the dispatcher gives it
-            # that earlier one. One publisher's messages keep their order.
-            self._waited[queue] = monotonic()
-            return False
         offers = self._known_offers(queue)
-        if not offers:
-            self._waited[queue] = monotonic()
+        if not offers or not self._line_left(queue):
             return False
-        offer = random.choice(offers)   # publishers racing for one offer waste a request
-        taken = self._hand_off(message, offer)
-        self._forget(queue, offer)   # gone either way: we took it, or it was gone already
-        if not taken:
-            self._waited[queue] = monotonic()
-        return taken
+        offer = random.choice(offers)   # spread over the consumers offering
+        if self._hand_off(message, offer):
+            return True
+        self._forget(queue, offer)   # withdrawn meanwhile
+        return False
+
+    def in_line(self, queue: str, name: str) -> None:
+        """Our message ``name`` went to wait in line. Until it has left
+        ``unowned/`` (given to a consumer, or purged) no message of the queue is
+        handed over: handed at once, the next could reach a consumer before
+        the dispatcher gives it this one. One publisher's messages keep their
+        order."""
+        self._line[queue] = (self.layout.unowned_message(queue, name), False)
+
+    def _line_left(self, queue: str) -> bool:
+        """Whether our last message put in line has left it. Looked at (with a
+        watch for when it goes) the first time an offer is known after it
+        went in line, so a publisher in a backlog, where nobody offers,
+        pays nothing for it; once watched, the watch says."""
+        entry = self._line.get(queue)
+        if entry is None:
+            return True
+        path, watched = entry
+        if watched:
+            return False
+
+        def left(event: Any) -> None:   # kazoo's thread: given, purged, or the
+            # connection dropped (its watches with it: order is best effort then)
+            with self._lock:
+                if self._line.get(queue, ("",))[0] == path:
+                    del self._line[queue]
+
+        self._line[queue] = (path, True)
+        try:   # a get, not an exists: on a node gone already it leaves no watch
+            self.client.retry(self.client.get, path, watch=left)
+        except NoNodeError:
+            left(None)
+        return queue not in self._line
 
     def _hand_off(self, message: NewMessage, offer: str) -> bool:
         parsed = parse_offer_name(offer)
@@ -142,9 +159,10 @@ class HandOff:
         def attempt() -> bool:
             nonlocal lost
             txn = client.transaction()
-            # The offer's delete both claims it (one publisher wins) and proves
-            # its owner's session alive at this instant.
-            txn.delete(layout.offer(queue, offer))
+            # The offer's check proves its owner's session alive at this instant
+            # (an ephemeral node). It stands: the consumer withdraws it when its
+            # pool's slots are taken, so one offer takes every message of a trickle.
+            txn.check(layout.offer(queue, offer), -1)
             txn.create(message.body_path, message.data)
             txn.create(owned)
             try:
@@ -248,15 +266,14 @@ class HandOff:
     # -- consuming ----------------------------------------------------------------
     def make_offer(self, queue: str, consumer_id: str, token: str,
                    still_wanted: Callable[[Callable[[], None]], object],
-                   failed: Callable[[], None],
-                   made: Callable[[float], None] | None = None) -> None:
+                   failed: Callable[[], None]) -> None:
         """Create an offer, held back briefly (QueueStore.deferred) and never waited for.
 
         When it is due, ``still_wanted(send)`` decides under the offer's lock
         whether to send it (a withdrawal meanwhile must not be overtaken by the
         create). ``failed`` runs on kazoo's thread if it could not be made, and
-        when it is deleted (taken by a publisher, or withdrawn); ``made`` with
-        when the create was sent (monotonic), once the server has made it.
+        when it is deleted (withdrawn; or taken by a publisher of a release
+        before 0.3.3, which deleted the offer it handed a message to).
         """
         client = self.client
         if queue not in self._directories and not self._ensure_directory(client, queue):
@@ -265,8 +282,6 @@ class HandOff:
         path = self.layout.offer(queue, offer_name(consumer_id, token))
         self.handle.own(path)   # a connection dropped without close() deletes it too
 
-        sent = 0.0
-
         def done(result: Any) -> None:   # kazoo's thread: never block
             try:
                 result.get()
@@ -274,15 +289,10 @@ class HandOff:
                 self._directories.discard(queue)
                 self.handle.disown(path)
                 failed()
-                return
             except Exception:   # lost with the connection: withdrawing will tell
-                return
-            if made is not None:
-                made(sent)
+                pass
 
         def send() -> None:
-            nonlocal sent
-            sent = monotonic()
             client.create_async(path, ephemeral=True).rawlink(done)
             # Sent after the create, so it sees the offer: it fires when a
             # publisher takes it (or we withdraw it, which the caller ignores).
@@ -361,10 +371,13 @@ class HandOff:
 class Offer:
     """One consumer's offer on one queue: at most one outstanding at a time.
 
-    ``token`` is read and swapped under a lock by the consuming thread
-    (making, withdrawing) and by kazoo's thread (the exists watch that says a
-    publisher took it), so a taken offer is never deleted again (a failed
-    delete is still a logged transaction on the server).
+    It stands until the consumer withdraws it: publishers check it, and each
+    message they hand over costs the consumer nothing more. ``token`` is
+    read and swapped under a lock by the consuming thread (making,
+    withdrawing) and by kazoo's thread (the exists watch that says the offer
+    went: a publisher before 0.3.3 deleted the offer it took), so a deleted
+    offer is never deleted again (a failed delete is still a logged
+    transaction on the server).
     """
 
     def __init__(self, handoff: HandOff, queue: str) -> None:
@@ -373,11 +386,6 @@ class Offer:
         self.token: str | None = None
         self.consumer_id: str | None = None
         self._sent: str | None = None   # the token whose create went out
-        #: When the create of the last offer the server made was sent
-        #: (monotonic): the session lived at some moment after it. A message
-        #: handed over with its body in its name was not read, and the start
-        #: gate takes this as the time of the server's last answer instead.
-        self.answered_at = 0.0
         self._lock = threading.Lock()
 
     @property
@@ -385,8 +393,8 @@ class Offer:
         return self.token is not None
 
     def make(self, consumer_id: str, takes_body: bool = True) -> None:
-        """Offer to take the next message (``takes_body``: with its body in its
-        name; see ConsumerSession.bodies_in_names)."""
+        """Offer to take messages (``takes_body``: with their bodies in their
+        names; see ConsumerSession.bodies_in_names)."""
         token = offer_token(new_uid(), takes_body)
         with self._lock:
             self.token, self.consumer_id = token, consumer_id
@@ -408,10 +416,7 @@ class Offer:
                 self.token = None
             self.handoff.taken(self.queue, consumer_id, token)
 
-        def made(sent: float) -> None:   # kazoo's thread
-            self.answered_at = max(self.answered_at, sent)
-
-        self.handoff.make_offer(self.queue, consumer_id, token, still_wanted, gone, made)
+        self.handoff.make_offer(self.queue, consumer_id, token, still_wanted, gone)
 
     def withdraw(self, wait: bool = True) -> None:
         """Withdraw the outstanding offer, unless a publisher took it (``wait``:

@@ -174,6 +174,7 @@ class Inbox:
         self.buffer = Ready()                 # read, not delivered yet
         self.arrivals: deque[str] = deque()   # names the tree watch reported
         self.departures: deque[str] = deque()   # and those it saw go
+        self.heard_at = 0.0   # when the watch last reported an arrival (monotonic)
         self.stale = True   # list the inbox before trusting the watch
         self._tree_held = False
         self._waiting_credit = False
@@ -198,6 +199,7 @@ class Inbox:
         if not name or "/" in name:
             return
         if event_type == NODE_CREATED:
+            self.heard_at = time.monotonic()
             self.arrivals.append(name)
             self.transport.wake()
         elif event_type == NODE_DELETED:
@@ -363,13 +365,16 @@ class Inbox:
         self._learn(consumer_id)
         self._read_bodies(limit)
         store = self.transport.store
-        if (len(self.buffer) + len(self.pending) <= (self.credit or self.options.claim_batch) // 2
-                and store.holds_acks(self._inbox_path())):
-            # Running low: the dispatcher refills our inbox only once it sees our
-            # acks, so the acks held back go now, not in ACK_HOLD, and the refill
-            # overlaps what is left instead of following it. Only for our own
-            # acks: an inbox that never fills (a worker's remote-control queue,
-            # looked at on every turn of its event loop) sent every ack alone.
+        waiting, half = len(self.buffer) + len(self.pending), (
+            self.credit or self.options.claim_batch) // 2
+        if waiting <= half and waiting + store.holds_acks(self._inbox_path()) > half:
+            # Running low, and what the dispatcher counts in our inbox is above
+            # half our credit only because of acks held back: it refills the
+            # inbox only once it sees them, so they go now, not in ACK_HOLD,
+            # and the refill overlaps what is left instead of following it.
+            # Only then: an inbox that never fills (a worker's remote-control
+            # queue, looked at on every turn of its event loop; a trickle
+            # handed over one message at a time) sent every ack alone.
             store.deferred.flush()
         if self.buffer:
             return
@@ -529,10 +534,10 @@ class Inbox:
             body = inline_body(name)
             if body is not None:
                 # Handed over with a copy of its body in its name: nothing to
-                # read. The server's last answer we know of is our offer's create.
+                # read. The server last spoke to us when the latest event came.
                 self.buffer.push(Claimed(self.queue, name,
                                          layout.inbox_message(self.queue, consumer_id, name),
-                                         body, self.offer.answered_at if self.offer else 0.0))
+                                         body, self.heard_at))
                 continue
             to_read.append(name)
             paths.append(layout.body(self.queue, message)

@@ -26,7 +26,7 @@
                                       (base64url of zlib): the watch event carries it
         owned/{consumer}~{name}       claimed by celery_zk before 0.2 (recovered as before)
         offers/{consumer}~{token}[~b] ephemeral: a consumer with a free pool slot offers
-                                      to take the next message (broker.handoff); "~b": it
+                                      to take messages (broker.handoff); "~b": it
                                       reads a body from the name, and so does the
                                       process leading recovery (before 0.3: no "~b")
         dead/{unowned name}           dead-lettered (rejected / undecodable); data: a

@@ -637,19 +637,22 @@ def test_entries_both_listed_and_reported_by_the_watch_are_delivered_once(
         assert sorted(got) == [0, 1, 2]
 
 
-def test_an_empty_inbox_of_another_queue_does_not_send_our_held_acks(
+def test_held_acks_go_at_once_only_when_they_keep_the_inbox_from_a_refill(
         zk_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A consumer running low sends its held acks at once (its refill waits for
-    them); an inbox that holds no acks of its own does not. A worker's
-    remote-control queue, looked at on every turn of a prefork worker's event
-    loop, sent every ack alone: 0.77 transactions per task, not 0.1."""
+    """A consumer running low sends its held acks at once when they are what
+    keeps the dispatcher from refilling its inbox (it counts an entry until
+    its ack lands); otherwise they wait for ACK_HOLD, to go together. A
+    worker's remote-control queue, looked at on every turn of a prefork
+    worker's event loop, sent every ack alone (0.77 transactions per task,
+    not 0.1), and so did a trickle handed over one message at a time."""
     from celery_zk.broker import acks
 
     monkeypatch.setattr(acks, "ACK_HOLD", 60.0)   # only a flush sends them here
     work, idle = queue_of("work"), queue_of("idle")
     # No offers: an offer is a deferred write too, and the Deferred's thread
-    # sends everything held when one is due (5 ms), acks included.
-    with Connection(f"{zk_url}?handoff=false") as conn:
+    # sends everything held when one is due (5 ms), acks included. No
+    # lookahead: the credit stays the prefetch.
+    with Connection(f"{zk_url}?handoff=false&lookahead=1") as conn:
         publish(conn, work, list(range(4)))
         got: list[Any] = []
         messages: list[Any] = []
@@ -663,12 +666,16 @@ def test_an_empty_inbox_of_another_queue_does_not_send_our_held_acks(
             real = store._send_ack_batch
             monkeypatch.setattr(store, "_send_ack_batch",
                                 lambda node, paths: (sent.append(len(paths)), real(node, paths)))
-            for message in messages:
-                message.ack()
             session = conn.transport.session
             consumer_id = session.ensure_registered()[0]
             layout = conn.transport.layout
-            assert store.holds_acks(layout.inbox("work", consumer_id))
+            messages[0].ack()
+            assert store.holds_acks(layout.inbox("work", consumer_id)) == 1
+            conn.transport.inbox("work").fill(4, 0)   # one of 4: room to refill
+            assert sent == []
+            for message in messages[1:]:
+                message.ack()
+            assert store.holds_acks(layout.inbox("work", consumer_id)) == 4
             assert not store.holds_acks(layout.inbox("idle", consumer_id))
             conn.transport.inbox("idle").fill(4, 0)   # empty, and none of the acks are its
             assert sent == []

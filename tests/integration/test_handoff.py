@@ -323,8 +323,13 @@ def test_a_message_handed_to_a_consumer_that_stops_goes_back_to_its_queue(
     assert again[0][1].delivery_info.get("redelivered")
 
 
-def test_an_offer_is_used_once_and_withdrawing_it_then_changes_nothing(
+def test_an_offer_stands_for_every_message_until_it_is_withdrawn(
         conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
+    """Publishers check an offer, they do not take it: one offer takes every
+    message of a trickle (before 0.3.3 each hand-off deleted it, and the
+    consumer made a new one: two more requests per message). Once withdrawn
+    nothing more is handed over, even by a publisher whose view of the
+    offers is behind."""
     queue = Queue("race", Exchange("race", "direct"), "race")
     queue(conn.channel()).declare()
     transport = conn.transport
@@ -333,16 +338,59 @@ def test_an_offer_is_used_once_and_withdrawing_it_then_changes_nothing(
     offer = Offer(transport.handoff, "race")
     offer.make(consumer_id)
     wait_until(lambda: offers(zk_client, "race"), 5, 0.02, "no offer was made")
+    made = offers(zk_client, "race")
     with Connection(apart(zk_url, "publisher")) as other:
-        store = other.transport.store
-        assert other.transport.handoff.give(store.new_message("race", b"body", 5))
-        assert not other.transport.handoff.give(store.new_message("race", b"second", 5))
+        store, handoff = other.transport.store, other.transport.handoff
+        assert handoff.give(store.new_message("race", b"first", 5))
+        assert handoff.give(store.new_message("race", b"second", 5))
         assert waiting(zk_client, LAYOUT, "race") == []   # give() only hands over
-    wait_until(lambda: not offer.outstanding, 5, 0.02, "the take was not noticed")
-    offer.withdraw()   # nothing outstanding: no request
-    (path,) = owned(zk_client, LAYOUT, "race")
-    assert LAYOUT.split_owned_path(path)[1] == consumer_id
-    assert stored_body(zk_client, LAYOUT, "race", path.rpartition("/")[2])[0] == b"body"
+        assert offers(zk_client, "race") == made and offer.outstanding
+        offer.withdraw()
+        assert offers(zk_client, "race") == []
+        handoff._store("race", tuple(made))   # behind: the withdrawal not seen yet
+        assert not handoff.give(store.new_message("race", b"third", 5))
+    assert waiting(zk_client, LAYOUT, "race") == []   # a refused give stores nothing
+    paths = owned(zk_client, LAYOUT, "race")
+    assert {LAYOUT.split_owned_path(path)[1] for path in paths} == {consumer_id}
+    assert sorted(stored_body(zk_client, LAYOUT, "race", path.rpartition("/")[2])[0]
+                  for path in paths) == [b"first", b"second"]
+
+
+def test_an_offer_deleted_by_a_publisher_before_0_3_3_is_made_again(
+        conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
+    """A publisher of a release before 0.3.3 deletes the offer in the multi
+    that hands the message over: the consumer delivers it and, idle again,
+    offers again."""
+    from celery_zk.zk.layout import encode_body, handed_name
+
+    queue = Queue("old", Exchange("old", "direct"), "old")
+    got: list[Any] = []
+    with consumer(conn, queue, got):
+        expect_idle(conn)
+        wait_until(lambda: offers(zk_client, "old"), 5, 0.02, "no offer was made")
+        (first,) = offers(zk_client, "old")
+        consumer_id = conn.transport.session.consumer_id
+        with Connection(apart(zk_url, "old-publisher")) as old:
+            old.connect()
+            layout, client = old.transport.layout, old.transport.handle.client
+            data = json.dumps({"body": '"handed"', "content-type": "application/json",
+                               "content-encoding": "utf-8", "headers": {},
+                               "properties": {"delivery_info": {}, "body_encoding": "utf-8",
+                                              "delivery_mode": 2, "priority": 0}}).encode()
+            message = old.transport.store.new_message("old", data, 0)
+            name = handed_name(message.inverted_priority, message.generation, message.uid,
+                               message.kind, message.task, message.limit_key,
+                               encode_body(message.data))
+            txn = client.transaction()   # what 0.3.2's hand-off sent
+            txn.delete(layout.offer("old", first))
+            txn.create(message.body_path, message.data)
+            txn.create(layout.inbox_message("old", consumer_id, name))
+            assert not any(isinstance(result, Exception) for result in txn.commit())
+        conn.drain_events(timeout=5)
+        assert [body for body, _ in got] == ["handed"]
+        expect_idle(conn)   # idle again: it offers
+        wait_until(lambda: offers(zk_client, "old") not in ([], [first]), 5, 0.02,
+                   "no new offer")
 
 
 def test_a_message_after_one_that_waited_is_not_handed_over_ahead_of_it(
@@ -393,6 +441,49 @@ def test_a_publisher_sending_a_few_a_second_hands_over_after_one_waited(
                        "the publisher did not see the new offer")
     assert [body for body, _ in got] == [0, 1, 2, 3]
     assert unowned_creations(zk_client, "trickle") == 1   # the other three handed over
+
+
+def test_a_publisher_faster_than_the_dispatcher_hands_over_again_once_its_waiting_one_went(
+        conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
+    """A publisher whose message went to wait in line hands nothing over until
+    that message has left ``unowned/`` (its watch says so), so its messages
+    keep their order; then it hands over again. Before 0.3.3 a time gap (20
+    ms) started again with each message put in line: a publisher sending
+    more often than that (a steady load) never handed anything over again,
+    and every message cost the dispatcher's multi and a read."""
+    queue = Queue("fast", Exchange("fast", "direct"), "fast")
+    got: list[Any] = []
+    stop = threading.Event()
+    with consumer(conn, queue, got), Connection(apart(zk_url, "publisher")) as other:
+        expect_idle(conn)
+        wait_until(lambda: offers(zk_client, "fast"), 5, 0.02, "no offer was made")
+
+        def drain() -> None:
+            while not stop.is_set():
+                try:
+                    conn.drain_events(timeout=0.1)
+                except socket.timeout:
+                    pass
+        drainer = threading.Thread(target=drain)
+        drainer.start()
+        try:
+            producer = Producer(other.channel())
+            handoff = other.transport.handoff
+            handoff._known_offers("fast")
+            handoff._store("fast", ())   # behind: the first waits in line
+            sent = 0
+            deadline = time.monotonic() + 10
+            while unowned_creations(zk_client, "fast") == sent and sent < 2000:
+                producer.publish(sent, exchange=queue.exchange, routing_key="fast")
+                sent += 1
+                assert time.monotonic() < deadline, "never handed over again"
+            in_line = unowned_creations(zk_client, "fast")
+            assert in_line < sent, "every message waited in line"
+            wait_until(lambda: len(got) == sent, 10, 0.02, "not all delivered")
+        finally:
+            stop.set()
+            drainer.join()
+    assert sorted(body for body, _ in got) == list(range(sent))
 
 
 RunUntil = Callable[[Callable[[], object], str], None]
@@ -524,7 +615,7 @@ def test_work_that_leaves_a_pool_slot_free_keeps_the_offer(
         publish(zk_url, queue, "handed")
         run_until(lambda: len(got) == 4, "not delivered")
         assert unowned_creations(zk_client, "steady") == 3   # straight into the inbox
-        run_until(lambda: offers(zk_client, "steady") not in ([], made), "no new offer")
+        assert offers(zk_client, "steady") == made   # it stands
 
         # Two tasks run; what the worker learns of it comes with a delivery.
         running = [Running(), Running()]

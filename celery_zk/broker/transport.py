@@ -42,7 +42,7 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   a publisher starts the next after this many creates (bounds every listing).
 * ``claim_batch`` (int, 64): most messages a consumer takes out of its inbox
   at a time, and its inbox's credit when its prefetch is unlimited.
-* ``lookahead`` (int, 4): a consumer that runs dry while delivering fast may
+* ``lookahead`` (int, 16): a consumer that runs dry while delivering fast may
   hold this many times its prefetch in its inbox (1: never more than the
   prefetch); what waits there while its prefetch is full for 1 s goes back.
 * ``listing_max_age`` (float, 1.0): unused since 0.2 (consumers no longer list
@@ -53,10 +53,11 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   3.6+; older servers fall back by themselves). False: one-shot child
   watches and a listing on every change (see :mod:`celery_zk.broker.inbox`,
   :mod:`celery_zk.broker.dispatcher`).
-* ``handoff`` (bool, True): an idle consumer leaves an offer, and a
-  publisher that sees it puts the message straight into that consumer's
-  inbox (see :mod:`celery_zk.broker.handoff`): one synced write on an idle
-  delivery's path instead of two. Needs persistent watches.
+* ``handoff`` (bool, True): a consumer with a free pool slot leaves an
+  offer, and a publisher that sees it puts the message straight into that
+  consumer's inbox (see :mod:`celery_zk.broker.handoff`): one synced write
+  on the path instead of two, and the offer stands for the next message.
+  Needs persistent watches.
 * ``locality_wait`` (float, 3.0): seconds the dispatcher keeps a message whose
   affinity key a live worker holds for that worker before giving it to
   another (see :mod:`celery_zk.features.affinity`); the oldest waiting message

@@ -18,6 +18,7 @@ import logging
 import random
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ from celery.signals import task_prerun
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
 from ..zk.layout import Layout, MessageName
+from ..zk.process import current_pid
 from .limits import QUEUE, TASK, Book, Limit, book_for, parse_rate
 
 __all__ = ["GIVE_MARGIN", "START_MARGIN", "Gate", "hold_rate_at_start"]
@@ -176,22 +178,16 @@ def _before_a_task_starts(sender: Any = None, task: Any = None, **_: Any) -> Non
     app = getattr(task, "app", None)
     if app is None:
         return
-    url = str(app.conf.get("broker_url") or "")
-    if not url.startswith("zk://"):
+    found = _limits_of(app)
+    if found is None:
         return
-    from ..zk.config import parse_url
-    from ..zk.session import ClientHandle
-
-    with _handles_lock:
-        handle = _handles.get(url)
-        if handle is None:
-            settings = parse_url(url, app.conf.get("broker_transport_options"))
-            handle = _handles[url] = ClientHandle(settings)
-    layout = Layout(handle.settings.root)
-    book: Book = book_for(handle.session, layout)
+    handle, layout, book = found
+    limits = book.current()
+    if not limits:
+        return
     info = getattr(task.request, "delivery_info", None) or {}
     queue = info.get("routing_key")
-    for limit in book.current():
+    for limit in limits:
         if not limit.rate:
             continue
         if (limit.kind == QUEUE and limit.name == queue) or (
@@ -202,6 +198,35 @@ def _before_a_task_starts(sender: Any = None, task: Any = None, **_: Any) -> Non
                              task.name, waited, limit.rate)
 
 
+def _limits_of(app: Any) -> tuple[Any, Layout, Book] | None:
+    """The lease, layout and limits of ``app``'s ``zk://`` broker; None when its
+    broker is not ``zk://``. Looked up once per app and process (every task
+    start asks: Celery's configuration lookups cost more than the check)."""
+    pid = current_pid()
+    cached = _apps.get(app)
+    if cached is not None and cached[0] == pid:
+        return cached[1]
+    url = str(app.conf.get("broker_url") or "")
+    if not url.startswith("zk://"):
+        _apps[app] = (pid, None)
+        return None
+    from ..zk.config import parse_url
+    from ..zk.session import ClientHandle
+
+    with _handles_lock:
+        handle = _handles.get(url)
+        if handle is None:
+            settings = parse_url(url, app.conf.get("broker_transport_options"))
+            handle = _handles[url] = ClientHandle(settings)
+    layout = Layout(handle.settings.root)
+    result = (handle, layout, book_for(handle.session, layout))
+    _apps[app] = (pid, result)
+    return result
+
+
+#: app -> (pid, what _limits_of found for it): a forked child looks again.
+_apps: weakref.WeakKeyDictionary[Any, tuple[int, tuple[Any, Layout, Book] | None]] = (
+    weakref.WeakKeyDictionary())
 #: One lease per broker URL in this process (the session is shared anyway).
 _handles: dict[str, Any] = {}
 _handles_lock = threading.Lock()

@@ -255,6 +255,7 @@ def message_prefix(inverted_priority: int, generation: int, uid: str,
     return f"{kind}{inverted_priority}-{generation:0{SEQ_DIGITS}d}-{uid}{tokens}{key}-"
 
 
+@functools.lru_cache(maxsize=1024)
 def task_token(task_name: str) -> str:
     """How a task's name appears in its messages' names: 8 hex digits of a hash
     (names must stay short; limits are looked up by it)."""
@@ -316,15 +317,24 @@ def parse_message_name(name: str) -> MessageName | None:
 
 def without_body(name: str) -> str:
     """``name`` without the copy of its body a handed message's name may
-    carry (``{name}~{body}``); any other name as it is (a flat owned name,
-    ``{consumer}~{name}``, is not a message name before its ``~``)."""
+    carry (``{name}~{body}``); any other name as it is, the same object (a
+    flat owned name, ``{consumer}~{name}``, is not a message name before its
+    ``~``)."""
+    cut = _body_at(name)
+    return name if cut < 0 else name[:cut]
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _body_at(name: str) -> int:
+    """Where the copy of a body in ``name`` starts (its ``~``), or -1. Cached:
+    a handed message's name (about 800 characters for a Celery task) is cut
+    where it is read, delivered, acked and where its task starts, and the
+    match of a body that long took a few microseconds each time."""
     cut = name.find(INLINE_SEP)
-    if cut < 0:
-        return name
-    thin = name[:cut]
-    if _parse_message_name(thin) is None or not _INLINE_RE.fullmatch(name, cut + 1):
-        return name
-    return thin
+    if cut < 0 or _parse_message_name(name[:cut]) is None or not _INLINE_RE.fullmatch(
+            name, cut + 1):
+        return -1
+    return cut
 
 
 def inline_body(name: str) -> bytes | None:
@@ -453,6 +463,7 @@ def offer_name(consumer_id: str, token: str) -> str:
     return f"{consumer_id}{OWNER_SEP}{token}"
 
 
+@functools.lru_cache(maxsize=1024)
 def parse_offer_name(name: str) -> OfferName | None:
     """What an offer node's name says, or ``None`` if foreign."""
     match = _OFFER_RE.match(name)

@@ -121,6 +121,15 @@ class _Head:
         self.keyed += bool(message.affinity)
 
     def discard(self, names: Iterable[str]) -> None:
+        names = list(names)
+        count = len(names)
+        if count > 1 and set(self.names[:count]) == set(names):
+            # What a plan gives from a backlog: the head's first names, cut off
+            # at once (one by one, each cut moved the rest of a bucket's names).
+            for name in self.names[:count]:
+                self.keyed -= bool(parse_message_name(name).affinity)  # type: ignore[union-attr]
+            del self.keys[:count], self.names[:count]
+            return
         for name in names:
             key = order_key(name)
             if key is None:

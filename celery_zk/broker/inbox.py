@@ -33,7 +33,6 @@ made on kazoo's connection thread can block it for good).
 """
 from __future__ import annotations
 
-import heapq
 import json
 import logging
 import os
@@ -41,7 +40,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
@@ -49,7 +48,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 from ..exceptions import ChunkMissing
 from ..features import affinity
 from ..zk.client import CONNECTION_ERRORS, RedoThread, create_once, log_failure, reply_or_retry
-from ..zk.layout import OrderKey, inline_body, order_key, parse_message_name, sort_messages
+from ..zk.layout import inline_body, parse_message_name, sort_messages
 from ..zk.reads import read_many
 from ..zk.session import weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED
@@ -57,6 +56,7 @@ from . import big
 from .claims import Claimed
 from .dispatcher import Dispatcher
 from .handoff import Offer
+from .ready import DeliveryOrder, Key, Ready
 
 if TYPE_CHECKING:   # the protocol's module imports nothing of ours that imports this one
     from .connection import ZKConnection
@@ -80,6 +80,15 @@ HOLD_LOOK = 0.01
 #: again whether it may make an offer (nothing wakes it when a task ends: Celery
 #: acked it as it started), doubled while they run, up to the second.
 LOOK_AGAIN = (0.005, 1.0)
+#: Seconds a consumer keeps its offer while every pool slot is taken by what
+#: publishers handed over (a burst of a trickle, not a backlog): short tasks
+#: free a slot within that, and withdrawing (a synced delete, then a new
+#: offer: a create) put every message published meanwhile in line, through
+#: the dispatcher. Slots taken longer (long tasks) withdraw it: a message
+#: handed over meanwhile waits for a slot, as a message prefetched by a
+#: busy worker does on any broker. Work from the dispatcher that takes
+#: every slot (a backlog) withdraws it at once.
+BUSY_GRACE = 0.02
 #: Seconds a consumer in an event loop waits, dry and with a free pool slot,
 #: before its next offer once an offer was withdrawn because the dispatcher's
 #: work filled its slots (the queue has a backlog, as in a drain: an offer
@@ -100,56 +109,6 @@ def held_back(waiting: int, took: Sequence[float], now: float) -> int:
     return max(0, waiting - int(len(took) * HOLD / max(now - took[0], 1e-6)))
 
 
-class Ready:
-    """Messages read and not delivered yet, in the queue's order (a heap by
-    :func:`~celery_zk.zk.layout.order_key`): one given later but earlier in
-    the queue (a higher priority, a requeued one) goes out before those a deep
-    inbox holds already, as it would from the queue."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[OrderKey, Claimed]] = []
-
-    def push(self, claimed: Claimed) -> None:
-        key = order_key(claimed.name)
-        assert key is not None   # only message names are read
-        heapq.heappush(self._heap, (key, claimed))
-
-    def pop(self) -> Claimed:
-        return heapq.heappop(self._heap)[1]
-
-    def first(self) -> Claimed:
-        return self._heap[0][1]
-
-    def first_key(self) -> OrderKey | None:
-        return self._heap[0][0] if self._heap else None
-
-    def _last_index(self) -> int:
-        heap = self._heap
-        return max(range(len(heap)), key=heap.__getitem__)
-
-    def last(self) -> Claimed:
-        """The last in the queue's order (what a give-back returns first)."""
-        return self._heap[self._last_index()][1]
-
-    def pop_last(self) -> Claimed:
-        heap = self._heap
-        last = self._last_index()
-        entry = heap[last]
-        heap[last] = heap[-1]
-        heap.pop()
-        heapq.heapify(heap)
-        return entry[1]
-
-    def clear(self) -> None:
-        self._heap.clear()
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator[Claimed]:
-        return (claimed for _, claimed in self._heap)
-
-
 class Inbox:
     """One connection's inbox on one queue, shared by its channels."""
 
@@ -168,10 +127,11 @@ class Inbox:
         self.consuming = 0                    # channels consuming it
         self.taken: set[str] = set()          # entries read or being read (not to take twice)
         self.delivered: set[str] = set()      # entries handed to kombu, not yet settled
-        # (name, read, when the read was sent) in delivery order
-        self.pending: deque[tuple[str, Any, float]] = deque()
-        self.pending_first: OrderKey | None = None   # the first of them in the queue's order
+        # (name, read, when the read was sent, its key) in delivery order
+        self.pending: deque[tuple[str, Any, float, Key]] = deque()
+        self.pending_first: Key | None = None   # the first of them in delivery order
         self.buffer = Ready()                 # read, not delivered yet
+        self.order = DeliveryOrder()          # where what arrives goes (see broker.ready)
         self.arrivals: deque[str] = deque()   # names the tree watch reported
         self.departures: deque[str] = deque()   # and those it saw go
         self.heard_at = 0.0   # when the watch last reported an arrival (monotonic)
@@ -183,6 +143,7 @@ class Inbox:
         self._look_at = 0.0             # when the one asked for is due
         self._look_timer: Any = None    # and its timer, cancelled by a delivery
         self._idle_since: float | None = None   # dry (nothing to deliver) since
+        self._busy_since: float | None = None   # every pool slot taken since
         self._offer_after = 0.0
         # What the last fill was told: tasks in hand, and how many run at once.
         self._in_hand, self._slots = 0, 1
@@ -384,8 +345,10 @@ class Inbox:
             return
         self._dry()
         slots = self._slots
-        if self.offer is not None and self.offer.outstanding and in_hand >= slots:
-            self._withdraw()   # every slot busy: a handed message would wait
+        if in_hand < slots:
+            self._busy_since = None
+        elif self.offer is not None and self.offer.outstanding:
+            self._withdraw_when_busy()   # every slot taken: a handed message would wait
         if (self.consuming and len(self.delivered) < slots and self.offer is not None
                 and not self.offer.outstanding and self._tree_held):
             # Dry since: after a backlog (see OFFER_AFTER) a consumer refilled
@@ -505,6 +468,10 @@ class Inbox:
                 return
             # What is not there any more was acked or given back.
             self.taken &= set(names)
+        # A listing in the queue's order, then what the watch reported, in the
+        # order it came (see broker.ready).
+        listed, foreign = sort_messages(names)
+        names = listed + foreign
         while self.arrivals:
             names.append(self.arrivals.popleft())
         # Once each: an entry made during the listing's round trip is both in the
@@ -516,18 +483,16 @@ class Inbox:
         store = self.transport.store
         layout = self.transport.layout
         client = store.client
-        ordered, foreign = sort_messages(new)
-        for name in foreign:
-            self.taken.add(name)
-            logger.error("celery_zk: %r in the inbox of %s is not a message name; "
-                         "left there", name, consumer_id)
-        paths = []
-        to_read = []
+        to_read: list[tuple[Key, str, str]] = []
         handed = False
-        for name in ordered:
+        for name in new:
             self.taken.add(name)
             message = parse_message_name(name)
-            assert message is not None
+            if message is None:
+                logger.error("celery_zk: %r in the inbox of %s is not a message name; "
+                             "left there", name, consumer_id)
+                continue
+            key = self.order.key(message)
             # Named with sequence zero; so is the first message of a bucket (one
             # in bucket_size), which then resets the offers' wait once.
             handed = handed or (message.seq == 0 and not message.requeued)
@@ -537,33 +502,37 @@ class Inbox:
                 # read. The server last spoke to us when the latest event came.
                 self.buffer.push(Claimed(self.queue, name,
                                          layout.inbox_message(self.queue, consumer_id, name),
-                                         body, self.heard_at))
+                                         body, self.heard_at), key)
                 continue
-            to_read.append(name)
-            paths.append(layout.body(self.queue, message)
-                         or layout.inbox_message(self.queue, consumer_id, name))
-        ordered = to_read
+            to_read.append((key, name, layout.body(self.queue, message)
+                            or layout.inbox_message(self.queue, consumer_id, name)))
+        to_read.sort()
         # With a persistent watch held the server is 3.6 or newer: the bodies in
         # one multiRead per batch, not one request each.
         sent = time.monotonic()
+        paths = [path for _, _, path in to_read]
         reads = (read_many(client, paths) if self._tree_held
                  else [client.get_async(path) for path in paths])
-        if ordered:
-            first = order_key(ordered[0])
-            if not self.pending or self.pending_first is None or (
-                    first is not None and first < self.pending_first):
+        if to_read:
+            first = to_read[0][0]
+            if not self.pending or self.pending_first is None or first < self.pending_first:
                 self.pending_first = first
-        self.pending.extend((name, read, sent) for name, read in zip(ordered, reads))
+        self.pending.extend((name, read, sent, key)
+                            for (key, name, _), read in zip(to_read, reads))
         busy = self._in_hand + len(self.buffer) + len(self.pending) >= self._slots
-        if self.offer is not None and self.offer.outstanding and busy:
+        if not busy:
+            self._busy_since = None
+        elif self.offer is not None and self.offer.outstanding:
             # Given work for every slot: a message handed over now would wait.
             # Work from the dispatcher (not handed) says the queue has a backlog:
-            # offer later. After the reads: the server answers a session's
-            # requests in order, and a delete is a synced write.
-            if not handed:
+            # withdraw now, and offer later. After the reads: the server answers
+            # a session's requests in order, and a delete is a synced write.
+            if handed:
+                self._withdraw_when_busy()
+            else:
                 self._offer_after = min(max(self._offer_after * 2, OFFER_AFTER[0]),
                                         OFFER_AFTER[1])
-            self._withdraw()
+                self._withdraw()
         if handed or not busy:
             # Offers are taken, or the dispatcher's work leaves a slot free (no
             # backlog behind it, a steady trickle): offer at once.
@@ -578,7 +547,7 @@ class Inbox:
         assert consumer_id is not None
         moved = False
         while self.pending and (block or self.pending[0][1].ready()):
-            name, read, sent = self.pending.popleft()
+            name, read, sent, key = self.pending.popleft()
             block, moved = False, True
             owned = layout.inbox_message(self.queue, consumer_id, name)
             message = parse_message_name(name)
@@ -592,13 +561,12 @@ class Inbox:
                 continue
             # When the read was sent: the server answered after it (start gates
             # judge freshness by it, however long the message then waits here).
-            self.buffer.push(Claimed(self.queue, name, owned, data, sent))
+            self.buffer.push(Claimed(self.queue, name, owned, data, sent), key)
         if moved:   # once a batch has landed, not per delivery
             self._pending_moved()
 
     def _pending_moved(self) -> None:
-        self.pending_first = min((key for entry in self.pending
-                                  if (key := order_key(entry[0])) is not None), default=None)
+        self.pending_first = min((entry[3] for entry in self.pending), default=None)
 
     def look(self, in_hand: int = 0, slots: int = 1) -> None:
         """Before each delivery: start reading what arrived meanwhile, so its
@@ -711,6 +679,26 @@ class Inbox:
         watches = self.transport.watches
         if held and watches is not None and self.consumer_id is not None:
             watches.unwatch(self._inbox_path(), self._tree_cb)
+
+    def _withdraw_when_busy(self) -> None:
+        """Every slot is taken by handed work: withdraw the offer once that has
+        lasted BUSY_GRACE s (looking again then, in an event loop)."""
+        now = time.monotonic()
+        if self._busy_since is None:
+            self._busy_since = now
+        left = self._busy_since + BUSY_GRACE - now
+        if left <= 0:
+            self._withdraw()
+            return
+        if self._look_timer is not None and self._look_at <= now + left:
+            return   # a look is due by then
+        timer = self.transport.look_again(left)
+        if timer is None:   # no event loop to come back to us: now
+            self._withdraw()
+            return
+        if self._look_timer is not None:   # due later: this look does its work too
+            self._look_timer.cancel()
+        self._look_timer, self._look_at = timer, now + left
 
     def _withdraw(self, wait: bool = False) -> None:
         """Withdraw our offer; ``wait`` until it is deleted (when we stop: nothing

@@ -394,12 +394,18 @@ def test_an_offer_deleted_by_a_publisher_before_0_3_3_is_made_again(
 
 
 def test_a_message_after_one_that_waited_is_not_handed_over_ahead_of_it(
-        conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
+        conn: Connection, zk_url: str, zk_client: KazooClient,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """One publisher: the first message went to wait in line (its view of the
-    offers was behind). Handing the second over at once could reach the
-    consumer before the dispatcher gives it the first: it waits in line too."""
+    offers was behind). While it waits the next ones wait in line too; once
+    the dispatcher has given it, the next is handed over, and the consumer
+    still delivers them in the order they were published (a handed name's
+    sequence is zero: by name it went first)."""
+    from celery_zk.broker.dispatcher import Dispatcher
+
     queue = Queue("order", Exchange("order", "direct"), "order")
     got: list[Any] = []
+    real_give = Dispatcher._give
     with consumer(conn, queue, got):
         expect_idle(conn)
         wait_until(lambda: offers(zk_client, "order"), 5, 0.02, "no offer was made")
@@ -408,13 +414,29 @@ def test_a_message_after_one_that_waited_is_not_handed_over_ahead_of_it(
             handoff = other.transport.handoff
             handoff._known_offers("order")
             handoff._store("order", ())   # behind: no offer known yet
+            monkeypatch.setattr(Dispatcher, "_give", lambda self, plan: None)   # it waits
             producer.publish(1, exchange=queue.exchange, routing_key="order")
             handoff._list(other.transport.handle.client, "order")   # caught up
             producer.publish(2, exchange=queue.exchange, routing_key="order")
             assert unowned_creations(zk_client, "order") == 2   # neither handed over
-        while len(got) < 2:
+            monkeypatch.setattr(Dispatcher, "_give", real_give)
+            for dispatcher in [d for d in gc_objects() if isinstance(d, Dispatcher)]:
+                dispatcher.wake()
+            wait_until(lambda: waiting(zk_client, LAYOUT, "order") == [], 10, 0.02,
+                       "the dispatcher did not give them")
+            wait_until(lambda: handoff._line_left("order"), 10, 0.02,
+                       "the publisher did not see its message leave the line")
+            producer.publish(3, exchange=queue.exchange, routing_key="order")
+            assert unowned_creations(zk_client, "order") == 2   # handed over
+        while len(got) < 3:
             conn.drain_events(timeout=5)
-    assert [body for body, _ in got] == [1, 2]
+    assert [body for body, _ in got] == [1, 2, 3]
+
+
+def gc_objects() -> list[Any]:
+    import gc
+
+    return gc.get_objects()
 
 
 def test_a_publisher_sending_a_few_a_second_hands_over_after_one_waited(
@@ -536,6 +558,8 @@ def test_an_idle_worker_offers_once_its_running_tasks_end(
         try:
             publish(zk_url, queue, "task")   # handed over; acked as it "starts"
             run_until(lambda: got, "not delivered")
+            # Its one slot taken: the offer goes (after BUSY_GRACE), and stays gone.
+            run_until(lambda: not offers(zk_client, "busy"), "the offer stayed")
             deadline = time.monotonic() + 0.2
 
             def no_offer_for_a_while() -> bool:   # the task runs
@@ -643,6 +667,48 @@ def test_work_that_leaves_a_pool_slot_free_keeps_the_offer(
         finally:
             for request in running:
                 worker_state.reserved_requests.discard(request)
+
+
+def test_handed_work_that_takes_every_slot_keeps_the_offer_for_a_moment(
+        zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst of a trickle takes every pool slot for a moment: the offer
+    stands, and what is published meanwhile is handed over too (withdrawing
+    put it in line, through the dispatcher: the loaded latency's tail).
+    Slots still taken after BUSY_GRACE withdraw it."""
+    import celery.worker.state as worker_state
+
+    import celery_zk.broker.inbox as inbox_module
+    import celery_zk.compat.celery as celery_compat
+
+    class Running:   # a task request in Celery's worker state (kept weakly)
+        pass
+
+    monkeypatch.setattr(celery_compat, "pool_slots", lambda: 2)
+    monkeypatch.setattr(inbox_module, "BUSY_GRACE", 0.5)   # long enough to look at
+    queue = Queue("burst", Exchange("burst", "direct"), "burst")
+    got: list[Any] = []
+    with Connection(zk_url) as conn, consumer(conn, queue, got), \
+            event_loop(conn, monkeypatch) as run_until:
+        offer = conn.transport.inbox("burst").offer
+        assert offer is not None
+        run_until(lambda: offers(zk_client, "burst"), "no offer")
+        made = offers(zk_client, "burst")
+        running = [Running(), Running()]
+        worker_state.reserved_requests.update(running)   # both slots taken
+        try:
+            publish(zk_url, queue, "first")
+            run_until(lambda: len(got) == 1, "not delivered")
+            assert offers(zk_client, "burst") == made and offer.outstanding
+            publish(zk_url, queue, "second")   # still handed over
+            run_until(lambda: len(got) == 2, "not delivered")
+            assert unowned_creations(zk_client, "burst") == 0
+            run_until(lambda: not offers(zk_client, "burst") and not offer.outstanding,
+                      "the offer stayed while every slot stayed taken")
+            worker_state.reserved_requests.difference_update(running)   # they ended
+            run_until(lambda: offers(zk_client, "burst"), "no offer with the slots free")
+        finally:
+            worker_state.reserved_requests.difference_update(running)
+    assert [body for body, _ in got] == ["first", "second"]
 
 
 @pytest.mark.parametrize("pool, concurrency", [("threads", 1), ("threads", 2), ("prefork", 2)])

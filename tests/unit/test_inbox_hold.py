@@ -3,8 +3,9 @@ deliveries would not deliver within HOLD s, and the order it goes back in."""
 from __future__ import annotations
 
 from celery_zk.broker.claims import Claimed
-from celery_zk.broker.inbox import HOLD, Ready, held_back
-from celery_zk.zk.layout import message_prefix, order_key
+from celery_zk.broker.inbox import HOLD, held_back
+from celery_zk.broker.ready import DeliveryOrder, Ready
+from celery_zk.zk.layout import message_prefix, order_key, parse_message_name
 
 
 def test_a_quick_pace_holds_nothing_back_however_deep_the_inbox() -> None:
@@ -34,10 +35,12 @@ def claimed(name: str) -> Claimed:
 def test_the_buffer_gives_back_its_last_in_the_queues_order_first() -> None:
     # (inverted priority, generation, sequence): priority first, then FIFO.
     names = [message_prefix(p, g, f"{p:x}{g:x}{seq:x}") + f"{seq:010d}"
-             for p, g, seq in [(4, 1, 2), (1, 3, 0), (4, 1, 0), (4, 0, 7)]]
-    ready = Ready()
+             for p, g, seq in [(4, 1, 2), (1, 3, 1), (4, 1, 1), (4, 0, 7)]]
+    ready, order = Ready(), DeliveryOrder()
     for name in names:
-        ready.push(claimed(name))
+        message = parse_message_name(name)
+        assert message is not None
+        ready.push(claimed(name), order.key(message))
     in_order = sorted(names, key=order_key)
     assert in_order == [names[1], names[3], names[2], names[0]]
     assert ready.last().name == in_order[-1]

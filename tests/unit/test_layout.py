@@ -390,20 +390,3 @@ def test_a_worker_starting_gets_an_id_of_its_own() -> None:
     signals.worker_init.send(sender=None)
     assert affinity.WORKER != before and len(affinity.WORKER) == 12
 
-
-def test_an_inbox_delivers_what_it_read_in_the_queues_order() -> None:
-    """Read in the order they arrived (a deep inbox's batch, then a message of a
-    higher priority given later, then one requeued to an earlier place), they
-    go out in the queue's order: priority, then bucket and sequence."""
-    from celery_zk.broker.claims import Claimed
-    from celery_zk.broker.inbox import Ready
-
-    arrived = [new(0, "a", 5), new(0, "b", 6), new(0, "c", 7), new(9, "d", 8),
-               requeued(new(0, "e", 2)), new(0, "f", 5, generation=1)]
-    ready = Ready()
-    for name in arrived:
-        ready.push(Claimed("q", name, "/owned/" + name, b"{}", 0.0))
-    assert len(ready) == 6 and ready.first().name == arrived[3]
-    assert [ready.pop().name for _ in range(6)] == [
-        arrived[3], arrived[4], arrived[0], arrived[1], arrived[2], arrived[5]]
-    assert not ready and ready.first_key() is None

@@ -1,0 +1,97 @@
+"""The order an inbox delivers in: the queue's, with handed messages behind
+what arrived before them.
+
+An inbox delivers what it holds in the queue's order (priority, then the
+bucket and sequence a name carries), not in the order things arrived: a
+message of a higher priority, or a requeued one, given while a deep inbox
+holds others, goes out before them, as it would from the queue.
+
+A message handed straight to the consumer by its publisher never waited in
+a bucket: its name's sequence is zero, which puts a requeued one back at the
+front of its bucket. In the inbox that zero says nothing about when it was
+published. Since offers stand (0.3.3) several handed messages may wait in one
+inbox at once, and a publisher's message may be handed over right after the
+dispatcher gave its previous one (see ``HandOff.in_line``). So a handed
+message sorts right behind the latest message of its priority this inbox
+learnt of before it, and handed messages among themselves in the order they
+arrived: the order the server committed them in, which for one publisher is
+the order it published them in. (By name they sorted by their random uids.)
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+
+from ..zk.layout import MessageName
+from .claims import Claimed
+
+__all__ = ["DeliveryOrder", "Key", "Ready"]
+
+#: A message's place in an inbox: its queue order (MessageName.sort_key, or for
+#: a handed one the place behind what arrived before it), then its arrival.
+Key = tuple[tuple[int, int, int, bool, int], int]
+
+
+class DeliveryOrder:
+    """Hands out the :data:`Key` of each message an inbox learns of, in the
+    order it learns of them (the order of the watch's events)."""
+
+    def __init__(self) -> None:
+        self._latest: dict[int, tuple[int, int, int, bool, int]] = {}   # by priority
+        self._arrivals = 0
+
+    def key(self, message: MessageName) -> Key:
+        place = message.sort_key
+        priority = message.inverted_priority
+        latest = self._latest.get(priority)
+        if latest is None or place > latest:
+            self._latest[priority] = place
+        elif message.seq == 0 and not message.requeued and message.generation is not None:
+            place = latest   # handed over: behind what arrived before it
+        self._arrivals += 1
+        return place, self._arrivals
+
+
+class Ready:
+    """Messages read and not delivered yet, by :data:`Key` (a heap)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[Key, Claimed]] = []
+
+    def push(self, claimed: Claimed, key: Key) -> None:
+        heapq.heappush(self._heap, (key, claimed))
+
+    def pop(self) -> Claimed:
+        return heapq.heappop(self._heap)[1]
+
+    def first(self) -> Claimed:
+        return self._heap[0][1]
+
+    def first_key(self) -> Key | None:
+        return self._heap[0][0] if self._heap else None
+
+    def _last_index(self) -> int:
+        heap = self._heap
+        return max(range(len(heap)), key=lambda index: heap[index][0])
+
+    def last(self) -> Claimed:
+        """The last in delivery order (what a give-back returns first)."""
+        return self._heap[self._last_index()][1]
+
+    def pop_last(self) -> Claimed:
+        heap = self._heap
+        last = self._last_index()
+        entry = heap[last]
+        heap[last] = heap[-1]
+        heap.pop()
+        heapq.heapify(heap)
+        return entry[1]
+
+    def clear(self) -> None:
+        self._heap.clear()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Claimed]:
+        return (claimed for _, claimed in self._heap)

@@ -188,12 +188,10 @@ def test_server_restart_mid_run_loses_nothing(
     own_server.start()
     restarted = time.monotonic()
     done_at_restart = len(read_log(task_log))
-    try:
-        wait_until(lambda: len(read_log(task_log)) > done_at_restart, 60)
-    except AssertionError:
-        raise AssertionError("the worker did not resume after the server restarted; its "
-                             f"output, with its threads' stacks:\n{worker.diagnosis()}"
-                             ) from None
+    wait_until(lambda: len(read_log(task_log)) > done_at_restart, 60,
+               message=lambda: ("the worker did not resume after the server restarted; "
+                                "its output, with its threads' stacks:\n"
+                                f"{worker.diagnosis()}"))
     resumed = time.monotonic() - restarted
 
     publisher.join(60)

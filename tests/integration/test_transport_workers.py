@@ -183,10 +183,8 @@ def test_control_and_inspect_with_two_workers(zk_url: str, client_app: Celery,
     def still_owned() -> list[str]:
         return [path for q in zk_client.get_children(LAYOUT.queues)
                 for path in owned(zk_client, LAYOUT, q)]
-    try:
-        wait_until(lambda: not still_owned(), 5)
-    except AssertionError:
-        raise AssertionError(f"still owned after 5 s: {still_owned()}") from None
+    wait_until(lambda: not still_owned(), 5,
+               message=lambda: f"still owned after 5 s: {still_owned()}")
 
     celery_cli(["control", "shutdown", "--timeout", "2"], zk_url)
     for worker in (w1, w2):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,13 +121,17 @@ def executed_values(path: Path, kind: str | None = None) -> Counter[Any]:
                    for e in read_log(path) if kind is None or e["kind"] == kind)
 
 
-def wait_until(predicate: Any, timeout: float, interval: float = 0.1, message: str = "") -> None:
+def wait_until(predicate: Any, timeout: float, interval: float = 0.1,
+               message: str | Callable[[], str] = "") -> None:
+    """Poll ``predicate`` until true; AssertionError after ``timeout`` s. A callable
+    ``message`` is called then, so it can show the state that failed."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(interval)
-    raise AssertionError(message or f"condition not met within {timeout}s")
+    raise AssertionError((message() if callable(message) else message)
+                         or f"condition not met within {timeout}s")
 
 
 def celery_cli(args: list[str], broker: str, timeout: float = 60,

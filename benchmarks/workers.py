@@ -240,8 +240,11 @@ class Run:
                        for i in range(k)]
             self.await_ready(workers, [f"{tag}-{i}" for i in range(k)])
             entry.update(quiet_check(f"{server.name} {label}", self.args.settle))
-            groups = [os.getpgid(pid) for pid in server.pids] + [w.pid for w in workers]
-            window = CpuWindow(run_pids(groups, [*server.pids, os.getpid()]))
+            server_groups = [os.getpgid(pid) for pid in server.pids]
+            parts = {"server": run_pids(server_groups, server.pids),
+                     "workers": run_pids([w.pid for w in workers], []),
+                     "bench": [os.getpid()]}
+            window = CpuWindow(sorted({pid for pids in parts.values() for pid in pids}), parts)
             opened = time.monotonic()
             open(gate, "w").close()
             self.watch(tally, workers, opened, total, tag, window)
@@ -254,6 +257,8 @@ class Run:
         entry.update(window.report(f"{server.name} {label}"))
         entry.update(rate=total / elapsed, elapsed=elapsed,
                      cpu_ms_per_task=jiffies * 1000 / CLK_TCK / total,
+                     cpu_ms_per_task_by_part={name: round(j * 1000 / CLK_TCK / total, 3)
+                                              for name, j in window.by_part.items()},
                      busy_cores=jiffies / CLK_TCK / elapsed,
                      first_after_gate_ms=(summary.first - opened) * 1000,
                      **{key: value for key, value in asdict(summary).items()
@@ -261,7 +266,9 @@ class Run:
         if server.zk is not None:
             entry.update(self.transactions(server, zxid, claims, total))
         log(f"{server.name}: {label}: {entry['rate']:,.0f} tasks/s, "
-            f"{entry['cpu_ms_per_task']:.2f} ms CPU per task"
+            f"{entry['cpu_ms_per_task']:.2f} ms CPU per task ("
+            + ", ".join(f"{name} {ms:.2f}"
+                        for name, ms in entry["cpu_ms_per_task_by_part"].items()) + ")"
             + (f", {entry['failed_per_message']:.3f} failed transactions per task"
                if "failed_per_message" in entry else ""))
         return entry

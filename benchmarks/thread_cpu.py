@@ -10,9 +10,11 @@ Usage::
 (run from a directory that is no repository, with ``$PWD`` the checkout, as
 for ``workers.py``). Each worker parent's samples (``thread_cpu/sitecustomize.py``)
 give, between its 10% and 90% of tasks received: the parent's CPU per task,
-each of its threads', its pool's children's (the task's own work, the same
-for every broker: a yardstick for how busy the machine was), the parent's
-CPU over the children's, and how many cores the parent used.
+each of its threads' and how often each went to sleep (a thread waiting for
+the GIL, a lock or a reply; a process of one busy thread never waits for the
+GIL), its pool's children's CPU (the task's own work, the same for every
+broker: a yardstick for how busy the machine was), the parent's CPU over
+the children's, and how many cores the parent used.
 """
 from __future__ import annotations
 
@@ -41,6 +43,13 @@ def report(path: str) -> str | None:
     children = each.pop("(children)", 0.0)
     threads = ", ".join(f"{name} {us:.0f}" for name, us in
                         sorted(each.items(), key=lambda item: -item[1]) if us >= 5)
+    # Sleeps per task (voluntary context switches; samples of older probes lack them)
+    before, after = (low[4] if len(low) > 4 else {}), (high[4] if len(high) > 4 else {})
+    sleeps = {name: (after[name] - before.get(name, 0)) / tasks for name in after}
+    if sleeps:
+        threads += "\n    sleeps per task: " + ", ".join(
+            f"{name} {n:.2f}" for name, n in sorted(sleeps.items(), key=lambda i: -i[1])
+            if n >= 0.01) + f" (all threads {sum(sleeps.values()):.2f})"
     return (f"{os.path.basename(path)} -P {data['pool']}: {tasks / seconds:,.0f} tasks/s; "
             f"parent {parent:.0f} us CPU per task ({(high[1] - low[1]) / seconds:.2f} "
             f"cores), children {children:.0f} us, parent/children "

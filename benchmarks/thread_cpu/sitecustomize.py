@@ -5,8 +5,9 @@ workers' ``PYTHONPATH`` and sets ``BENCH_THREAD_CPU_DIR``; Python then runs
 this file in every process it starts. In a ``celery worker`` it starts a
 daemon thread that, every 50 ms, notes the tasks received so far (Celery's
 ``Request`` objects made in this process), the process's CPU time, and
-every 200 ms each of its threads' CPU (``/proc/self/task``, by thread name)
-and that of its child processes (a prefork pool). ``thread_cpu.py`` turns
+every 200 ms each of its threads' CPU and voluntary context switches
+(``/proc/self/task``, by thread name) and its child processes' CPU (a
+prefork pool). ``thread_cpu.py`` turns
 the samples into microseconds per task between 10% and 90% of the tasks.
 Elsewhere it does nothing.
 """
@@ -48,16 +49,24 @@ def _children(pid: int) -> float:
     return total
 
 
-def _threads() -> dict[str, float]:
+def _threads() -> tuple[dict[str, float], dict[str, int]]:
+    """Each thread's CPU seconds, and how often it went to sleep (voluntary
+    context switches: waiting for the GIL, a lock, a reply or its poll)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     found: dict[str, float] = {}
+    sleeps: dict[str, int] = {}
     for tid in os.listdir("/proc/self/task"):
+        name = names.get(int(tid), tid)
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
-                found[names.get(int(tid), tid)] = _ticks(_fields(f.read()))
+                found[name] = _ticks(_fields(f.read()))
+            with open(f"/proc/self/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        sleeps[name] = int(line.split()[1])
         except OSError:
             pass
-    return found
+    return found, sleeps
 
 
 def _count_requests() -> bool:
@@ -81,11 +90,13 @@ def _sample(pid: int, pool: str) -> None:
     while os.getpid() == pid:   # a forked child has no such thread anyway
         counting = counting or _count_requests()
         times = os.times()
-        detail = {}
+        detail: dict[str, float] = {}
+        sleeps: dict[str, int] = {}
         if turn % 4 == 0:
-            detail = _threads()
+            detail, sleeps = _threads()
             detail["(children)"] = _children(pid)
-        samples.append((time.monotonic(), times.user + times.system, _count[0], detail))
+        samples.append((time.monotonic(), times.user + times.system, _count[0], detail,
+                        sleeps))
         turn += 1
         if turn % 10 == 0 and _count[0]:
             path = os.path.join(_OUT or ".", f"{pid}.json")

@@ -63,6 +63,16 @@ def test_quick_run_on_zk_writes_every_figure(tmp_path: Path) -> None:
     for shape in ("oneway idle", "oneway loaded", "get idle", "get loaded"):
         assert 0 < latency[shape]["p50"] <= latency[shape]["p99"]
         assert latency[shape]["n"] == 20
+    for state in ("idle", "loaded"):   # how long the publishing call took
+        oneway = latency[f"oneway {state}"]
+        assert 0 < oneway["publish_p50"] <= oneway["publish_p99"]
+    # Each drain's CPU split by part: the workers spent some, and no part more than all
+    for drain in (k1, zk["single"]["threads -c 4"], zk["single"]["prefork -c 4"]):
+        parts = drain["cpu_ms_per_task_by_part"]
+        assert set(parts) == {"server", "workers", "bench"}
+        assert parts["workers"] > 0
+        # the machine's busy time counts every part (and the kernel's work besides)
+        assert sum(parts.values()) <= drain["cpu_ms_per_task"] * 1.25 + 0.1
 
 
 def test_txnlog_counts_failed_transactions(zookeeper_server: object, zk_client: object) -> None:

@@ -83,26 +83,25 @@ def process_jiffies(pids: Iterable[int]) -> int:
 
 
 class CpuWindow:
-    """Busy jiffies between :meth:`start` and :meth:`stop`, machine-wide and of ``pids``;
-    with ``parts`` (name -> pids, e.g. the server and the workers), of each part too."""
+    """Busy jiffies between :meth:`start` and :meth:`stop`, machine-wide and of the
+    run's processes, each of its parts (name -> pids, e.g. the server and the
+    workers) apart; the run's are all its parts' together."""
 
-    def __init__(self, pids: list[int], parts: dict[str, list[int]] | None = None) -> None:
-        self.pids = pids
-        self.parts = parts or {}
+    def __init__(self, parts: dict[str, list[int]]) -> None:
+        self.parts = parts
         self.machine = self.ours = self.processes = 0
         self.by_part: dict[str, int] = {}
 
     def start(self) -> None:
         fields = cpu_fields()
-        self.ours = -process_jiffies(self.pids)
         self.by_part = {name: -process_jiffies(pids) for name, pids in self.parts.items()}
         self.machine, self.processes = -_busy(fields), -sum(fields[:3])
 
     def stop(self) -> None:
         fields = cpu_fields()
-        self.ours += process_jiffies(self.pids)
         for name, pids in self.parts.items():
             self.by_part[name] += process_jiffies(pids)
+        self.ours = sum(self.by_part.values())
         self.machine += _busy(fields)
         self.processes += sum(fields[:3])
 

@@ -244,7 +244,7 @@ class Run:
             parts = {"server": run_pids(server_groups, server.pids),
                      "workers": run_pids([w.pid for w in workers], []),
                      "bench": [os.getpid()]}
-            window = CpuWindow(sorted({pid for pids in parts.values() for pid in pids}), parts)
+            window = CpuWindow(parts)
             opened = time.monotonic()
             open(gate, "w").close()
             self.watch(tally, workers, opened, total, tag, window)
@@ -337,8 +337,8 @@ class Run:
             out["machine " + label] = quiet_check(f"{server.name} latency {label}",
                                                   self.args.settle)
             # The worker and the load process start and end inside: ours as reaped children.
-            window = CpuWindow(run_pids([os.getpgid(pid) for pid in server.pids],
-                                        [*server.pids, os.getpid()]))
+            window = CpuWindow({"run": run_pids([os.getpgid(pid) for pid in server.pids],
+                                                [*server.pids, os.getpid()])})
             window.start()
             for shape, figures in broker.latency(self.args.samples, rate).items():
                 out[f"{shape} {label}"] = figures

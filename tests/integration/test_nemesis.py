@@ -49,7 +49,7 @@ def trace(run_dir: Path, lost: list[dict[str, Any]], most: int = 120) -> str:
     publisher = run_dir / "publisher.jsonl"
     if publisher.exists():
         for line in publisher.read_text(errors="replace").splitlines():
-            if any(task_id in line for task_id in list(ids)) and '"parts"' in line:
+            if '"parts"' in line and any(task_id in line for task_id in ids):
                 entry = json.loads(line)
                 ids.update(entry.get("parts", []))
                 ids.add(entry.get("group", ""))

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import (
@@ -42,13 +42,15 @@ from kazoo.exceptions import (
 )
 from kazoo.retry import ForceRetryError
 
-from ..zk.client import multi_failure
+from ..zk.client import FAILOVER_PATIENCE, connected_retry, multi_failure
 from ..zk.layout import OWNER_SEP, Layout, unescape
 
 __all__ = ["ChordCounter", "Count"]
 
 #: Most deletes in one multi when a counter is reset for a new run.
 RESET_BATCH = 500
+
+T = TypeVar("T")
 
 
 class Count(NamedTuple):
@@ -84,12 +86,18 @@ class ChordCounter:
         # expiry); must treat NodeExists as success.
         self._create = create or self._create_plain
 
+    def _retry(self, func: Callable[..., T], *args: Any) -> T:
+        # Rides out a leader failover, as a result write does: the last part's
+        # count and the run's end are made by a task whose message is acked
+        # whether they land or not (a chord failed or stalled for good).
+        return connected_retry(self.client, func, *args, patience=FAILOVER_PATIENCE)
+
     # -- a run ------------------------------------------------------------------
     def start(self, lazy: bool, fresh: bool) -> None:
         """A new run of the chord: the count back to 0 and what an earlier run
         of this group id left (its size, parts, tombstone) gone, unless the
         counter is ``fresh`` (just made). ``lazy``: the header is a generator."""
-        self.client.retry(self._inner_start, lazy, fresh)
+        self._retry(self._inner_start, lazy, fresh)
 
     def _inner_start(self, lazy: bool, fresh: bool) -> None:
         client = self.client
@@ -128,12 +136,12 @@ class ChordCounter:
         # One token per call: a commit that succeeded just before a
         # ConnectionLoss is recognised as ours on the retry, not as a duplicate.
         token = uuid.uuid4().hex
-        return self.client.retry(self._inner_increment, part_id, token,
+        return self._retry(self._inner_increment, part_id, token,
                                  "" if group_index is None else str(group_index), completing)
 
     def value(self) -> int:
         try:
-            data, _ = self.client.retry(self.client.get, self.path)
+            data, _ = self._retry(self.client.get, self.path)
         except NoNodeError:
             return 0
         return int(data or b"0")
@@ -141,7 +149,7 @@ class ChordCounter:
     def set_size(self, size: int) -> bool:
         """Record how many parts the chord waits for; False when there is no counter
         (an inner group's id, or a chord already finished)."""
-        return bool(self.client.retry(self._inner_set_size, str(size).encode()))
+        return bool(self._retry(self._inner_set_size, str(size).encode()))
 
     def _inner_set_size(self, size: bytes) -> bool:
         try:
@@ -156,7 +164,7 @@ class ChordCounter:
         """One more part to wait for (``Task.add_to_chord``). ``also(tx)`` adds
         its own operations to the same transaction (the saved group's new
         member); a conflict it causes makes the whole add retry."""
-        self.client.retry(self._inner_add, also)
+        self._retry(self._inner_add, also)
 
     def _inner_add(self, also: Callable[[Any], None] | None) -> None:
         client = self.client
@@ -187,8 +195,11 @@ class ChordCounter:
     def parts(self) -> list[str]:
         """The counted parts' task ids in header order (Celery's ``group_index``,
         then the order they were counted)."""
+        return self._retry(self._inner_parts)
+
+    def _inner_parts(self) -> list[str]:
         client = self.client
-        names = [name for name in client.retry(client.get_children, self.path)
+        names = [name for name in client.get_children(self.path)
                  if not name.startswith(OWNER_SEP)]
         reads = [(name, client.get_async(self.layout.chord_child(self.group_id, name)))
                  for name in names]
@@ -211,21 +222,27 @@ class ChordCounter:
     def sent(self) -> bool:
         """Whether this run's body was published (``~sent``, made by the publish's
         own multi on a zk:// broker: see celery_zk.backend.chord_body)."""
-        return self.client.retry(self.client.exists, self.sent_path) is not None
+        return self._retry(self.client.exists, self.sent_path) is not None
 
     def finish(self, also: Callable[[TransactionRequest], None] | None = None) -> None:
         """The body was sent: keep the counter as a tombstone (``~done``) and drop
         the counted parts, so nothing counts again (see the module docstring).
         ``also(tx)`` adds its own operations to the multi that makes ``~done``."""
-        client = self.client
         try:
-            client.retry(self._inner_finish, also)
+            self._retry(self._inner_finish, also)
         except NodeExistsError:
             pass
         except NoNodeError:
             return   # no counter (removed by expiry): nothing to keep
-        parts = [name for name in client.retry(client.get_children, self.path)
-                 if not name.startswith(OWNER_SEP)]
+        self._retry(self._drop_parts)
+
+    def _drop_parts(self) -> None:
+        client = self.client
+        try:
+            names = client.get_children(self.path)
+        except NoNodeError:
+            return   # removed by expiry meanwhile
+        parts = [name for name in names if not name.startswith(OWNER_SEP)]
         for result in [client.delete_async(self.layout.chord_child(self.group_id, name))
                        for name in parts]:
             try:

@@ -20,6 +20,13 @@ ensemble, the body's publish makes the counter's ``~sent`` in its own multi
 second publish of the run stores nothing. With another broker the body may
 be sent twice in that case (at-least-once), as on Redis.
 
+**Through a failover.** The last part's message is acked whether the body is
+sent or not, so its count, its reads and the run's end ride out a leader
+failover (:func:`celery_zk.zk.client.through_failover`, as a result write
+does) before the body is failed: a read that fell into an election failed
+the chord for good (a possible cause of the nemesis's B19). The publish has
+Celery's own retry (``task_publish_retry_policy``).
+
 While it sends, the last part's own result reads STARTED
 (:class:`LastPartResult`), so that a worker stopped in between leaves a part
 that runs again even with ``worker_deduplicate_successful_tasks``.
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
+from functools import partial
 from typing import Any, Protocol
 
 from celery import states
@@ -44,6 +52,7 @@ from celery.result import AsyncResult, GroupResult, ResultSet, allow_join_result
 from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import NoNodeError
 
+from ..zk.client import through_failover
 from ..zk.layout import ONCE_PROPERTY, Layout
 from ..zk.payload import is_manifest
 from .chord import ChordCounter
@@ -146,13 +155,14 @@ def send_chord_body(backend: ZooKeeperBackend, request: Any, counter: ChordCount
         header: Any = GroupResult(group_id, [AsyncResult(t, app=app) for t in counter.parts()],
                                   app=app)
     else:
-        header = GroupResult.restore(group_id, app=app, backend=backend)
+        header = through_failover(partial(GroupResult.restore, group_id, app=app,
+                                          backend=backend))
     try:
         if header is None:
             _fail(backend, callback, group_id, f"GroupResult {group_id} no longer exists")
             return
         try:
-            metas = _metas(backend, header)
+            metas = through_failover(_metas, backend, header)
             if own is not None and own.meta is not None:
                 metas[own.task_id] = own.meta   # stored as STARTED meanwhile
             values = _values(backend, header, metas)
@@ -164,6 +174,8 @@ def send_chord_body(backend: ZooKeeperBackend, request: Any, counter: ChordCount
             _fail(backend, callback, group_id, repr(exc), exc)
             return
         try:
+            # Celery's publish retry (task_publish_retry_policy) rides out a
+            # failover: three more tries, each of the transport's command retry.
             callback.apply_async((values,), **_sent_once(backend, group_id, callback))
         except Exception as exc:
             logger.exception("Chord %r raised: %r", group_id, exc)

@@ -291,7 +291,8 @@ class Channel(virtual.Channel):
             if store.put_once(new, marker) is None:
                 logger.info("celery_zk: not publishing to %r again: %s exists (a chord's "
                             "body, sent by a worker that stopped before it finished the "
-                            "chord)", queue, marker)
+                            "chord, or by an attempt of this one whose reply was lost)",
+                            queue, marker)
             transport.store.deferred.flush()
             return
         together = transport.publishing_together()

@@ -311,6 +311,69 @@ def test_a_result_written_while_a_silent_leader_is_replaced_is_stored() -> None:
         ensemble.close()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("step", ["_metas", "_sent_once"], ids=["reads", "publish"])
+def test_a_chord_whose_last_part_returns_while_a_silent_leader_is_replaced_sends_its_body(
+        monkeypatch: pytest.MonkeyPatch, step: str) -> None:
+    """The last part of a chord counts itself, reads the header's results and
+    publishes the body: writes and reads that nobody redoes (its message is
+    acked either way). Before they rode out a failover as a result write does,
+    one that fell into it failed the body with ChordError for good (a possible
+    cause of the nemesis's B19). The leader goes silent as the part reads the
+    header's results, or as it publishes the body."""
+    from types import SimpleNamespace
+
+    from celery import chord, states
+
+    from celery_zk.backend import chord_body
+
+    ensemble = ZooKeeperEnsemble(3)
+    ensemble.start()
+    url = f"{ensemble.url}{ROOT}-chord-failover"
+    app = Celery("chord-failover", broker=url, backend=url, set_as_current=False)
+    leader_pid = None
+    try:
+        header = [app.signature("proj.app.add", (i, i), queue="nowhere") for i in (1, 2)]
+        body = app.signature("proj.app.tsum", queue="bodies").set(task_id="failover-body")
+        result = chord(header)(body)
+        group_id, parts = result.parent.id, [r.id for r in result.parent.results]
+        backend = app.backend
+
+        def request(index: int) -> Any:   # what the worker's tracer passes
+            return SimpleNamespace(id=parts[index], group=group_id, group_index=index,
+                                   chord=dict(body), ignore_result=False)
+
+        backend.mark_as_done(parts[0], 2, request=request(0))
+        leader = ensemble.leader_index()
+        leader_pid = ensemble.members[leader].pid
+        assert leader_pid is not None
+        real_step, paused = getattr(chord_body, step), []
+
+        def leader_goes_silent(*args: Any) -> Any:
+            if not paused:
+                os.kill(leader_pid, signal.SIGSTOP)
+                paused.append(time.monotonic())
+            return real_step(*args)
+        monkeypatch.setattr(chord_body, step, leader_goes_silent)
+        backend.mark_as_done(parts[1], 4, request=request(1))   # the last part
+        assert paused, f"the last part never came to {step}"
+        took = time.monotonic() - paused[0]
+        print(f"\n[silent leader] the chord's body was sent {took:.1f}s into the failover")
+        assert ensemble.mode(leader) == "down"   # still paused: the others took over
+        meta = backend.get_task_meta("failover-body", cache=False)
+        assert meta["status"] == states.PENDING, meta   # not failed with ChordError
+        with app.connection_for_write() as conn:
+            waiting = conn.default_channel.queue_declare("bodies", passive=True)
+        assert waiting.message_count == 1   # the body, sent once
+        meta = backend.get_task_meta(parts[1], cache=False)
+        assert (meta["status"], meta["result"]) == (states.SUCCESS, 4)   # restored
+    finally:
+        if leader_pid is not None:
+            os.kill(leader_pid, signal.SIGCONT)
+        app.close()
+        ensemble.close()
+
+
 # -- 3 and 4. a live worker whose session expires ---------------------------------
 def _expire_live_worker(make_url: Any, start_worker: Any,
                         task_log: Path, observer: Any, observer_hosts: str,

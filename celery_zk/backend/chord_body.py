@@ -22,7 +22,7 @@ be sent twice in that case (at-least-once), as on Redis.
 
 **Through a failover.** The last part's message is acked whether the body is
 sent or not, so its count, its reads and the run's end ride out a leader
-failover (:func:`celery_zk.zk.client.through_failover`, as a result write
+failover (:data:`celery_zk.zk.client.FAILOVER_PATIENCE`, as a result write
 does) before the body is failed: a read that fell into an election failed
 the chord for good (a possible cause of the nemesis's B19). The publish has
 Celery's own retry (``task_publish_retry_policy``).
@@ -52,7 +52,7 @@ from celery.result import AsyncResult, GroupResult, ResultSet, allow_join_result
 from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import NoNodeError
 
-from ..zk.client import through_failover
+from ..zk.client import FAILOVER_PATIENCE, connected_retry
 from ..zk.layout import ONCE_PROPERTY, Layout
 from ..zk.payload import is_manifest
 from .chord import ChordCounter
@@ -155,14 +155,14 @@ def send_chord_body(backend: ZooKeeperBackend, request: Any, counter: ChordCount
         header: Any = GroupResult(group_id, [AsyncResult(t, app=app) for t in counter.parts()],
                                   app=app)
     else:
-        header = through_failover(partial(GroupResult.restore, group_id, app=app,
-                                          backend=backend))
+        header = _patiently(backend, partial(GroupResult.restore, group_id, app=app,
+                                             backend=backend))
     try:
         if header is None:
             _fail(backend, callback, group_id, f"GroupResult {group_id} no longer exists")
             return
         try:
-            metas = through_failover(_metas, backend, header)
+            metas = _patiently(backend, partial(_metas, backend, header))
             if own is not None and own.meta is not None:
                 metas[own.task_id] = own.meta   # stored as STARTED meanwhile
             values = _values(backend, header, metas)
@@ -184,6 +184,13 @@ def send_chord_body(backend: ZooKeeperBackend, request: Any, counter: ChordCount
         if header is not None:
             backend.delete_group(group_id)
         counter.finish(also=None if own is None else own.restore)
+
+
+def _patiently(backend: ZooKeeperBackend, step: Any) -> Any:
+    """``step()`` with a result write's failover patience: run again while its
+    own requests give up for want of ZooKeeper (their RetryFailedError ends an
+    attempt, which connected_retry starts again until the patience is spent)."""
+    return connected_retry(backend.client, step, patience=FAILOVER_PATIENCE)
 
 
 def _sent_once(backend: ZooKeeperBackend, group_id: str, callback: Any) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import logging
 import socket
 import threading
 from collections import deque
-from time import monotonic, sleep
+from time import monotonic
 from typing import Any, Callable, Generic, TypeVar
 
 from kazoo.client import KazooClient, KazooState
@@ -276,30 +276,6 @@ def connected_retry(client: KazooClient, func: Callable[..., T], *args: Any,
                 if client.state != KazooState.CONNECTED or once_more:
                     raise
                 once_more = True
-
-
-def through_failover(func: Callable[..., T], *args: Any,
-                     patience: float | None = None) -> T:
-    """``func(*args)``, run again while it fails for want of ZooKeeper (the
-    retries of the calls it makes gave up), until ``patience`` seconds
-    (:data:`FAILOVER_PATIENCE`) have passed.
-
-    For a step of several calls that nobody redoes if it fails, such as a
-    chord's last part reading its header's results and publishing the body:
-    the part's message is acked either way. ``func`` must be safe to run
-    again.
-    """
-    until = monotonic() + (FAILOVER_PATIENCE if patience is None else patience)
-    while True:
-        try:
-            return func(*args)
-        except CONNECTION_ERRORS as exc:
-            if isinstance(exc, ConnectionClosedError) or monotonic() >= until:
-                raise
-            logger.warning("celery_zk: %s failed for want of ZooKeeper (%s: %s); trying "
-                           "again", getattr(func, "__qualname__", func), type(exc).__name__,
-                           exc)
-            sleep(0.2)
 
 
 def synced(client: KazooClient, path: str) -> None:

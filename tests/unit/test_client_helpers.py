@@ -1,5 +1,5 @@
 """celery_zk.zk.client's pure helpers: reading multi results, logging background failures,
-holding writes back, running a step again through a failover."""
+holding writes back."""
 from __future__ import annotations
 
 import logging
@@ -10,20 +10,12 @@ import pytest
 from kazoo.exceptions import (
     BadVersionError,
     ConnectionClosedError,
-    ConnectionLoss,
     NoNodeError,
     RolledBackError,
     RuntimeInconsistency,
 )
-from kazoo.retry import RetryFailedError
 
-from celery_zk.zk.client import (
-    Deferred,
-    RedoThread,
-    log_failure,
-    multi_failure,
-    through_failover,
-)
+from celery_zk.zk.client import Deferred, RedoThread, log_failure, multi_failure
 
 log = logging.getLogger("celery_zk.test")
 
@@ -34,50 +26,6 @@ def test_multi_failure_names_the_op_that_failed() -> None:
     assert failure is not None
     index, error = failure
     assert index == 1 and isinstance(error, BadVersionError)
-
-
-def test_through_failover_runs_a_step_again_while_zookeeper_is_missing() -> None:
-    calls: list[float] = []
-
-    def step(value: int) -> int:
-        calls.append(time.monotonic())
-        if len(calls) == 1:
-            raise RetryFailedError("Exceeded retry deadline")
-        if len(calls) == 2:
-            raise ConnectionLoss()
-        return value
-
-    assert through_failover(step, 7, patience=5.0) == 7
-    assert len(calls) == 3
-
-
-def test_through_failover_gives_up_after_its_patience_or_on_a_closed_client() -> None:
-    calls: list[int] = []
-
-    def lost() -> None:
-        calls.append(1)
-        raise ConnectionLoss()
-
-    started = time.monotonic()
-    with pytest.raises(ConnectionLoss):
-        through_failover(lost, patience=0.5)
-    assert 0.5 <= time.monotonic() - started < 3 and len(calls) >= 2
-
-    def closed() -> None:
-        calls.append(2)
-        raise ConnectionClosedError("stopped")
-
-    with pytest.raises(ConnectionClosedError):
-        through_failover(closed, patience=30.0)
-    assert calls.count(2) == 1   # a stopped client never comes back
-
-    def other() -> None:
-        calls.append(3)
-        raise NoNodeError()
-
-    with pytest.raises(NoNodeError):
-        through_failover(other, patience=30.0)
-    assert calls.count(3) == 1   # not for want of ZooKeeper: not run again
 
 
 def test_a_lost_connection_is_a_plain_warning(caplog: pytest.LogCaptureFixture) -> None:

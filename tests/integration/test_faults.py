@@ -320,7 +320,9 @@ def test_a_chord_whose_last_part_returns_while_a_silent_leader_is_replaced_sends
     acked either way). Before they rode out a failover as a result write does,
     one that fell into it failed the body with ChordError for good (a possible
     cause of the nemesis's B19). The leader goes silent as the part reads the
-    header's results, or as it publishes the body."""
+    header's results, or as it publishes the body; a follower is paused for
+    12 s with it, so no quorum forms before the command retry's 10 s are
+    spent (an election alone took 13-17 s here, close to that)."""
     from types import SimpleNamespace
 
     from celery import chord, states
@@ -331,7 +333,7 @@ def test_a_chord_whose_last_part_returns_while_a_silent_leader_is_replaced_sends
     ensemble.start()
     url = f"{ensemble.url}{ROOT}-chord-failover"
     app = Celery("chord-failover", broker=url, backend=url, set_as_current=False)
-    leader_pid = None
+    leader_pid = follower_pid = None
     try:
         header = [app.signature("proj.app.add", (i, i), queue="nowhere") for i in (1, 2)]
         body = app.signature("proj.app.tsum", queue="bodies").set(task_id="failover-body")
@@ -346,17 +348,22 @@ def test_a_chord_whose_last_part_returns_while_a_silent_leader_is_replaced_sends
         backend.mark_as_done(parts[0], 2, request=request(0))
         leader = ensemble.leader_index()
         leader_pid = ensemble.members[leader].pid
-        assert leader_pid is not None
+        follower_pid = ensemble.members[(leader + 1) % 3].pid
+        assert leader_pid is not None and follower_pid is not None
         real_step, paused = getattr(chord_body, step), []
+        follower_back = threading.Timer(12.0, os.kill, (follower_pid, signal.SIGCONT))
 
         def leader_goes_silent(*args: Any) -> Any:
             if not paused:
+                os.kill(follower_pid, signal.SIGSTOP)
                 os.kill(leader_pid, signal.SIGSTOP)
+                follower_back.start()
                 paused.append(time.monotonic())
             return real_step(*args)
         monkeypatch.setattr(chord_body, step, leader_goes_silent)
         backend.mark_as_done(parts[1], 4, request=request(1))   # the last part
         assert paused, f"the last part never came to {step}"
+        follower_back.join()
         took = time.monotonic() - paused[0]
         print(f"\n[silent leader] the chord's body was sent {took:.1f}s into the failover")
         assert ensemble.mode(leader) == "down"   # still paused: the others took over
@@ -368,8 +375,9 @@ def test_a_chord_whose_last_part_returns_while_a_silent_leader_is_replaced_sends
         meta = backend.get_task_meta(parts[1], cache=False)
         assert (meta["status"], meta["result"]) == (states.SUCCESS, 4)   # restored
     finally:
-        if leader_pid is not None:
-            os.kill(leader_pid, signal.SIGCONT)
+        for pid in (leader_pid, follower_pid):
+            if pid is not None:
+                os.kill(pid, signal.SIGCONT)
         app.close()
         ensemble.close()
 

@@ -101,6 +101,7 @@ def make_client(settings: ZKSettings, connect_timeout: float | None = None) -> K
         **kwargs,
     )
     kazoo_compat.buffer_reads(client)   # many packets per recv(); kazoo's reads if it cannot
+    kazoo_compat.direct_requests(client)   # written by the caller; kazoo's queue if it cannot
     why = _start(client, settings.hosts, timeout,
                  fail_fast=settings.hosts not in _reached)
     if why is None:

@@ -187,3 +187,90 @@ def test_a_busy_client_cut_off_from_its_server_moves_on_and_keeps_its_session(
             thread.join(5)
             client.stop()
             client.close()
+
+
+def direct(client: KazooClient) -> kazoo_compat._DirectRequests:
+    writer = getattr(client._call, "__self__", None)
+    assert isinstance(writer, kazoo_compat._DirectRequests), "requests go through kazoo's queue"
+    return writer
+
+
+def test_requests_are_written_by_the_threads_that_make_them_in_their_order(
+        client: KazooClient) -> None:
+    """Each thread's requests reach the server in the order it made them,
+    whether written directly or queued (kazoo's loop still sends a queued
+    one, and what a thread queued goes out before its next direct one)."""
+    writer = direct(client)
+    client.ensure_path("/order")
+    written = writer.direct
+    errors: list[BaseException] = []
+
+    def one(n: int) -> None:
+        try:
+            path = f"/order/t{n}"
+            client.create(path, b"-1")
+            pending = [client.set_async(path, str(i).encode()) for i in range(300)]
+            # Versions count the sets in the order the server applied them.
+            versions = [p.get(timeout=20).version for p in pending]
+            assert versions == list(range(1, 301))
+            assert client.get(path)[0] == b"299"
+        except BaseException as exc:   # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+    threads = [threading.Thread(target=one, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    # Meanwhile a request kazoo's loop must send (an auth, as add_auth sends it):
+    # it and whatever a thread makes behind it go through the queue.
+    client.add_auth("digest", "someone:secret")
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert writer.direct - written > 1000
+
+
+def test_a_connection_dropped_under_direct_writers_fails_or_answers_each_request(
+        client: KazooClient) -> None:
+    """Every request written directly while connections drop under it is
+    answered or fails with ConnectionLoss (none hangs, none takes another's
+    reply), and on each new connection requests go direct again."""
+    from .workers import wait_until
+
+    writer = direct(client)
+    client.ensure_path("/drops")
+    stop = threading.Event()
+    outcomes = {"ok": 0, "lost": 0}
+    errors: list[BaseException] = []
+
+    def busy(n: int) -> None:
+        path, i = f"/drops/t{n}", 0
+        while not stop.is_set():
+            try:
+                client.create(f"{path}-{i}", str(i).encode())
+                assert client.get(f"{path}-{i}")[0] == str(i).encode()
+                outcomes["ok"] += 1
+            except ConnectionLoss:
+                outcomes["lost"] += 1
+            except Exception as exc:   # noqa: BLE001 - NodeExists after a lost reply is fine
+                if type(exc).__name__ != "NodeExistsError":
+                    errors.append(exc)
+                    return
+            i += 1
+    threads = [threading.Thread(target=busy, args=(n,), daemon=True) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(3):
+            time.sleep(0.5)
+            written = writer.direct
+            assert kazoo_compat.abort_connect(client)
+            wait_until(lambda: client.state == KazooState.CONNECTED and
+                       writer.direct > written + 50, 30,
+                       message="requests did not go direct again after a reconnect")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert not errors, errors
+    assert not any(thread.is_alive() for thread in threads), "a request never came back"
+    assert outcomes["ok"] > 200
+    assert client.exists("/drops") is not None

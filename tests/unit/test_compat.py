@@ -473,3 +473,25 @@ def test_a_pool_without_num_processes_is_named(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.delattr(base.BasePool, "num_processes")
     assert any("BasePool.num_processes" in problem for problem in celery_compat.missing())
+
+
+def test_kazoo_without_the_names_of_direct_requests_queues_every_request(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from kazoo.client import KazooClient
+    from kazoo.protocol.connection import ConnectionHandler
+
+    client = KazooClient()
+    assert kazoo_compat.direct_requests(client) is True
+    assert isinstance(client._call.__self__, kazoo_compat._DirectRequests)
+    # TLS: one thread must not write the SSL socket while another reads it.
+    assert kazoo_compat.direct_requests(KazooClient(use_ssl=True, verify_certs=False)) is False
+
+    monkeypatch.delattr(ConnectionHandler, "_send_ping")
+    monkeypatch.setattr(kazoo_compat, "_logged", set())
+    [problem] = kazoo_compat.missing()
+    assert "ConnectionHandler._send_ping" in problem and "kazoo's queue" in problem
+    client = KazooClient()
+    with caplog.at_level(logging.WARNING, logger="celery_zk.compat.kazoo"):
+        assert kazoo_compat.direct_requests(client) is False
+    assert "kazoo's queue" in caplog.text
+    assert not isinstance(getattr(client._call, "__self__", None), kazoo_compat._DirectRequests)

@@ -37,15 +37,6 @@ from unittest import mock
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from kazoo.protocol.serialization import (  # noqa: E402
-    Connect,
-    Create,
-    Delete,
-    int_int_struct,
-    int_struct,
-)
-from kazoo.security import OPEN_ACL_UNSAFE  # noqa: E402
-
 from common import (  # noqa: E402
     Workers,
     add_server_options,
@@ -57,6 +48,14 @@ from common import (  # noqa: E402
     table,
     write_json,
 )
+from kazoo.protocol.serialization import (  # noqa: E402
+    Connect,
+    Create,
+    Delete,
+    int_int_struct,
+    int_struct,
+)
+from kazoo.security import OPEN_ACL_UNSAFE  # noqa: E402
 from shapes import load, warm_up_with_load  # noqa: E402
 
 from celery_zk.compat import kazoo as kazoo_compat  # noqa: E402

@@ -271,14 +271,23 @@ class _BufferedReads:
         connection, handler, buf = self.connection, self.handler, self.buf
         with connection._socket_error_handling():
             while len(buf) < length:
+                size = max(READ_SIZE, length - len(buf))
                 if handler.silent(sock):   # dead, unless its bytes came just now
                     if not handler.wait_readable(sock, 0):
                         raise ConnectionDropped(
                             f"no reply from the server for {handler.silence:.1f}s "
                             "while requests waited: taken for dead (a partition?)")
-                elif not handler.wait_readable(sock, timeout):
-                    raise handler.timeout_exception("socket time-out during read")
-                chunk = sock.recv(max(READ_SIZE, length - len(buf)))
+                    chunk = sock.recv(size)
+                else:
+                    # kazoo's loop reads once its poll saw bytes: try first, and
+                    # wait only if there are none (a system call less per read).
+                    try:
+                        chunk = sock.recv(size)
+                    except BlockingIOError:
+                        if not handler.wait_readable(sock, timeout):
+                            raise handler.timeout_exception(
+                                "socket time-out during read") from None
+                        chunk = sock.recv(size)
                 self.recvs += 1
                 if not chunk:
                     raise ConnectionDropped("socket connection broken")
@@ -376,21 +385,40 @@ class _DirectRequests:
             # Again under the lock: kazoo's loop sends what it queued (and pops
             # it) under this lock, so an empty queue means everything this
             # thread queued before is written: the order holds.
-            if not self.open or client._queue:
-                return self._queued_call(request, async_object)
-            connection = self.connection
-            xid = connection._xid = (connection._xid % 2147483647) + 1
-            client._pending.append((request, async_object, xid))
-            self.direct += 1
-            try:
-                connection._write(int_struct.pack(len(body) + 8)
-                                  + int_int_struct.pack(xid, kind) + body, self.timeout)
-            except Exception:   # noqa: BLE001 - a half-written request garbles the stream
-                # End the connection: kazoo's loop sees it, reconnects and fails
-                # what is pending, this request included (ConnectionLoss).
-                self.open = False
-                abort_connect(client)
-        return True
+            if self.open and not client._queue:
+                self._write(request, async_object, kind, body)
+                return True
+        # Queued outside the lock: kazoo wakes its loop through a socket pair
+        # that fills up, and its loop drains it only once it has the lock.
+        return self._queued_call(request, async_object)
+
+    def _write(self, request: Any, async_object: Any, kind: int, body: bytes) -> None:
+        """Write one request (under :attr:`lock`), listed in ``_pending`` first."""
+        client, connection = self.client, self.connection
+        xid = connection._xid = (connection._xid % 2147483647) + 1
+        client._pending.append((request, async_object, xid))
+        self.direct += 1
+        message = int_struct.pack(len(body) + 8) + int_int_struct.pack(xid, kind) + body
+        try:
+            # Sent at once when the socket takes it (it nearly always has the
+            # room): kazoo's write polls first, a system call more. The handler
+            # still hears of the write, for its silent-server watch.
+            sock = connection._socket
+            asking = getattr(client.handler, "asking", None)
+            sent = 0
+            if asking is not None:
+                asking(sock)
+                try:
+                    sent = sock.send(message)
+                except BlockingIOError:
+                    sent = 0
+            if sent < len(message):
+                connection._write(message[sent:], self.timeout)
+        except Exception:   # noqa: BLE001 - a half-written request garbles the stream
+            # End the connection: kazoo's loop sees it, reconnects and fails
+            # what is pending, this request included (ConnectionLoss).
+            self.open = False
+            abort_connect(client)
 
     def send_request(self, *args: Any) -> Any:
         with self.lock:

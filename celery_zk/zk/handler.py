@@ -70,6 +70,13 @@ class PollingHandler(SequentialThreadingHandler):
     #: Looks answered from the buffer in a row (see HELD_PEEK).
     _held_looks = 0
 
+    def asking(self, sock: Any) -> None:
+        """A request is about to be written to ``sock``: its server owes a reply
+        from now on (unless an earlier write still waits for one)."""
+        asked = self.asked
+        if asked is None or asked[0] is not sock:
+            self.asked = (sock, time.monotonic())
+
     def heard(self, sock: Any) -> None:
         """Bytes came from ``sock``'s server: what was asked is being answered."""
         asked = self.asked
@@ -84,9 +91,7 @@ class PollingHandler(SequentialThreadingHandler):
             if timeout < 0:
                 raise ValueError("timeout must be non-negative")
         if wlist and not rlist:   # kazoo about to write a request or a ping
-            sock = wlist[0]
-            if self.asked is None or self.asked[0] is not sock:
-                self.asked = (sock, time.monotonic())
+            self.asking(wlist[0])
         ready = self.held
         if ready is None or not any(f is ready for f in rlist):
             ready = (None if self.asked is None

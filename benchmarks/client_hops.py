@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import struct
 import sys
 import time
 from typing import Any
@@ -48,14 +46,9 @@ from common import (  # noqa: E402
     table,
     write_json,
 )
-from kazoo.protocol.serialization import (  # noqa: E402
-    Connect,
-    Create,
-    Delete,
-    int_int_struct,
-    int_struct,
-)
+from kazoo.protocol.serialization import Create, Delete  # noqa: E402
 from kazoo.security import OPEN_ACL_UNSAFE  # noqa: E402
+from request_cost import RawClient  # noqa: E402
 from shapes import load, warm_up_with_load  # noqa: E402
 
 from celery_zk.compat import kazoo as kazoo_compat  # noqa: E402
@@ -66,51 +59,13 @@ PAYLOAD = b"x" * 600
 CLIENTS = ("queued", "direct", "raw")
 
 
-class RawClient:
-    """One session on a socket of its own, used by one thread: request, reply."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.sock = socket.create_connection((host, port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.xid = 0
-        body = Connect(0, 0, 10000, 0, b"\0" * 16, False).serialize()
-        self.sock.sendall(int_struct.pack(len(body)) + body)
-        self._packet()
-
-    def _exactly(self, size: int) -> bytes:
-        data = b""
-        while len(data) < size:
-            chunk = self.sock.recv(size - len(data))
-            if not chunk:
-                raise ConnectionError("the server closed the connection")
-            data += chunk
-        return data
-
-    def _packet(self) -> bytes:
-        return self._exactly(int_struct.unpack(self._exactly(4))[0])
-
-    def call(self, request: Any) -> int:
-        """Send ``request``; its reply's error code (0: done)."""
-        self.xid += 1
-        body = int_int_struct.pack(self.xid, request.type) + request.serialize()
-        self.sock.sendall(int_struct.pack(len(body)) + body)
-        while True:
-            xid, _zxid, err = struct.unpack_from("!iqi", self._packet())
-            if xid == self.xid:   # else a watch event or ping: none are asked for
-                return int(err)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def measure(hosts: str, root: str, samples: int) -> dict[str, list[float]]:
     """``samples`` synced creates per client, taking turns, in ms."""
     settings = parse_url(f"zk://{hosts}")
     with mock.patch.object(kazoo_compat, "direct_requests", lambda client: False):
         queued = make_client(settings)
     direct = make_client(settings)
-    host, port = hosts.rsplit(":", 1)
-    raw = RawClient(host, int(port))
+    raw = RawClient(hosts)
     queued.ensure_path(root)
     times: dict[str, list[float]] = {name: [] for name in CLIENTS}
     try:
@@ -120,17 +75,15 @@ def measure(hosts: str, root: str, samples: int) -> dict[str, list[float]]:
                 time.sleep(0.03)
                 start = time.monotonic()
                 if name == "raw":
-                    err = raw.call(Create(path, PAYLOAD, OPEN_ACL_UNSAFE, 0))
-                    if err:
-                        raise RuntimeError(f"raw create of {path} failed: error {err}")
+                    raw.call(Create(path, PAYLOAD, OPEN_ACL_UNSAFE, 0))
                 else:
                     (queued if name == "queued" else direct).create(path, PAYLOAD)
                 times[name].append((time.monotonic() - start) * 1000)
                 if name == "raw":
-                    raw.call(Delete(path, -1))
+                    raw.call(Delete(path, -1))   # type: ignore[arg-type]
                 else:
                     direct.delete(path)
-        assert kazoo_compat._DirectRequests is type(direct._call.__self__)
+        assert isinstance(direct._call.__self__, kazoo_compat._DirectRequests)
     finally:
         raw.close()
         for client in (queued, direct):

@@ -668,7 +668,7 @@ def test_two_consumers_claiming_without_waiting_deliver_each_message_once(
 
 
 def test_a_closing_connection_sends_its_held_acks_before_it_deletes_its_node(
-        zk_url: str) -> None:
+        zk_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Held-back acks go through the session's Deferred, whose flush takes
     what is pending under its lock and sends it outside. A flush on another
     thread (the Deferred's own, or another connection's close) that took a
@@ -677,6 +677,11 @@ def test_a_closing_connection_sends_its_held_acks_before_it_deletes_its_node(
     the ack, sent after, was refused by the node's check. Recovery then gave
     the acked message to another consumer (the two-consumer race test saw
     one message twice so). The closing connection sends its own held acks."""
+    from celery_zk.broker import acks
+
+    # Held until the test takes it: on a slow machine the consumer's cancel
+    # alone outlasted the 50 ms hold (a matrix cell of CI), and the ack went.
+    monkeypatch.setattr(acks, "ACK_HOLD", 30.0)
     queue = Queue("held", Exchange("held", "direct"), "held")
     with Connection(zk_url) as other:   # keeps the session (and recovery) alive
         other.connect()

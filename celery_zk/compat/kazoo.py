@@ -67,6 +67,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from kazoo.client import KazooClient
@@ -123,6 +124,19 @@ _DIRECT_USE = "to write requests from the thread that makes them"
 _DIRECT_FALLBACK = "Every request goes through kazoo's queue and connection thread."
 
 
+def _direct_missing(client: KazooClient | None = None) -> list[str]:
+    """The names of :data:`PRIVATE_DIRECT` the installed kazoo lacks (with
+    ``client``, of :data:`PRIVATE_DIRECT_INSTANCE` and ``_xid`` too)."""
+    names = [f"{owner.__name__}.{name}" for owner, name in PRIVATE_DIRECT
+             if not callable(getattr(owner, name, None))]
+    if client is not None:
+        names += [f"KazooClient().{name}" for name in PRIVATE_DIRECT_INSTANCE
+                  if not hasattr(client, name)]
+        if not hasattr(getattr(client, "_connection", None), "_xid"):
+            names.append("ConnectionHandler()._xid")
+    return names
+
+
 def _changed(name: str) -> PrivateAPIChanged:
     return PrivateAPIChanged(describe("kazoo", name, _USE, _FALLBACK))
 
@@ -134,16 +148,11 @@ def missing(client: KazooClient | None = None) -> list[str]:
                 for owner, name in PRIVATE if not callable(getattr(owner, name, None))]
     problems += [describe("kazoo", f"{owner.__name__}.{name}", _READS_USE, _READS_FALLBACK)
                  for owner, name in PRIVATE_READS if not callable(getattr(owner, name, None))]
-    problems += [describe("kazoo", f"{owner.__name__}.{name}", _DIRECT_USE, _DIRECT_FALLBACK)
-                 for owner, name in PRIVATE_DIRECT if not callable(getattr(owner, name, None))]
+    problems += [describe("kazoo", name, _DIRECT_USE, _DIRECT_FALLBACK)
+                 for name in _direct_missing(client)]
     if client is not None:
         problems += [str(_changed(f"KazooClient().{name}"))
                      for name in PRIVATE_INSTANCE if not hasattr(client, name)]
-        problems += [describe("kazoo", f"KazooClient().{name}", _DIRECT_USE, _DIRECT_FALLBACK)
-                     for name in PRIVATE_DIRECT_INSTANCE if not hasattr(client, name)]
-        if not hasattr(getattr(client, "_connection", None), "_xid"):
-            problems.append(describe("kazoo", "ConnectionHandler()._xid", _DIRECT_USE,
-                                     _DIRECT_FALLBACK))
         if not hasattr(getattr(client, "_connection", None), "_socket"):
             problems.append(describe("kazoo", "ConnectionHandler()._socket", _READS_USE,
                                      _READS_FALLBACK))
@@ -273,22 +282,20 @@ class _BufferedReads:
         with connection._socket_error_handling():
             while len(buf) < length:
                 size = max(READ_SIZE, length - len(buf))
-                if handler.silent(sock):   # dead, unless its bytes came just now
-                    if not handler.wait_readable(sock, 0):
-                        raise ConnectionDropped(
-                            f"no reply from the server for {handler.silence:.1f}s "
-                            "while requests waited: taken for dead (a partition?)")
+                # dead, unless its bytes came just now
+                if handler.silent(sock) and not handler.wait_readable(sock, 0):
+                    raise ConnectionDropped(
+                        f"no reply from the server for {handler.silence:.1f}s "
+                        "while requests waited: taken for dead (a partition?)")
+                # kazoo's loop reads once its poll saw bytes: try first, and
+                # wait only if there are none (a system call less per read).
+                try:
                     chunk = sock.recv(size)
-                else:
-                    # kazoo's loop reads once its poll saw bytes: try first, and
-                    # wait only if there are none (a system call less per read).
-                    try:
-                        chunk = sock.recv(size)
-                    except BlockingIOError:
-                        if not handler.wait_readable(sock, timeout):
-                            raise handler.timeout_exception(
-                                "socket time-out during read") from None
-                        chunk = sock.recv(size)
+                except BlockingIOError:
+                    if not handler.wait_readable(sock, timeout):
+                        raise handler.timeout_exception(
+                            "socket time-out during read") from None
+                    chunk = sock.recv(size)
                 self.recvs += 1
                 if not chunk:
                     raise ConnectionDropped("socket connection broken")
@@ -365,16 +372,18 @@ class _DirectRequests:
         self.open = False
         self.direct = 0   # requests written directly (for tests and diagnostics)
         self.timeout = client._session_timeout / 1000.0 / max(1, len(client.hosts))
+        # Our handler hears of each write (its silent-server watch); another
+        # handler gets kazoo's write, which polls first and tells its select.
+        self._asking: Callable[[Any], None] | None = getattr(client.handler, "asking", None)
         self._queued_call = client._call
         self._session_callback = client._session_callback
-        self._send_request = connection._send_request
-        self._send_ping = connection._send_ping
 
     def install(self) -> None:
+        connection = self.connection
         self.client._call = self.call
         self.client._session_callback = self.session_callback
-        self.connection._send_request = self.send_request
-        self.connection._send_ping = self.send_ping
+        connection._send_request = partial(self._loop_sends, connection._send_request)
+        connection._send_ping = partial(self._loop_sends, connection._send_ping)
 
     def call(self, request: Any, async_object: Any) -> Any:
         kind = getattr(request, "type", None)
@@ -404,8 +413,7 @@ class _DirectRequests:
             # Sent at once when the socket takes it (it nearly always has the
             # room): kazoo's write polls first, a system call more. The handler
             # still hears of the write, for its silent-server watch.
-            sock = connection._socket
-            asking = getattr(client.handler, "asking", None)
+            sock, asking = connection._socket, self._asking
             sent = 0
             if asking is not None:
                 asking(sock)
@@ -421,21 +429,15 @@ class _DirectRequests:
             self.open = False
             abort_connect(client)
 
-    def send_request(self, *args: Any) -> Any:
-        with self.lock:
-            result = self._send_request(*args)
-            self._may_open()
-        return result
-
-    def send_ping(self, *args: Any) -> Any:
-        with self.lock:
-            result = self._send_ping(*args)
-            self._may_open()
-        return result
-
-    def _may_open(self) -> None:
+    def _loop_sends(self, send: Callable[..., Any], *args: Any) -> Any:
+        """kazoo's loop sending (a queued request, a ping): under the lock, and
+        the gate opens after it on a connected, unstopped client."""
         client = self.client
-        self.open = client._state == KeeperState.CONNECTED and not client._stopped.is_set()
+        with self.lock:
+            result = send(*args)
+            self.open = (client._state == KeeperState.CONNECTED
+                         and not client._stopped.is_set())
+        return result
 
     def session_callback(self, state: Any) -> Any:
         if state != KeeperState.CONNECTED:
@@ -449,16 +451,13 @@ def direct_requests(client: KazooClient) -> bool:
     :class:`_DirectRequests` and the module docstring). False (kazoo's queue
     for all, logged once) when kazoo's internals differ; False for TLS, whose
     socket is not to be written by one thread while another reads it."""
-    connection: Any = getattr(client, "_connection", None)
-    if (connection is None or not hasattr(connection, "_xid")
-            or any(not callable(getattr(owner, name, None)) for owner, name in PRIVATE_DIRECT)
-            or any(not hasattr(client, name) for name in PRIVATE_DIRECT_INSTANCE)):
-        _log_fallback("KazooClient._call/_pending/ConnectionHandler._write",
-                      _DIRECT_USE, _DIRECT_FALLBACK)
+    absent = _direct_missing(client)
+    if absent:
+        _log_fallback("/".join(absent), _DIRECT_USE, _DIRECT_FALLBACK)
         return False
     if client.use_ssl:
         return False
-    _DirectRequests(client, connection).install()
+    _DirectRequests(client, client._connection).install()
     return True
 
 

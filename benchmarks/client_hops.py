@@ -7,9 +7,11 @@ the same server:
 * ``queued``: celery_zk's client with kazoo's own request path: the caller
   queues the request and wakes kazoo's connection thread through a socket
   pair; that thread writes it, reads the reply and wakes the caller;
-* ``direct``: celery_zk's client as it is made (``make_client``): the caller
-  writes the request itself (:func:`celery_zk.compat.kazoo.direct_requests`);
-  the connection thread still reads the reply and wakes the caller;
+* ``direct``: the caller writes the request itself
+  (:func:`celery_zk.compat.kazoo.direct_requests`); the connection thread
+  still reads the reply and wakes the caller;
+* ``reads``: celery_zk's client as it is made (``make_client``): the caller
+  writes the request and, while it waits, reads the reply itself;
 * ``raw``: a socket of its own, written and read by the caller alone (no
   thread at all): the floor of any client in Python.
 
@@ -56,7 +58,7 @@ from celery_zk.zk.client import make_client  # noqa: E402
 from celery_zk.zk.config import parse_url  # noqa: E402
 
 PAYLOAD = b"x" * 600
-CLIENTS = ("queued", "direct", "raw")
+CLIENTS = ("queued", "direct", "reads", "raw")
 
 
 def measure(hosts: str, root: str, samples: int) -> dict[str, list[float]]:
@@ -65,8 +67,11 @@ def measure(hosts: str, root: str, samples: int) -> dict[str, list[float]]:
     with mock.patch.object(kazoo_compat, "direct_requests", lambda client: False):
         queued = make_client(settings)
     direct = make_client(settings)
+    direct._call.__self__.reads = None   # its connection thread reads every reply
+    reads = make_client(settings)
     raw = RawClient(hosts)
     queued.ensure_path(root)
+    kazoos = {"queued": queued, "direct": direct, "reads": reads}
     times: dict[str, list[float]] = {name: [] for name in CLIENTS}
     try:
         for i in range(samples):
@@ -77,16 +82,16 @@ def measure(hosts: str, root: str, samples: int) -> dict[str, list[float]]:
                 if name == "raw":
                     raw.call(Create(path, PAYLOAD, OPEN_ACL_UNSAFE, 0))
                 else:
-                    (queued if name == "queued" else direct).create(path, PAYLOAD)
+                    kazoos[name].create(path, PAYLOAD)
                 times[name].append((time.monotonic() - start) * 1000)
                 if name == "raw":
                     raw.call(Delete(path, -1))   # type: ignore[arg-type]
                 else:
                     direct.delete(path)
-        assert isinstance(direct._call.__self__, kazoo_compat._DirectRequests)
+        assert direct._call.__self__.led == 0 and reads._call.__self__.led >= samples // 2
     finally:
         raw.close()
-        for client in (queued, direct):
+        for client in kazoos.values():
             client.stop()
             client.close()
     return times

@@ -66,13 +66,14 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionDropped
-from kazoo.protocol.connection import WATCH_XID, ConnectionHandler
+from kazoo.protocol.connection import PING_XID, WATCH_XID, ConnectionHandler
 from kazoo.protocol.serialization import (
     Auth,
     Close,
@@ -116,6 +117,7 @@ PRIVATE_DIRECT: tuple[tuple[type, str], ...] = (
     (ConnectionHandler, "_write"),
     (ConnectionHandler, "_send_request"),
     (ConnectionHandler, "_send_ping"),
+    (ConnectionHandler, "_read_socket"),
 )
 #: Set in ``KazooClient.__init__`` / ``ConnectionHandler.__init__``: checked on instances.
 PRIVATE_DIRECT_INSTANCE = ("_queue", "_pending", "_state", "_stopped", "_session_timeout",
@@ -132,8 +134,9 @@ def _direct_missing(client: KazooClient | None = None) -> list[str]:
     if client is not None:
         names += [f"KazooClient().{name}" for name in PRIVATE_DIRECT_INSTANCE
                   if not hasattr(client, name)]
-        if not hasattr(getattr(client, "_connection", None), "_xid"):
-            names.append("ConnectionHandler()._xid")
+        connection = getattr(client, "_connection", None)
+        names += [f"ConnectionHandler().{name}" for name in ("_xid", "_write_sock")
+                  if not hasattr(connection, name)]
     return names
 
 
@@ -276,6 +279,31 @@ class _BufferedReads:
             self.handler.held = self.sock if buf else None
         return taken
 
+    def peek(self, sock: Any, deadline: float) -> int | None:
+        """The xid of the next packet once all of it is in the buffer, reading
+        what ``sock`` sends until ``deadline`` (monotonic); None when it is not
+        all here by then, or ``sock`` is not the socket being read."""
+        if sock is not self.sock:
+            return None
+        buf, handler = self.buf, self.handler
+        want = 8   # a packet's length, and its reply header's xid
+        with self.connection._socket_error_handling():
+            while True:
+                if len(buf) >= 4:
+                    want = max(8, 4 + int_struct.unpack_from(buf, 0)[0])
+                if len(buf) >= want:
+                    return int(int_struct.unpack_from(buf, 4)[0])
+                left = deadline - time.monotonic()
+                if left <= 0 or not handler.wait_readable(sock, left):
+                    return None
+                chunk = sock.recv(max(READ_SIZE, want - len(buf)))
+                self.recvs += 1
+                if not chunk:
+                    raise ConnectionDropped("socket connection broken")
+                handler.heard(sock)
+                buf += chunk
+                handler.held = sock
+
     def _fill(self, sock: Any, length: int, timeout: float) -> None:
         """Read from ``sock`` until the buffer holds ``length`` bytes."""
         connection, handler, buf = self.connection, self.handler, self.buf
@@ -346,6 +374,10 @@ def abort_connect(client: KazooClient) -> bool:
     return True
 
 
+#: Most seconds a caller reads the socket while it waits for its reply (then
+#: kazoo's loop reads, as for any other): a ping is not held up for longer.
+LEAD = 0.2
+
 #: Requests kazoo's loop must send itself: an auth (its own xid, answered on
 #: the loop's terms) and the close (a stop() orders it behind what is queued).
 _LOOP_ONLY = frozenset({Auth.type, Close.type})
@@ -377,6 +409,14 @@ class _DirectRequests:
         self._asking: Callable[[Any], None] | None = getattr(client.handler, "asking", None)
         self._queued_call = client._call
         self._session_callback = client._session_callback
+        # Replies read by the thread that waits for one (see _lead): only with
+        # our buffered reads, whose buffer says what the next packet is.
+        reads = connection._read
+        self.reads: _BufferedReads | None = reads if isinstance(reads, _BufferedReads) else None
+        self.reader = threading.Lock()   # held by whoever reads the socket
+        self._read_socket: Callable[[float], Any] = connection._read_socket
+        self._loop_waits = False   # kazoo's loop waits for the reader lock
+        self.led = 0   # replies read by a waiting caller (for tests and diagnostics)
 
     def install(self) -> None:
         connection = self.connection
@@ -384,6 +424,8 @@ class _DirectRequests:
         self.client._session_callback = self.session_callback
         connection._send_request = partial(self._loop_sends, connection._send_request)
         connection._send_ping = partial(self._loop_sends, connection._send_ping)
+        if self.reads is not None:
+            connection._read_socket = self._loop_reads
 
     def call(self, request: Any, async_object: Any) -> Any:
         kind = getattr(request, "type", None)
@@ -408,6 +450,8 @@ class _DirectRequests:
         xid = connection._xid = (connection._xid % 2147483647) + 1
         client._pending.append((request, async_object, xid))
         self.direct += 1
+        if self.reads is not None:   # its caller may read the reply itself
+            async_object.get = partial(self._get, async_object, async_object.get)
         message = int_struct.pack(len(body) + 8) + int_int_struct.pack(xid, kind) + body
         try:
             # Sent at once when the socket takes it (it nearly always has the
@@ -438,6 +482,80 @@ class _DirectRequests:
             self.open = (client._state == KeeperState.CONNECTED
                          and not client._stopped.is_set())
         return result
+
+    # -- replies read by the thread that waits for one ----------------------------
+    def _get(self, async_object: Any, get: Callable[..., Any], block: bool = True,
+             timeout: float | None = None) -> Any:
+        """``async_object.get`` of a request written directly: its caller reads
+        the socket while it waits, if no one else does (see :meth:`_lead`)."""
+        if block and not async_object.ready() and self.reader.acquire(blocking=False):
+            try:
+                self._lead(async_object, LEAD if timeout is None else min(timeout, LEAD))
+            finally:
+                self.reader.release()
+                self._hand_back()
+        return get(block, timeout)
+
+    def _lead(self, async_object: Any, most: float) -> None:
+        """Read replies until ``async_object``'s has come, for up to ``most`` s.
+
+        kazoo's loop reads a reply and then wakes the thread waiting for it: two
+        thread wake-ups per request, each a wait for a core on a busy machine.
+        The waiting thread reads instead, through kazoo's own ``_read_socket``,
+        as long as the next packet is a reply or a ping. It leaves the rest to
+        kazoo's loop: a watch event (whose handlers run on kazoo's thread,
+        holding none of a caller's locks), the reply to a close or an auth,
+        trouble on the socket (shut down, for the loop to reconnect), and a
+        reply slower than ``most``.
+        """
+        reads, connection, client = self.reads, self.connection, self.client
+        assert reads is not None
+        deadline = time.monotonic() + most
+        while not async_object.ready():
+            sock = connection._socket
+            if not self.open or sock is None:
+                return
+            try:
+                xid = reads.peek(sock, deadline)
+                if xid is None or (xid < 0 and xid != PING_XID):
+                    return   # not here in time, a watch event, an auth's reply
+                with self.lock:   # kazoo's loop lists what it sends under it
+                    pending = client._pending
+                    if not self.open or (xid != PING_XID and (
+                            not pending
+                            or getattr(pending[0][0], "type", None) in _LOOP_ONLY)):
+                        return
+                    self._read_socket(self.timeout)   # all in the buffer: no wait
+                    self.led += 1
+            except Exception:   # noqa: BLE001 - the loop's to handle: it sees the socket shut
+                if connection._socket is sock:   # not a newer connection's
+                    self.open = False
+                    abort_connect(client)
+                return
+
+    def _hand_back(self) -> None:
+        """After a caller's reads: packets it left in the buffer are the loop's,
+        which may be waiting on a socket that has nothing more to say."""
+        reads = self.reads
+        if reads is None or not reads.buf or self._loop_waits:
+            return   # nothing left, or the loop reads it once it has the lock
+        try:
+            self.connection._write_sock.send(b"\0")   # kazoo's own wake-up
+        except (AttributeError, OSError):
+            pass   # closed meanwhile: nothing to hand back
+
+    def _loop_reads(self, read_timeout: float) -> Any:
+        """kazoo's loop reading a packet: only once no caller reads, and only if
+        one is there still (a caller may have read what woke the loop)."""
+        self._loop_waits = True
+        with self.reader:
+            self._loop_waits = False
+            reads, handler = self.reads, self.client.handler
+            sock = self.connection._socket
+            if (reads is not None and sock is reads.sock and not reads.buf
+                    and not handler.silent(sock) and not handler.wait_readable(sock, 0)):
+                return None
+            return self._read_socket(read_timeout)
 
     def session_callback(self, state: Any) -> Any:
         if state != KeeperState.CONNECTED:

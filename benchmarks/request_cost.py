@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 
 from kazoo.client import KazooClient
-from kazoo.protocol.serialization import Connect, Create, Exists, int_struct
+from kazoo.protocol.serialization import Connect, Create, Exists, Transaction, int_struct
 from kazoo.security import OPEN_ACL_UNSAFE
 
 SEQUENTIAL = 2  # ZooKeeper's create flag for a persistent sequential node
@@ -66,7 +66,7 @@ class RawClient:
             data += chunk
         return data
 
-    def call(self, request: Exists | Create) -> None:
+    def call(self, request: Exists | Create | Transaction) -> None:
         self.xid += 1
         self._send(int_struct.pack(self.xid) + int_struct.pack(request.type)
                    + request.serialize())

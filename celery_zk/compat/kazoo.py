@@ -50,7 +50,11 @@ therefore need three private names, all here:
   which still reads every reply, finds it there. Measured on the benchmark
   machine: a synced request 0.05-0.3 ms sooner (p50) and a prefork parent 3%
   cheaper per task (``benchmarks/README.md``, *Requests written by the
-  thread that makes them*).
+  thread that makes them*). With ``ConnectionHandler._read_socket``
+  (wrapped: kazoo's loop reads under a lock) and ``_write_sock`` (to wake
+  the loop), the thread that waits for such a request's reply reads the
+  socket itself (:meth:`_DirectRequests._lead`) while the next packet is a
+  reply, and leaves watch events to kazoo's loop.
 
 Fallback: without the read's names kazoo reads as it always did; without
 ``_socket`` a stop waits for the connect attempt to time out; without the

@@ -279,4 +279,50 @@ def test_a_connection_dropped_under_direct_writers_fails_or_answers_each_request
     assert not errors, errors
     assert not any(thread.is_alive() for thread in threads), "a request never came back"
     assert outcomes["ok"] > 200
+    assert writer.led > 0, "no reply was read by the thread waiting for it"
     assert client.exists("/drops") is not None
+
+
+def test_a_waiting_thread_reads_its_own_reply_and_leaves_watch_events_to_kazoo(
+        zk_url: str) -> None:
+    """A thread waiting for the reply to a request it wrote reads the socket
+    itself (no hop through kazoo's loop), but only replies: a watch event is
+    kazoo's loop's to read, so watch handlers never run on a caller's thread
+    (which may hold locks of its own). ZooKeeper sends the event of a write
+    ahead of the write's reply: the caller stops at the event and hands both
+    back to kazoo's loop, which must be woken for them (its socket may have
+    nothing more to say; it would read them at its next ping, 10 s here)."""
+    client = make_client(parse_url(f"{zk_url}?session_timeout=30"))
+    try:
+        writer = direct(client)
+        assert writer.reads is not None, "the caller cannot read: no buffered reads"
+        client.ensure_path("/lead")
+        led = writer.led
+        for i in range(20):
+            client.set("/lead", str(i).encode())
+        assert writer.led > led, "no reply was read by the thread waiting for it"
+
+        event_threads: set[int] = set()
+        read_event = client._connection._read_watch_event
+
+        def noted(buffer: bytes, offset: int) -> None:
+            event_threads.add(threading.get_ident())
+            read_event(buffer, offset)
+        client._connection._read_watch_event = noted
+        fired: list[threading.Event] = []
+        slowest = 0.0
+        for i in range(20):
+            event = threading.Event()
+            fired.append(event)
+            client.get("/lead", watch=lambda _e, event=event: event.set())
+            started = time.monotonic()
+            client.set("/lead", f"w{i}".encode())   # its event comes first
+            slowest = max(slowest, time.monotonic() - started)
+            assert event.wait(10), "a watch event was never handled"
+        assert threading.get_ident() not in event_threads, "a caller read a watch event"
+        # Without the wake-up, a set whose reply waited behind its event took
+        # until kazoo's next ping (about 10 s with this session timeout).
+        assert slowest < 5, f"a reply waited {slowest:.1f} s in the read buffer"
+    finally:
+        client.stop()
+        client.close()

@@ -483,6 +483,9 @@ def test_kazoo_without_the_names_of_direct_requests_queues_every_request(
     client = KazooClient()
     assert kazoo_compat.direct_requests(client) is True
     assert isinstance(client._call.__self__, kazoo_compat._DirectRequests)
+    # kazoo's own reads (not buffered): its loop reads every reply, unwrapped.
+    assert client._call.__self__.reads is None
+    assert "_read_socket" not in vars(client._connection)
     # TLS: one thread must not write the SSL socket while another reads it.
     assert kazoo_compat.direct_requests(KazooClient(use_ssl=True, verify_certs=False)) is False
 
@@ -495,3 +498,6 @@ def test_kazoo_without_the_names_of_direct_requests_queues_every_request(
         assert kazoo_compat.direct_requests(client) is False
     assert "kazoo's queue" in caplog.text
     assert not isinstance(getattr(client._call, "__self__", None), kazoo_compat._DirectRequests)
+    monkeypatch.undo()
+    monkeypatch.delattr(ConnectionHandler, "_read_socket")
+    assert any("ConnectionHandler._read_socket" in problem for problem in kazoo_compat.missing())

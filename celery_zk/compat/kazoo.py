@@ -53,7 +53,7 @@ therefore need three private names, all here:
   thread that makes them*). With ``ConnectionHandler._read_socket``
   (wrapped: kazoo's loop reads under a lock) and ``_write_sock`` (to wake
   the loop), the thread that waits for such a request's reply reads the
-  socket itself (:meth:`_DirectRequests._lead`) while the next packet is a
+  socket itself (:meth:`_DirectRequests.wait`) while the next packet is a
   reply, and leaves watch events to kazoo's loop.
 
 Fallback: without the read's names kazoo reads as it always did; without
@@ -417,9 +417,9 @@ class _DirectRequests:
         # our buffered reads, whose buffer says what the next packet is.
         reads = connection._read
         self.reads: _BufferedReads | None = reads if isinstance(reads, _BufferedReads) else None
-        self.reader = threading.Lock()   # held by whoever reads the socket
+        self.reading = threading.Lock()   # held by whoever reads the socket
         self._read_socket: Callable[[float], Any] = connection._read_socket
-        self._loop_waits = False   # kazoo's loop waits for the reader lock
+        self._loop_waits = False   # kazoo's loop waits for the reading lock
         self.led = 0   # replies read by a waiting caller (for tests and diagnostics)
 
     def install(self) -> None:
@@ -455,7 +455,7 @@ class _DirectRequests:
         client._pending.append((request, async_object, xid))
         self.direct += 1
         if self.reads is not None:   # its caller may read the reply itself
-            async_object.get = partial(self._get, async_object, async_object.get)
+            async_object.reader = self.wait   # our handler's Result asks it first
         message = int_struct.pack(len(body) + 8) + int_int_struct.pack(xid, kind) + body
         try:
             # Sent at once when the socket takes it (it nearly always has the
@@ -488,17 +488,15 @@ class _DirectRequests:
         return result
 
     # -- replies read by the thread that waits for one ----------------------------
-    def _get(self, async_object: Any, get: Callable[..., Any], block: bool = True,
-             timeout: float | None = None) -> Any:
-        """``async_object.get`` of a request written directly: its caller reads
-        the socket while it waits, if no one else does (see :meth:`_lead`)."""
-        if block and not async_object.ready() and self.reader.acquire(blocking=False):
+    def wait(self, async_object: Any, timeout: float | None) -> None:
+        """Before a blocking ``get`` of a request written directly: its caller
+        reads the socket while it waits, if no one else does (see :meth:`_lead`)."""
+        if not async_object.ready() and self.reading.acquire(blocking=False):
             try:
                 self._lead(async_object, LEAD if timeout is None else min(timeout, LEAD))
             finally:
-                self.reader.release()
+                self.reading.release()
                 self._hand_back()
-        return get(block, timeout)
 
     def _lead(self, async_object: Any, most: float) -> None:
         """Read replies until ``async_object``'s has come, for up to ``most`` s.
@@ -552,7 +550,7 @@ class _DirectRequests:
         """kazoo's loop reading a packet: only once no caller reads, and only if
         one is there still (a caller may have read what woke the loop)."""
         self._loop_waits = True
-        with self.reader:
+        with self.reading:
             self._loop_waits = False
             reads, handler = self.reads, self.client.handler
             sock = self.connection._socket

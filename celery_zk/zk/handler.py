@@ -34,9 +34,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kazoo.handlers.threading import SequentialThreadingHandler
+from kazoo.handlers.threading import AsyncResult, SequentialThreadingHandler
 
-__all__ = ["PollingHandler"]
+__all__ = ["PollingHandler", "Result"]
 
 _READ = select.POLLIN | select.POLLPRI
 _WRITE = select.POLLOUT
@@ -54,6 +54,20 @@ def _fd(fileobj: Any) -> int:
     return fileobj if isinstance(fileobj, int) else int(fileobj.fileno())
 
 
+class Result(AsyncResult):
+    """kazoo's result of a request, whose waiting thread may read the reply
+    itself: :attr:`reader` is set when the request was written by that thread
+    (:meth:`celery_zk.compat.kazoo._DirectRequests.wait`)."""
+
+    reader: Any = None
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        reader = self.reader
+        if reader is not None and block:
+            reader(self, timeout)
+        return super().get(block, timeout)
+
+
 class PollingHandler(SequentialThreadingHandler):
     """:class:`~kazoo.handlers.threading.SequentialThreadingHandler` whose
     ``select`` is one ``poll()``, with ``select()``'s signature and results."""
@@ -69,6 +83,9 @@ class PollingHandler(SequentialThreadingHandler):
     asked: tuple[Any, float] | None = None
     #: Looks answered from the buffer in a row (see HELD_PEEK).
     _held_looks = 0
+
+    def async_result(self) -> Result:
+        return Result(self)
 
     def asking(self, sock: Any) -> None:
         """A request is about to be written to ``sock``: its server owes a reply

@@ -15,6 +15,10 @@ It also knows of packets read ahead (:func:`celery_zk.compat.kazoo.buffer_reads`
 while some wait in a buffer, their socket is reported readable at once, or
 kazoo's loop would wait on a socket whose bytes were already taken.
 
+Its results (:class:`Result`) ask the connection, before a blocking
+``get``, whether the waiting thread may read the reply itself
+(:meth:`celery_zk.compat.kazoo._DirectRequests.wait`).
+
 And it notices a connection that went silent while requests wait, as
 ZooKeeper's own client does ("have not heard from server"): kazoo pings only
 after a quiet spell and counts every request it sends as a ping, so a busy

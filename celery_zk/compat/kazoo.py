@@ -300,12 +300,7 @@ class _BufferedReads:
                 left = deadline - time.monotonic()
                 if left <= 0 or not handler.wait_readable(sock, left):
                     return None
-                chunk = sock.recv(max(READ_SIZE, want - len(buf)))
-                self.recvs += 1
-                if not chunk:
-                    raise ConnectionDropped("socket connection broken")
-                handler.heard(sock)
-                buf += chunk
+                self._add(sock, sock.recv(max(READ_SIZE, want - len(buf))))
                 handler.held = sock
 
     def _fill(self, sock: Any, length: int, timeout: float) -> None:
@@ -328,11 +323,15 @@ class _BufferedReads:
                         raise handler.timeout_exception(
                             "socket time-out during read") from None
                     chunk = sock.recv(size)
-                self.recvs += 1
-                if not chunk:
-                    raise ConnectionDropped("socket connection broken")
-                handler.heard(sock)
-                buf += chunk
+                self._add(sock, chunk)
+
+    def _add(self, sock: Any, chunk: bytes) -> None:
+        """Take one ``recv()``'s bytes into the buffer (none: the server closed)."""
+        self.recvs += 1
+        if not chunk:
+            raise ConnectionDropped("socket connection broken")
+        self.handler.heard(sock)
+        self.buf += chunk
 
     def _granted(self, connect_response: bytes) -> None:
         """The first packet of a connection is ZooKeeper's ConnectResponse

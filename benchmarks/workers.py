@@ -17,7 +17,14 @@ Usage::
 
     .venv/bin/python benchmarks/workers.py [--quick] [--brokers zk,redis,rabbitmq]
         [--ks 1,4,16] [--tasks 6000] [--only scaling,single,latency]
-        [--zk-option KEY=VALUE] [--json out.json]
+        [--rounds 1] [--zk-option KEY=VALUE] [--json out.json]
+
+``--rounds N``: the whole run N times, the brokers' order reversed each round
+(so neither side of a ratio is always measured later). Each figure reported
+is the median of the rounds'; each target the median of the ratios taken
+within each round, listed round by round. On a shared 2-core machine one
+drain of 16 processes moves by a third between runs a minute apart, on any
+broker (benchmarks/README.md).
 
 Against another checkout: ``PYTHONPATH=/path/to/checkout``, run from a
 directory that is no repository (the workers would import its celery_zk).
@@ -59,7 +66,7 @@ from common import (  # noqa: E402
 from kombu import Connection  # noqa: E402
 from machine import CLK_TCK, FOREIGN, QUIET, CpuWindow, quiet_check, run_pids  # noqa: E402
 from tally import Tally  # noqa: E402
-from workers_report import render  # noqa: E402
+from workers_report import median_of, render  # noqa: E402
 
 import celery_zk  # noqa: E402
 from celery_zk.server import ZooKeeperServer, four_letter_word  # noqa: E402
@@ -362,6 +369,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds to wait for a quiet machine before a measurement")
     parser.add_argument("--retries", type=int, default=2,
                         help="times a drain is repeated when something else ran meanwhile")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run everything this many times; report medians")
     parser.add_argument("--quick", action="store_true", help="small sizes, K = 1, 4")
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the work dir")
@@ -380,6 +389,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.samples = args.samples or (20 if quick else 200)
     if quick:   # checks the parts, measures nothing
         args.zk_warm_up = min(args.zk_warm_up, 2.0)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be 1 or more (got {args.rounds})")
     args.brokers = [b for b in args.brokers.split(",") if b]
     args.only = [p for p in args.only.split(",") if p]
     for value, known in ((args.brokers, BROKERS), (args.only, PARTS)):
@@ -398,11 +409,21 @@ def main(argv: list[str] | None = None) -> int:
         log(f"WARNING: load average {info['loadavg1_at_start']:.2f} before the run: "
             "is something else running?")
     work_dir = tempfile.mkdtemp(prefix="celery-zk-workers-")
+    rounds: list[dict[str, dict[str, Any]]] = []
     run = Run(args, work_dir)
     stops: list[Callable[[], None]] = []
     try:
-        for name in args.brokers:
-            run.broker(name, stops)
+        for number in range(args.rounds):
+            run.results = {}
+            rounds.append(run.results)
+            order = args.brokers if number % 2 == 0 else args.brokers[::-1]
+            if args.rounds > 1:
+                log(f"round {number + 1} of {args.rounds}: {', '.join(order)}")
+            for name in order:
+                run.broker(name, stops)
+            # Reported in the brokers' order, whatever order the round ran them in.
+            run.results = {name: run.results[name] for name in args.brokers}
+            rounds[-1] = run.results
     finally:
         run.procs.stop_all()
         for stop in reversed(stops):
@@ -411,9 +432,11 @@ def main(argv: list[str] | None = None) -> int:
             log(f"work dir kept: {work_dir}")
         else:
             shutil.rmtree(work_dir, ignore_errors=True)
-    print(render(run.results, info, args))
+    results = rounds[0] if len(rounds) == 1 else median_of(rounds)
+    print(render(results, info, args, rounds))
     if args.json:
-        write_json(args.json, {"args": vars(args), "machine": info, "results": run.results})
+        write_json(args.json, {"args": vars(args), "machine": info, "results": results,
+                               **({"rounds": rounds} if len(rounds) > 1 else {})})
     return 0
 
 

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import statistics
+from typing import Any, Optional
 
 from bench_report import verdict
 from common import table
@@ -79,7 +80,29 @@ def single(results: Results) -> list[str]:
     return table(rows)
 
 
-def targets(results: Results, ks: list[int]) -> list[str]:
+def median_of(rounds: list[Any]) -> Any:
+    """Each number the median of its value in ``rounds`` (the same shape of results,
+    one per round); anything else as the first round has it."""
+    present = [value for value in rounds if value is not None]
+    if not present:
+        return None
+    first = present[0]
+    if isinstance(first, dict):
+        keys = dict.fromkeys(key for value in present if isinstance(value, dict)
+                             for key in value)
+        return {key: median_of([value.get(key) for value in present
+                                if isinstance(value, dict)]) for key in keys}
+    numbers = [value for value in present
+               if isinstance(value, (int, float)) and not isinstance(value, bool)]
+    if len(numbers) == len(present) and numbers:
+        return statistics.median(numbers)
+    return first
+
+
+Check = tuple[str, Optional[float], str, float]
+
+
+def checks(results: Results, ks: list[int]) -> list[Check]:
     """Issue 26's "Done when", each a ratio against a bound."""
     def r(*path: str) -> float | None:
         return _get(results, *path)
@@ -87,43 +110,69 @@ def targets(results: Results, ks: list[int]) -> list[str]:
     def div(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
 
-    checks: list[tuple[str, float | None, str, float]] = []
+    found: list[Check] = []
     if 1 in ks and 4 in ks:
-        checks.append(("zk rate K=4 ÷ K=1", div(r("zk", "scaling", "4", "rate"),
+        found.append(("zk rate K=4 ÷ K=1", div(r("zk", "scaling", "4", "rate"),
                                                r("zk", "scaling", "1", "rate")), ">=", 1.5))
     if 4 in ks and 16 in ks:
-        checks.append(("zk rate K=16 ÷ K=4", div(r("zk", "scaling", "16", "rate"),
+        found.append(("zk rate K=16 ÷ K=4", div(r("zk", "scaling", "16", "rate"),
                                                 r("zk", "scaling", "4", "rate")), ">=", 0.9))
     for k in ks:
-        checks.append((f"zk ÷ redis rate, K={k}", div(r("zk", "scaling", str(k), "rate"),
+        found.append((f"zk ÷ redis rate, K={k}", div(r("zk", "scaling", str(k), "rate"),
                                                       r("redis", "scaling", str(k), "rate")),
                        ">=", 1.0))
-        checks.append((f"zk failed transactions per task, K={k}",
+        found.append((f"zk failed transactions per task, K={k}",
                        r("zk", "scaling", str(k), "failed_per_message"), "<=", 0.01))
     top = str(max(ks))
-    checks.append((f"zk ÷ rabbitmq CPU per task, K={top}",
+    found.append((f"zk ÷ rabbitmq CPU per task, K={top}",
                    div(r("zk", "scaling", top, "cpu_ms_per_task"),
                        r("rabbitmq", "scaling", top, "cpu_ms_per_task")), "<=", 1.5))
     for run in ("threads -c 4", "prefork -c 4"):
         for other, bound in (("redis", 1.0), ("rabbitmq", 0.8)):
-            checks.append((f"zk ÷ {other} drain, one {run} worker",
+            found.append((f"zk ÷ {other} drain, one {run} worker",
                            div(r("zk", "single", run, "rate"), r(other, "single", run, "rate")),
                            ">=", bound))
     for shape, pct, bound in (("oneway idle", "p50", 2.0), ("oneway loaded", "p50", 2.0),
                               ("oneway idle", "p99", 3.0), ("oneway loaded", "p99", 3.0),
                               ("get idle", "p50", 2.0)):
-        checks.append((f"zk ÷ rabbitmq {shape} {pct}",
+        found.append((f"zk ÷ rabbitmq {shape} {pct}",
                        div(r("zk", "latency", shape, pct), r("rabbitmq", "latency", shape, pct)),
                        "<=", bound))
+    return found
+
+
+def targets(results: Results, ks: list[int]) -> list[str]:
     lines = []
-    for what, value, op, bound in checks:
+    for what, value, op, bound in checks(results, ks):
         if value is not None:
             lines.append(f"  {what:46s} {value:7.3f}  (target {op} {bound})  "
                          f"{verdict(value, op, bound)}")
     return lines
 
 
-def render(results: Results, info: dict[str, Any], args: argparse.Namespace) -> str:
+def round_targets(rounds: list[Results], ks: list[int]) -> list[str]:
+    """Each target's ratio within each round (its two brokers measured minutes
+    apart), the median of those, and its verdict: the machine's drift between
+    rounds moves both sides of a ratio taken within one."""
+    per_round = [checks(results, ks) for results in rounds]
+    lines = []
+    for index, (what, _, op, bound) in enumerate(per_round[0]):
+        values = [found[index][1] for found in per_round]
+        known = [value for value in values if value is not None]
+        if not known:
+            continue
+        mid = statistics.median(known)
+        passed = sum(verdict(value, op, bound) == "PASS" for value in known)
+        spread = " ".join("-" if value is None else f"{value:.2f}" for value in values)
+        lines.append(f"  {what:46s} {mid:7.3f}  (target {op} {bound})  "
+                     f"{verdict(mid, op, bound)}  rounds: {spread} ({passed} of {len(known)} pass)")
+    return lines
+
+
+def render(results: Results, info: dict[str, Any], args: argparse.Namespace,
+           rounds: list[Results] | None = None) -> str:
+    """The tables (with ``rounds``: each figure the median of the rounds') and the
+    targets (with ``rounds``: the median of each round's own ratio)."""
     out = ["", "Machine: " + ", ".join(f"{k}={v}" for k, v in info.items()),
            "Servers: " + "; ".join(f"{name}: {res['server']}" for name, res in results.items()),
            ""]
@@ -136,7 +185,12 @@ def render(results: Results, info: dict[str, Any], args: argparse.Namespace) -> 
     if latency:
         from shapes import render as render_latency
         out += [render_latency(latency, args.load), ""]
-    lines = targets(results, args.ks)
+    if rounds and len(rounds) > 1:
+        out[3:3] = [f"Each figure below: the median of {len(rounds)} rounds", ""]
+        lines = round_targets(rounds, args.ks)
+        heading = f"Issue 26 targets (median of the {len(rounds)} rounds' own ratios):"
+    else:
+        lines, heading = targets(results, args.ks), "Issue 26 targets:"
     if lines:
-        out += ["Issue 26 targets:", *lines]
+        out += [heading, *lines]
     return "\n".join(out)

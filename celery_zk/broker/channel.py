@@ -166,7 +166,9 @@ class Channel(virtual.Channel):
         result = super().basic_consume(queue, no_ack, *args, **kwargs)
         if queue not in self._consuming:
             self._consuming.add(queue)
-            self.connection.inbox(queue).start()
+            inbox = self.connection.inbox(queue)
+            inbox.set_credit(self.qos.prefetch_count or 0)   # joins with it
+            inbox.start()
         self.connection.consuming_changed()
         self.connection.wake()
         return result

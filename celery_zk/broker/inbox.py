@@ -299,8 +299,14 @@ class Inbox:
     def start(self) -> None:
         """A channel starts consuming the queue."""
         self.consuming += 1
-        if self.consuming == 1 and self.consumer_id is not None:
-            self._join()
+        if self.consuming == 1:
+            # Joined now, not on the first look: the dispatcher fills the inbox
+            # while the worker finishes starting (its basic_consume comes right
+            # before worker_ready), as a RabbitMQ consumer is sent its prefetch.
+            try:
+                self._registered()
+            except CONNECTION_ERRORS:
+                pass   # the first look joins, once connected again
 
     def stop(self, channel_closing: bool = False) -> None:
         """A channel stops consuming the queue; the last one out leaves the

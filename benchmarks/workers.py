@@ -414,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     stops: list[Callable[[], None]] = []
     try:
         for number in range(args.rounds):
+            if args.rounds > 1:   # a server's files are made anew each round
+                run.work_dir = os.path.join(work_dir, f"round-{number + 1}")
+                os.makedirs(run.work_dir)
             run.results = {}
             rounds.append(run.results)
             order = args.brokers if number % 2 == 0 else args.brokers[::-1]

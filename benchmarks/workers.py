@@ -417,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.rounds > 1:   # a server's files are made anew each round
                 run.work_dir = os.path.join(work_dir, f"round-{number + 1}")
                 os.makedirs(run.work_dir)
+                os.chmod(work_dir, 0o755)   # user rabbitmq reaches its round's dir
             run.results = {}
             rounds.append(run.results)
             order = args.brokers if number % 2 == 0 else args.brokers[::-1]

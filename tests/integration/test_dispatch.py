@@ -159,6 +159,31 @@ def test_an_inbox_never_holds_more_than_its_credit(
     assert 1 <= most <= 3 + 1   # its credit, and one handed over at most
 
 
+def test_a_consumer_is_given_work_once_it_consumes_before_its_first_look(
+        zk_url: str, zk_client: KazooClient) -> None:
+    """A Celery worker calls basic_consume right before worker_ready and looks
+    at its queues only after it: the consumer joins at basic_consume, so its
+    inbox fills meanwhile (as RabbitMQ sends a consumer its prefetch). It
+    joined on its first look until 2026-11-28."""
+    queue = queue_of("joins-early")
+    with Connection(zk_url) as conn:
+        publish(conn, queue, list(range(10)))
+    layout = layout_of(zk_url)
+    got: list[Any] = []
+    with Connection(apart(zk_url, "early")) as conn:
+        channel = conn.channel()
+        channel.basic_qos(0, 3, False)
+        consumer = Consumer(channel, [queue], callbacks=[lambda body, m: got.append(body)],
+                            auto_declare=True)
+        consumer.consume()   # and nothing drained: no look yet
+        assert credit_of(zk_client, "joins-early") == [3]
+        wait_until(lambda: len(owned(zk_client, layout, "joins-early")) == 3, 10,
+                   message="the dispatcher gave nothing to a consumer before its first look")
+        assert not got
+        drain_until(conn, got, 3, 10, poll=0.2)
+        assert [body["v"] for body in got] == [0, 1, 2]
+
+
 def credit_of(zk_client: KazooClient, queue: str) -> list[int]:
     layout = layout_of("")
     nodes = sorted(zk_client.get_children(layout.queue_consumers(queue)),

@@ -414,20 +414,17 @@ def main(argv: list[str] | None = None) -> int:
     stops: list[Callable[[], None]] = []
     try:
         for number in range(args.rounds):
+            order = args.brokers if number % 2 == 0 else args.brokers[::-1]
             if args.rounds > 1:   # a server's files are made anew each round
                 run.work_dir = os.path.join(work_dir, f"round-{number + 1}")
                 os.makedirs(run.work_dir)
                 os.chmod(work_dir, 0o755)   # user rabbitmq reaches its round's dir
-            run.results = {}
-            rounds.append(run.results)
-            order = args.brokers if number % 2 == 0 else args.brokers[::-1]
-            if args.rounds > 1:
                 log(f"round {number + 1} of {args.rounds}: {', '.join(order)}")
+            run.results = {}
             for name in order:
                 run.broker(name, stops)
             # Reported in the brokers' order, whatever order the round ran them in.
-            run.results = {name: run.results[name] for name in args.brokers}
-            rounds[-1] = run.results
+            rounds.append({name: run.results[name] for name in args.brokers})
     finally:
         run.procs.stop_all()
         for stop in reversed(stops):

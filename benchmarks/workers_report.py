@@ -141,13 +141,13 @@ def checks(results: Results, ks: list[int]) -> list[Check]:
     return found
 
 
+def _line(what: str, value: float, op: str, bound: float) -> str:
+    return f"  {what:46s} {value:7.3f}  (target {op} {bound})  {verdict(value, op, bound)}"
+
+
 def targets(results: Results, ks: list[int]) -> list[str]:
-    lines = []
-    for what, value, op, bound in checks(results, ks):
-        if value is not None:
-            lines.append(f"  {what:46s} {value:7.3f}  (target {op} {bound})  "
-                         f"{verdict(value, op, bound)}")
-    return lines
+    return [_line(what, value, op, bound) for what, value, op, bound in checks(results, ks)
+            if value is not None]
 
 
 def round_targets(rounds: list[Results], ks: list[int]) -> list[str]:
@@ -164,8 +164,8 @@ def round_targets(rounds: list[Results], ks: list[int]) -> list[str]:
         mid = statistics.median(known)
         passed = sum(verdict(value, op, bound) == "PASS" for value in known)
         spread = " ".join("-" if value is None else f"{value:.2f}" for value in values)
-        lines.append(f"  {what:46s} {mid:7.3f}  (target {op} {bound})  "
-                     f"{verdict(mid, op, bound)}  rounds: {spread} ({passed} of {len(known)} pass)")
+        lines.append(f"{_line(what, mid, op, bound)}  rounds: {spread} "
+                     f"({passed} of {len(known)} pass)")
     return lines
 
 
@@ -173,9 +173,12 @@ def render(results: Results, info: dict[str, Any], args: argparse.Namespace,
            rounds: list[Results] | None = None) -> str:
     """The tables (with ``rounds``: each figure the median of the rounds') and the
     targets (with ``rounds``: the median of each round's own ratio)."""
+    several = rounds is not None and len(rounds) > 1
     out = ["", "Machine: " + ", ".join(f"{k}={v}" for k, v in info.items()),
            "Servers: " + "; ".join(f"{name}: {res['server']}" for name, res in results.items()),
            ""]
+    if several:
+        out += [f"Each figure below: the median of {len(rounds)} rounds", ""]
     if any("scaling" in res for res in results.values()):
         out += [f"Scaling: K workers -P threads -c 1, {args.tasks:,} no-op tasks stored first",
                 *scaling(results, args.ks), ""]
@@ -185,8 +188,7 @@ def render(results: Results, info: dict[str, Any], args: argparse.Namespace,
     if latency:
         from shapes import render as render_latency
         out += [render_latency(latency, args.load), ""]
-    if rounds and len(rounds) > 1:
-        out[3:3] = [f"Each figure below: the median of {len(rounds)} rounds", ""]
+    if several:
         lines = round_targets(rounds, args.ks)
         heading = f"Issue 26 targets (median of the {len(rounds)} rounds' own ratios):"
     else:

@@ -27,6 +27,7 @@ def install() -> None:
     """Wrap the transport's steps so each call records the first mark it passes."""
     from celery_zk.backend import backend, result_consumer
     from celery_zk.broker import channel, dispatcher, handoff, inbox
+    from celery_zk.compat import kazoo as kazoo_compat
 
     def wrap(cls: Any, name: str, step: str, after: str | None = None) -> None:
         inner = getattr(cls, name)
@@ -43,6 +44,9 @@ def install() -> None:
     # Not the returns of writes (timeline.py's STEPS say why): no marks after them.
     wrap(channel.Channel, "_put", "put")
     wrap(handoff.HandOff, "give", "give")
+    # _write returns once the socket took the request, long before its reply:
+    # where the client's own part of a publish ends.
+    wrap(kazoo_compat._DirectRequests, "_write", "write", "sent")
     wrap(dispatcher.Dispatcher, "_give", "dispatch")
     wrap(inbox.Inbox, "_on_tree", "tree")
     wrap(channel.Channel, "_get", "get")

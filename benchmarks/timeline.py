@@ -51,6 +51,8 @@ STEPS = [
     ("client", "apply_async", "the client calls apply_async"),
     ("client", "put", "kombu hands the message to the transport"),
     ("client", "give", "a hand-off to an idle consumer's offer is tried"),
+    ("client", "write", "its multi is written to the socket"),
+    ("client", "sent", "... and is on its way: the socket took it"),
     ("worker", "dispatch", "(put in line) the dispatcher's multi starts"),
     ("worker", "tree", "the worker's inbox watch reports it"),
     ("worker", "get", "the worker's consuming thread is running"),

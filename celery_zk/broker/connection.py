@@ -46,6 +46,10 @@ class ZKConnection(Protocol):
     def wake(self) -> None:
         """Something may be deliverable now."""
 
+    @property
+    def in_event_loop(self) -> bool:
+        """Whether Celery's event loop drives it (else a blocking drain_events)."""
+
     def look_again(self, delay: float) -> Any:
         """Wake in ``delay`` s, if an event loop can: its timer, else None."""
 

@@ -397,6 +397,8 @@ class Offer:
         names; see ConsumerSession.bodies_in_names)."""
         token = offer_token(new_uid(), takes_body)
         with self._lock:
+            if self.token is not None:
+                return   # made meanwhile (an ack's thread, the consuming one)
             self.token, self.consumer_id = token, consumer_id
 
         def still_wanted(send: Callable[[], None]) -> bool:

@@ -658,6 +658,22 @@ class Inbox:
         inbox: an ack is sent a moment later, and a listing meanwhile must not
         deliver it again."""
         self.delivered.discard(name)
+        if not self.transport.in_event_loop:
+            # A blocking consumer looks at its inbox again only when it next
+            # waits: a client waiting for replies (Celery's rpc:// results,
+            # remote control's replies) would offer only once it waits for the
+            # next one, too late for a reply sent within milliseconds, which
+            # then waits for the dispatcher. Offered now, while free.
+            self._offer_if_free()
+
+    def _offer_if_free(self) -> None:
+        """Offer, if consuming, dry and with a free slot (no lookahead in flight)."""
+        consumer_id, offer = self.consumer_id, self.offer
+        if (consumer_id is not None and offer is not None and self.consuming
+                and not offer.outstanding and self._tree_held and not self.buffer
+                and not self.pending and not self.arrivals
+                and len(self.delivered) < self._slots):
+            offer.make(consumer_id, self.transport.session.bodies_in_names)
 
     def _tree_active(self) -> bool:
         if not self._tree_held:

@@ -374,6 +374,12 @@ class Transport(virtual.Transport):
         """Something may be deliverable now (new message, free prefetch slot)."""
         self._wake.set()
 
+    @property
+    def in_event_loop(self) -> bool:
+        """Whether Celery's event loop drives this connection (else a blocking
+        ``drain_events`` does, only while its caller waits)."""
+        return self._loop is not None
+
     def look_again(self, delay: float) -> Any:
         """Wake in ``delay`` s: the event loop's timer (``cancel()`` stops it), or
         None when no event loop can (a blocking consumer, whose process runs no

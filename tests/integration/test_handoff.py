@@ -571,6 +571,55 @@ def test_an_idle_worker_offers_once_its_running_tasks_end(
         run_until(lambda: offers(zk_client, "busy"), "no offer once the task ended")
 
 
+def test_a_blocking_consumer_offers_again_as_it_acks_not_when_it_next_waits(
+        conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
+    """A client that drains only while it waits for a reply (Celery's rpc://
+    results, remote control's replies) withdraws its offer when a reply
+    arrives. It offers again as it acks that reply, not once it waits for the
+    next, by which time the next reply has often been sent already: it would
+    wait for the dispatcher instead of being handed over."""
+    queue = Queue("replies", Exchange("replies", "direct"), "replies")
+    got: list[Any] = []
+    with consumer(conn, queue, got):
+        expect_idle(conn)   # waits: offers
+        wait_until(lambda: offers(zk_client, "replies"), 5, 0.02, "no offer was made")
+        for n in range(3):
+            before = set(offers(zk_client, "replies"))
+            sent = unowned_creations(zk_client, "replies")
+            publish(zk_url, queue, n)
+            conn.drain_events(timeout=5)   # acked in the callback; not waiting after it
+            assert unowned_creations(zk_client, "replies") == sent   # it was handed over
+            name = conn.transport.layout.split_owned_path(got[-1][1].delivery_tag)[2]
+            assert parse_message_name(name).seq == 0
+            # A new offer (the one the reply took was withdrawn as it arrived).
+            wait_until(lambda before=before: set(offers(zk_client, "replies")) - before, 5, 0.02,
+                       "no new offer after the ack until the client waits again")
+    assert [body for body, _ in got] == [0, 1, 2]
+
+
+def test_rpc_results_over_zk_are_handed_to_the_waiting_client(
+        zk_url: str, zk_client: KazooClient, start_worker: Callable[..., Any]) -> None:
+    """Celery's rpc:// result backend on a zk:// broker: each result is a
+    message to the client's reply queue, which the client consumes only while
+    get() waits. Between two calls its reply queue has an offer standing."""
+    from celery import Celery
+
+    start_worker(zk_url, backend="rpc://", concurrency=2)
+    app = Celery("client", broker=zk_url, backend="rpc://")
+    try:
+        reply_queue = app.backend.oid
+        for n in range(3):
+            before = set(offers(zk_client, reply_queue)) if n else set()
+            result = app.send_task("proj.app.add", args=(n, 1))
+            assert result.get(timeout=30) == n + 1
+            # Not waiting now: an offer for the next result stands anyway.
+            wait_until(lambda before=before: set(offers(zk_client, reply_queue)) - before, 5,
+                       0.02,
+                       "no offer on the reply queue between two calls")
+    finally:
+        app.close()
+
+
 def test_offers_back_off_while_the_dispatcher_gives_the_work(
         zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """A consumer whose offer is withdrawn because the dispatcher gave it work

@@ -667,7 +667,7 @@ class Inbox:
             self._offer_if_free()
 
     def _offer_if_free(self) -> None:
-        """Offer, if consuming, dry and with a free slot (no lookahead in flight)."""
+        """Offer, if consuming, with nothing to deliver or being read and a free slot."""
         consumer_id, offer = self.consumer_id, self.offer
         if (consumer_id is not None and offer is not None and self.consuming
                 and not offer.outstanding and self._tree_held and not self.buffer

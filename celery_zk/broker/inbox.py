@@ -355,8 +355,8 @@ class Inbox:
             self._busy_since = None
         elif self.offer is not None and self.offer.outstanding:
             self._withdraw_when_busy()   # every slot taken: a handed message would wait
-        if (self.consuming and len(self.delivered) < slots and self.offer is not None
-                and not self.offer.outstanding and self._tree_held):
+        offer = self._offer_to_make()
+        if offer is not None:
             # Dry since: after a backlog (see OFFER_AFTER) a consumer refilled
             # within moments makes no offer it would withdraw; one that stayed
             # dry while its tasks ran has no backlog behind it.
@@ -371,7 +371,17 @@ class Inbox:
                 return
             self._look_in = LOOK_AGAIN[0]
             # A free slot: let a publisher hand us the next one.
-            self.offer.make(consumer_id, self.transport.session.bodies_in_names)
+            offer.make(consumer_id, self.transport.session.bodies_in_names)
+
+    def _offer_to_make(self) -> Offer | None:
+        """Our offer, when we may make it: consuming, fewer delivered and not
+        settled than the worker's slots, none out already, and the inbox's
+        watch held (what is handed over is heard of)."""
+        offer = self.offer
+        if (self.consuming and len(self.delivered) < self._slots and offer is not None
+                and not offer.outstanding and self._tree_held):
+            return offer
+        return None
 
     def _look_again(self, wait: float) -> bool:
         """Come back when the offer's ``wait`` is over and, while our worker still
@@ -667,12 +677,10 @@ class Inbox:
             self._offer_if_free()
 
     def _offer_if_free(self) -> None:
-        """Offer, if consuming, with nothing to deliver or being read and a free slot."""
-        consumer_id, offer = self.consumer_id, self.offer
-        if (consumer_id is not None and offer is not None and self.consuming
-                and not offer.outstanding and self._tree_held and not self.buffer
-                and not self.pending and not self.arrivals
-                and len(self.delivered) < self._slots):
+        """Offer (see _offer_to_make) if nothing waits to be delivered or read."""
+        consumer_id, offer = self.consumer_id, self._offer_to_make()
+        if (consumer_id is not None and offer is not None and not self.buffer
+                and not self.pending and not self.arrivals):
             offer.make(consumer_id, self.transport.session.bodies_in_names)
 
     def _tree_active(self) -> bool:

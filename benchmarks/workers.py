@@ -409,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"WARNING: load average {info['loadavg1_at_start']:.2f} before the run: "
             "is something else running?")
     work_dir = tempfile.mkdtemp(prefix="celery-zk-workers-")
+    if args.rounds > 1:
+        os.chmod(work_dir, 0o755)   # user rabbitmq reaches each round's dir through it
     rounds: list[dict[str, dict[str, Any]]] = []
     run = Run(args, work_dir)
     stops: list[Callable[[], None]] = []
@@ -418,7 +420,6 @@ def main(argv: list[str] | None = None) -> int:
             if args.rounds > 1:   # a server's files are made anew each round
                 run.work_dir = os.path.join(work_dir, f"round-{number + 1}")
                 os.makedirs(run.work_dir)
-                os.chmod(work_dir, 0o755)   # user rabbitmq reaches its round's dir
                 log(f"round {number + 1} of {args.rounds}: {', '.join(order)}")
             run.results = {}
             for name in order:

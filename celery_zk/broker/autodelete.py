@@ -29,13 +29,11 @@ from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 from ..zk.client import CONNECTION_ERRORS, log_failure, multi_failure, not_connected
 from ..zk.layout import Layout
 from ..zk.session import AfterExpiry, ClientHandle
+from ..zk.tree import DELETE_BATCH
 from .queue import ClientSource, QueueStore
 
 logger = logging.getLogger(__name__)
 
-#: Most message nodes deleted per transaction (a multi is one request, capped
-#: by the server's jute.maxbuffer; this stays far below it).
-DELETE_BATCH = 500
 #: A queue that keeps getting messages while being deleted is left to the next pass.
 DELETE_ATTEMPTS = 3
 #: The queue node's data for auto-delete queues.

@@ -29,6 +29,7 @@ from kazoo.exceptions import NoNodeError
 
 from ..zk.layout import Layout, parse_binding_name, unescape
 from ..zk.session import AfterExpiry, ClientHandle, weak_callback
+from ..zk.tree import delete_tree
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +89,7 @@ class Bindings:
         return type_
 
     def delete_exchange(self, exchange: str) -> None:
-        client = self.client
-        try:
-            client.retry(client.delete, self.layout.exchange(exchange), recursive=True)
-        except NoNodeError:
-            pass
+        delete_tree(self.client, self.layout.exchange(exchange))
         self._types.pop(exchange, None)
         self._tables.pop(exchange, None)
 

@@ -29,6 +29,7 @@ from ..zk.layout import (
     unescape,
 )
 from ..zk.payload import commit_deleting
+from ..zk.tree import delete_tree
 from . import big
 from .acks import ACK_BATCH, Acking
 from .claims import CLAIMS, Assignment, ClaimCounts, Claimed, Claiming
@@ -215,16 +216,10 @@ class QueueStore(Publishing, Claiming, Acking):
         return removed
 
     def delete(self, queue: str) -> None:
-        """Remove a queue and everything in it (messages included)."""
-        client = self.client
-        for _ in range(5):
-            try:
-                client.retry(client.delete, self.layout.queue(queue), recursive=True)
-                return
-            except NoNodeError:
-                return
-            except NotEmptyError:  # a message arrived while deleting; go again
-                continue
+        """Remove a queue and everything in it (messages included): in one
+        transaction unless it holds more than :data:`~celery_zk.zk.tree.DELETE_BATCH`
+        nodes (a backlog's messages then go in batches first)."""
+        delete_tree(self.client, self.layout.queue(queue))
 
     def owned_listing(self, queue: str) -> list[str]:
         client = self.client

@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row["transactions_per_call"] = counts.transactions / calls
                 row["per_call_by_kind"] = {kind: round(n / calls, 2)
                                            for kind, n in sorted(counts.kinds.items())}
+                row["failed_transactions"] = counts.errors   # in all, by kind and code
             results[name] = row
     return results
 
@@ -89,6 +90,8 @@ def render(results: dict[str, Any]) -> str:
             kinds = ", ".join(f"{kind} {n}" for kind, n in row["per_call_by_kind"].items())
             line += (f"   ZooKeeper transactions per call: "
                      f"{row['transactions_per_call']:.1f} ({kinds})")
+            if row["failed_transactions"]:
+                line += f"; failed in all: {row['failed_transactions']}"
         out.append(line)
     return "\n".join(out)
 

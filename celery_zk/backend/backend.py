@@ -54,11 +54,7 @@ from celery.backends.base import BaseKeyValueStoreBackend
 from celery.exceptions import TimeoutError
 from celery.result import result_from_tuple
 from kazoo.client import KazooClient
-from kazoo.exceptions import (
-    BadVersionError,
-    NoNodeError,
-    NotEmptyError,
-)
+from kazoo.exceptions import BadVersionError, NoNodeError
 from kazoo.protocol.states import WatchedEvent
 from kazoo.retry import ForceRetryError
 
@@ -69,6 +65,7 @@ from ..zk.config import mask_in_celery_reports, mask_password, parse_url
 from ..zk.layout import Layout
 from ..zk.payload import commit_deleting
 from ..zk.session import ClientHandle
+from ..zk.tree import delete_tree
 from .chord import ChordCounter
 from .chord_body import LastPartResult, send_chord_body
 from .expiry import CHORD, GROUP, HOUR, RESULT, ExpiryIndex, Key, bucket_expired, expiry_hour
@@ -220,12 +217,7 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         raise failure[1]
 
     def _delete(self, path: str) -> None:
-        try:
-            self.client.delete(path)
-        except NoNodeError:
-            pass
-        except NotEmptyError:  # a chord counter and its parts
-            self.client.delete(path, recursive=True)
+        delete_tree(self.client, path)   # a chord counter and its parts: one multi
 
     def expire(self, key: Key, value: Any) -> None:
         """Per-key lifetimes are not kept: cleanup() applies ``result_expires``."""

@@ -44,6 +44,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from ..exceptions import ZKConfigurationError
 from ..zk.layout import Layout, limit_key_token, task_token
+from ..zk.tree import delete_tree
 
 __all__ = ["HEADER", "QUEUE", "TASK", "Book", "Limit", "LimitStore", "book_for", "configured",
            "limit_tokens", "parse_rate"]
@@ -135,12 +136,7 @@ class LimitStore:
             client.retry(client.set, path, limit.data())
 
     def clear(self, kind: str, name: str) -> bool:
-        client = self.client
-        try:
-            client.retry(client.delete, self.layout.limit(kind, name), recursive=True)
-        except NoNodeError:
-            return False
-        return True
+        return delete_tree(self.client, self.layout.limit(kind, name))
 
     def all(self, watch: Any = None) -> list[Limit]:
         client = self.client

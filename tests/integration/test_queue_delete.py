@@ -1,4 +1,4 @@
-"""Deleting a queue or an exchange: the whole subtree, in as few transactions as fit.
+"""Deleting a subtree (a queue, an exchange, a chord counter): in as few transactions as fit.
 
 Celery's remote control makes and deletes a reply queue on every ``inspect``
 or ``control`` call (kombu's ``after_reply_message_received``), so how a queue
@@ -72,6 +72,28 @@ def test_an_exchange_goes_with_its_bindings(zk_url: str, zk_client: KazooClient)
         assert len(zk_client.get_children(LAYOUT.bindings("gone-ex"))) == 2
         exchange(channel).delete()
     assert zk_client.exists(LAYOUT.exchange("gone-ex")) is None
+
+
+def test_an_expired_chord_counter_goes_with_its_parts_in_one_transaction(
+        zk_url: str, zk_client: KazooClient) -> None:
+    from celery import Celery
+
+    from celery_zk.backend import ZooKeeperBackend
+    from celery_zk.backend.chord import ChordCounter
+
+    app = Celery("t", broker=zk_url, backend=zk_url, set_as_current=False)
+    backend = app.backend
+    assert isinstance(backend, ZooKeeperBackend)
+    counter = ChordCounter(backend.client, backend.layout, "chord-gone")
+    for index in range(3):
+        counter.increment(f"part-{index}", index)
+    key = backend.get_key_for_chord("chord-gone")
+    assert len(zk_client.get_children(LAYOUT.chord("chord-gone"))) >= 3
+    # What the expiry pass does with a chord's counter (backend.delete keeps it).
+    count = transactions_during(zk_client, lambda: backend._delete_key(key))
+    assert zk_client.exists(LAYOUT.chord("chord-gone")) is None
+    assert count == 1
+    app.close()
 
 
 def test_deleting_what_is_not_there_is_no_error(zk_client: KazooClient) -> None:

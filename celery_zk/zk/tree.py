@@ -42,9 +42,10 @@ def list_tree(client: KazooClient, path: str) -> list[str] | None:
             for parent, listing in listings:
                 try:
                     below += [f"{parent}/{child}" for child in listing.get()]
-                except NoNodeError:
+                except NoNodeError:   # deleted since its parent was listed
                     if parent == path:
-                        return None   # deleted meanwhile below it: found when deleting
+                        return None
+                    # Below the top: its delete fails NoNode, and the tree is listed again.
         level = below
     return [node for level in reversed(levels) for node in level]
 

@@ -29,7 +29,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 from ..zk.client import CONNECTION_ERRORS, log_failure, multi_failure, not_connected
 from ..zk.layout import Layout
 from ..zk.session import AfterExpiry, ClientHandle
-from ..zk.tree import DELETE_BATCH
+from ..zk.tree import DELETE_BATCH, list_tree
 from .queue import ClientSource, QueueStore
 
 logger = logging.getLogger(__name__)
@@ -84,20 +84,17 @@ class Sweeper:
 
     def delete_if_unheld(self, queue: str) -> bool:
         """Delete ``queue`` and its messages if its ``holders/`` is empty. True if deleted."""
-        layout = self.layout
         for _ in range(DELETE_ATTEMPTS):
-            found = self._message_nodes(queue)
-            if found is None:
+            nodes = self._unheld_tree(queue)
+            if nodes is None:
                 return False
-            nodes, directories = found
             try:
                 # Big backlogs go in batches, each guarded by the empty holders/ (deleted
-                # and re-made in the same transaction).
+                # and re-made in the same transaction); the queue node is in the last.
                 while len(nodes) > DELETE_BATCH:
                     batch, nodes = nodes[:DELETE_BATCH], nodes[DELETE_BATCH:]
                     self._guarded_delete(queue, batch, keep_holders=True)
-                self._guarded_delete(queue, nodes + directories + [layout.queue(queue)],
-                                     keep_holders=False)
+                self._guarded_delete(queue, nodes, keep_holders=False)
                 logger.debug("celery_zk: deleted auto-delete queue %r", queue)
                 return True
             except _Held:
@@ -108,41 +105,24 @@ class Sweeper:
                     queue)
         return False
 
-    def _message_nodes(self, queue: str) -> tuple[list[str], list[str]] | None:
-        """Paths of every node in the queue's directories, and of the directories
-        that exist; None when the queue is not auto-delete (or is held)."""
-        layout, client = self.layout, self.client
+    def _unheld_tree(self, queue: str) -> list[str] | None:
+        """Every node of the queue, children first, but ``holders/`` (each batch's
+        guard) and what is in it; None when the queue is not auto-delete, is held,
+        or is gone."""
+        client, holders = self.client, self.layout.holders(queue)
         try:
-            if client.retry(client.get_children, layout.holders(queue)):
+            if client.retry(client.get_children, holders):
                 return None
         except NoNodeError:
             return None
-        pending = [(d, client.get_children_async(d)) for d in layout.queue_directories(queue)]
-        # Directories whose children are directories too: buckets, the bodies'
-        # buckets, inboxes, chunk containers (and a flat owned node from before
-        # 0.2, which has none).
-        nested = {layout.unowned(queue), layout.bodies(queue), layout.owned(queue),
-                  layout.chunks(queue)}
-        nodes: list[str] = []
-        directories: list[str] = []
-        inner: list[str] = []
-        for directory, result in pending:
-            try:
-                children = [f"{directory}/{name}" for name in result.get()]
-            except NoNodeError:
-                continue
-            if directory in nested:
-                inner += children
-            else:
-                nodes += children
-            directories.append(directory)
-        # Their children, then them: children go before their parents.
-        for parent, result in [(p, client.get_children_async(p)) for p in inner]:
-            try:
-                nodes += [f"{parent}/{name}" for name in result.get()]
-            except NoNodeError:
-                inner.remove(parent)
-        return nodes, inner + directories
+        nodes = client.retry(list_tree, client, self.layout.queue(queue))
+        if nodes is None:
+            return None
+        # holders/ is each batch's guard, deleted first in it (listed here too,
+        # a second delete of it would fail every batch). A holder made since the
+        # look above is not ours to delete: the guard fails on it (NotEmpty).
+        return [node for node in nodes
+                if node != holders and not node.startswith(holders + "/")]
 
     def _guarded_delete(self, queue: str, paths: Iterable[str], keep_holders: bool) -> None:
         client, holders = self.client, self.layout.holders(queue)

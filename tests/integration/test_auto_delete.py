@@ -80,6 +80,31 @@ def test_a_held_queue_is_not_deleted(zk_url: str, zk_client: KazooClient) -> Non
         assert zk_client.exists(LAYOUT.unowned("held")) is not None
 
 
+def test_a_holder_that_comes_while_the_queue_is_listed_keeps_it(
+        zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session that declares the queue again between the sweep's look at
+    ``holders/`` and its listing of the queue: the guard (``holders/`` deleted
+    first in the multi) fails on its holder and the queue stays, holder and
+    messages too."""
+    with Connection(zk_url) as holder, Connection(zk_url) as sweeper:
+        queue = declare_auto_delete(holder, "comes-back")
+        Producer(holder.channel()).publish({"x": 1}, exchange=queue.exchange,
+                                           routing_key="comes-back")
+        holders = LAYOUT.holders("comes-back")
+        for name in zk_client.get_children(holders):
+            zk_client.delete(f"{holders}/{name}")
+        listed = autodelete.list_tree
+
+        def list_after_a_new_holder(client: KazooClient, path: str) -> list[str] | None:
+            zk_client.create(f"{holders}/s1-back", ephemeral=True)
+            return listed(client, path)
+
+        monkeypatch.setattr(autodelete, "list_tree", list_after_a_new_holder)
+        assert sweeper.transport.auto_delete.delete_if_unheld("comes-back") is False
+        assert zk_client.get_children(holders) == ["s1-back"]
+        assert len(waiting(zk_client, LAYOUT, "comes-back")) == 1
+
+
 def test_queues_of_a_killed_process_are_deleted_by_the_leader(
         zk_url: str, zk_client: KazooClient) -> None:
     """SIGKILL a process consuming an auto-delete queue: a survivor deletes the queue."""

@@ -105,13 +105,18 @@ def test_floor_rejects_an_unknown_mode() -> None:
         sys.path.remove(str(BENCH.parent))
 
 
-def test_timeline_takes_each_step_after_the_one_before(tmp_path: Path) -> None:
+def load_timeline() -> ModuleType:
     spec = importlib.util.spec_from_file_location(
         "celery_zk_timeline", BENCH.parent / "timeline.py")
     assert spec and spec.loader
     timeline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(timeline)
     sys.path.remove(str(BENCH.parent))
+    return timeline
+
+
+def test_timeline_takes_each_step_after_the_one_before(tmp_path: Path) -> None:
+    timeline = load_timeline()
     steps = [(role, step) for role, step, _ in timeline.STEPS]
     marks = tmp_path / "marks.txt"
     lines = []
@@ -130,6 +135,29 @@ def test_timeline_takes_each_step_after_the_one_before(tmp_path: Path) -> None:
         assert n == 2
         assert offset == pytest.approx(1.0 * i)
         assert gap == pytest.approx(0.0 if i == 0 else 1.0)
+
+
+def test_timeline_a_step_may_come_before_the_mark_of_the_write_that_caused_it(
+        tmp_path: Path) -> None:
+    """The writer marks ``sent`` as its write returns; preempted there, it marks
+    it after the worker's watch has reported the write. The trip's later steps
+    still count, not the next report (the ack's, after all of them)."""
+    timeline = load_timeline()
+    steps = [(role, step) for role, step, _ in timeline.STEPS]
+    sent, tree = steps.index(("client", "sent")), steps.index(("worker", "tree"))
+    lines = []
+    for trip in range(3):   # the first is a warm-up
+        start = 10.0 * trip
+        for i, (role, step) in enumerate(steps):
+            at = start + 0.001 * i
+            if i == sent:
+                at = start + 0.001 * (tree + 0.5)   # after the report it caused
+            lines.append(f"{at:.7f} {role} {step}\n")
+        lines.append(f"{start + 0.001 * (len(steps) + 1):.7f} worker tree\n")   # the ack's
+    marks = tmp_path / "marks.txt"
+    marks.write_text("".join(lines))
+    rows = timeline.timeline(str(marks), warm_up=1)
+    assert {(role, step): n for role, step, _, _, _, n in rows} == {key: 2 for key in steps}
 
 
 def test_timeline_hooks_find_the_steps_they_wrap() -> None:

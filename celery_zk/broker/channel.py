@@ -21,6 +21,7 @@ from kombu.transport.virtual.base import queue_declare_ok_t
 from ..compat import celery as celery_compat
 from ..compat import kombu as kombu_compat
 from ..features.affinity import affinity_of
+from ..features.limit_gate import RATE_LIMITED, rate_limited
 from ..features.limits import limit_tokens
 from ..features.revokes import RevokeStore, control_command
 from ..zk.client import CONNECTION_ERRORS
@@ -249,6 +250,7 @@ class Channel(virtual.Channel):
             # Start gates: the server answered since then (not when it is decoded:
             # a message may wait in the inbox, its lookahead, before delivery).
             properties[celery_compat.READ_AT] = claimed.read_at
+            properties[RATE_LIMITED] = self._rate_limited()
             parsed = parse_message_name(claimed.name)
             if parsed is not None and parsed.requeued:
                 # The name says it was requeued (by a reject, a shutdown or a dead owner).
@@ -261,6 +263,15 @@ class Channel(virtual.Channel):
                 reason=f"cannot decode message: {exc!r}; it is kept for inspection")
             self.connection.settled(claimed.owned_path)
             return None
+
+    def _rate_limited(self) -> bool:
+        """Whether the process the task starts in may have to hold a rate limit
+        (:data:`~celery_zk.features.limit_gate.RATE_LIMITED`). With the limits
+        unreadable now (ZooKeeper away) that process looks for itself."""
+        try:
+            return rate_limited(self.connection.limits())
+        except CONNECTION_ERRORS:
+            return True
 
     def _claim_limit(self) -> int:
         limit = self.options.claim_batch

@@ -29,7 +29,8 @@ from ..zk.layout import Layout, MessageName
 from ..zk.process import current_pid
 from .limits import QUEUE, TASK, Book, Limit, book_for, parse_rate
 
-__all__ = ["GIVE_MARGIN", "START_MARGIN", "Gate", "hold_rate_at_start"]
+__all__ = ["GIVE_MARGIN", "RATE_LIMITED", "START_MARGIN", "Gate", "hold_rate_at_start",
+           "rate_limited"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,17 @@ START_MARGIN = 0.05
 GIVE_MARGIN = 2 * START_MARGIN
 #: How long a start's write took to be answered lately, in this process.
 _latency = 0.0
+#: A message property the consuming process sets on each delivery: whether a
+#: rate limit was known then (True) or none was (False). The process a task runs
+#: in holds a rate limit as the task starts, through a ZooKeeper session; told
+#: False, a prefork child needs none (its pool made one per child otherwise,
+#: each counted against ZooKeeper's 60 connections per client IP).
+RATE_LIMITED = "celery_zk_rate_limited"
+
+
+def rate_limited(limits: Iterable[Limit]) -> bool:
+    """Whether any of ``limits`` has a rate, which a task's start may have to hold."""
+    return any(limit.rate for limit in limits)
 
 
 class Gate:
@@ -178,6 +190,9 @@ def _before_a_task_starts(sender: Any = None, task: Any = None, **_: Any) -> Non
     app = getattr(task, "app", None)
     if app is None:
         return
+    properties = getattr(getattr(task, "request", None), "properties", None)
+    if isinstance(properties, dict) and properties.get(RATE_LIMITED) is False:
+        return   # delivered by celery_zk, which knew of no rate limit: no session needed
     found = _limits_of(app)
     if found is None:
         return

@@ -6,6 +6,7 @@ sessions each process holds (``cons`` mapped to pids through /proc).
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -229,6 +230,40 @@ def test_a_prefork_worker_and_a_client_stay_within_a_few_sessions(
         worker_sessions = count(sessions, process_tree(worker.pid))
         assert 1 <= worker_sessions <= 5, (worker_sessions, sessions)
         client.finish()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rate_limited", [False, True], ids=["no-limits", "rate-limit"])
+def test_a_prefork_child_makes_a_session_only_for_a_rate_limit(
+        zk_url: str, server_address: tuple[str, int],
+        start_worker: Callable[..., Worker], task_log: Any, rate_limited: bool) -> None:
+    """Without a ``zk://`` result backend a prefork child needs ZooKeeper only
+    to hold a rate limit as its task starts: a worker -c 3 holds one session
+    (its parent's) when no rate limit applies, not one per child (the limits'
+    start gate made one in each, up to ZooKeeper's cap of 60 per client IP on
+    a host with many children), and its children make theirs when one does."""
+    from celery import Celery
+
+    from .workers import read_log
+
+    conf = {"zk_rate_limits": {"proj.app.timed": "50/s"}} if rate_limited else {}
+    worker = start_worker(zk_url, log=task_log, pool="prefork", concurrency=3,
+                          env={"CELERY_ZK_TEST_CONF": json.dumps(conf)})
+    client = Celery("sessions", broker=zk_url, set_as_current=False)
+    try:
+        task = "proj.app.timed" if rate_limited else "proj.app.record"
+        for i in range(30):
+            client.send_task(task, args=(i,))
+        kind = task.rpartition(".")[2]
+        wait_until(lambda: sum(e["kind"] == kind for e in read_log(task_log)) == 30, 60,
+                   message="not every task ran")
+    finally:
+        client.close()
+    worker_sessions = count(sessions_by_pid(*server_address), process_tree(worker.pid))
+    if rate_limited:
+        assert worker_sessions > 1, worker_sessions
+    else:
+        assert worker_sessions == 1, worker_sessions
 
 
 def test_a_forked_child_gets_its_own_session(zk_url: str,

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from celery import Celery
 from kazoo.client import KazooClient, KazooState
 from kombu import Connection
 
@@ -23,7 +24,7 @@ from celery_zk.zk.handler import PollingHandler
 from celery_zk.zk.layout import Layout
 
 from .sessions import count, process_tree, session_ports, sessions_by_pid
-from .workers import HERE, Worker, wait_until
+from .workers import HERE, Worker, read_log, wait_until
 
 
 @pytest.fixture
@@ -242,10 +243,6 @@ def test_a_prefork_child_makes_a_session_only_for_a_rate_limit(
     (its parent's) when no rate limit applies, not one per child (the limits'
     start gate made one in each, up to ZooKeeper's cap of 60 per client IP on
     a host with many children), and its children make theirs when one does."""
-    from celery import Celery
-
-    from .workers import read_log
-
     conf = {"zk_rate_limits": {"proj.app.timed": "50/s"}} if rate_limited else {}
     worker = start_worker(zk_url, log=task_log, pool="prefork", concurrency=3,
                           env={"CELERY_ZK_TEST_CONF": json.dumps(conf)})

@@ -129,6 +129,38 @@ def test_a_backlog_many_buckets_long_keeps_priority_and_fifo_order(
     assert zk_client.get_children(LAYOUT.dead("long")) == []
 
 
+def test_a_backlog_is_listed_once_bucket_by_bucket(zk_url: str, zk_client: KazooClient) -> None:
+    """A drain lists each bucket of its backlog once: deleting the buckets it
+    emptied is no reason for the dispatcher to list the next ones again (it
+    did, once per bucket: a drain of full buckets read every name twice)."""
+    queue = queue_of("once")
+    total, size = 240, 20
+    with Connection(url(zk_url, size=size)) as conn:
+        publish(conn, queue, list(range(total)))
+        listed: list[int] = []
+        client = conn.transport.handle.client
+        real = client.get_children
+
+        def spy(path: str, *args: Any, **kwargs: Any) -> Any:
+            names = real(path, *args, **kwargs)
+            if parse_bucket_name(path.rpartition("/")[2]) is not None:
+                listed.append(len(names))
+            return names
+
+        client.get_children = spy   # type: ignore[method-assign]
+        try:
+            got = consume_all(conn, queue, total)
+        finally:
+            del client.get_children
+    assert [body for body, _ in got] == list(range(total))
+    # Every name once, and a bucket's worth more at most (the first listing may
+    # come while the consumer's first look lists again).
+    assert total <= sum(listed) <= total + size, listed
+    # The emptied ones went, but the last (deleted at the next listing, once a
+    # later bucket of its priority exists) and the one a publisher would fill next.
+    assert len(buckets(zk_client, LAYOUT, "once")) <= 2
+
+
 def test_requeued_messages_go_back_to_their_place_across_buckets(
         zk_url: str, zk_client: KazooClient) -> None:
     """Requeued after their bucket was emptied and deleted, messages still come

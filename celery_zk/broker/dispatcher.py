@@ -264,14 +264,16 @@ class Dispatcher:
     def _on_unowned(self, event_type: int, path: str) -> None:
         if event_type in (NODE_CREATED, NODE_DELETED) and "/" in path:
             self._arrivals.append((event_type, path))
-        elif path and event_type in (NODE_CREATED, NODE_DELETED):
-            # A bucket made or deleted tells nothing: its messages come and go
-            # by events of their own, and only an empty one is deleted. (A
-            # listing that deleted the bucket it emptied, once per bucket in a
-            # drain, relisted the next one whole for it: 4,096 names.)
+        elif path and event_type == NODE_DELETED:
+            # A bucket deleted tells nothing: only an empty one is, by a listing
+            # that found it so. (Relisting for it, once per bucket in a drain,
+            # listed the next bucket whole again: 4,096 names.)
             return
         else:
-            self._stale_listing = True   # unowned/ itself: list again
+            # A bucket made, or unowned/ itself: list again. The listing deletes
+            # the buckets emptied before it; a steady trickle, whose head never
+            # runs out, lists for nothing else.
+            self._stale_listing = True
         self._wake.set()
 
     def _on_owned(self, event_type: int, path: str) -> None:

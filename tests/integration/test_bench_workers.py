@@ -75,6 +75,35 @@ def test_quick_run_on_zk_writes_every_figure(tmp_path: Path) -> None:
         assert sum(parts.values()) <= drain["cpu_ms_per_task"] * 1.25 + 0.1
 
 
+@pytest.mark.slow
+def test_pair_drains_two_checkouts_at_once(tmp_path: Path) -> None:
+    """benchmarks/pair.py: one pair of the same checkout, both drains complete."""
+    out = tmp_path / "pair.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "pair.py"), "--a", str(ROOT),
+         "--b", str(ROOT), "--pool", "prefork", "-c", "2", "--tasks", "400", "--pairs", "1",
+         "--zk-warm-up", "0", "--json", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert data["tasks"] == 400 and len(data["pairs"]) == 1
+    pair = data["pairs"][0]
+    assert pair["a"] > 0 and pair["b"] > 0 and pair["window_s"] > 0
+    assert pair["b_over_a"] == pytest.approx(pair["b"] / pair["a"])
+    assert "b ÷ a over 1 pairs" in run.stdout
+
+
+def test_pair_refuses_a_directory_without_celery_zk(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "pair.py"), "--a", str(tmp_path),
+         "--b", str(ROOT)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert run.returncode == 2
+    assert "holds no celery_zk/" in run.stderr
+
+
 def test_txnlog_counts_failed_transactions(zookeeper_server: object, zk_client: object) -> None:
     """The server-side count reads what ZooKeeper logged: failed multis and requests."""
     from kazoo.client import KazooClient

@@ -1,0 +1,173 @@
+"""Two checkouts of celery_zk draining at the same time: which costs less per task (issue 26).
+
+On a shared VM one drain's rate moves by ±15 % between runs minutes apart,
+and the machine, not the change, decides an A/B of runs taken one after the
+other (benchmarks/README.md, "what one drain's rate is worth on this VM").
+Here both checkouts drain together, on one ZooKeeper, each its own queue of
+``--tasks`` stored no-op tasks and its own worker (``--pool``, ``-c``): a
+slower or faster host slows or speeds both alike. Each pair reports the two
+rates over the window both ran in (from the later first task to the first
+drain's end) and B's ÷ A's; ``--pairs`` pairs, which checkout's worker is
+started first alternating. Both workers share two cores, so each drains at
+about half its rate alone: what is compared is what each costs per task.
+
+Usage (run from a directory that is no repository; both checkouts must store
+messages as this one does, which preloads them)::
+
+    .venv/bin/python benchmarks/pair.py --a /tmp/wt-a --b /tmp/wt-b \\
+        [--pool prefork] [-c 4] [--tasks 10000] [--pairs 5] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from common import (  # noqa: E402
+    Processes,
+    add_server_options,
+    log,
+    measured_server,
+    spawn_worker,
+    tail,
+    warm_up_zookeeper,
+    write_json,
+)
+from tally import SLOT, SLOTS, Tally  # noqa: E402
+from workers import preload  # noqa: E402
+
+POLL = 0.02   # seconds between looks at the two tallies
+
+
+def executions(tally: Tally) -> int:
+    return sum(SLOT.unpack_from(tally.mm, i * SLOT.size)[0] for i in range(SLOTS))
+
+
+def rate_between(points: list[tuple[float, int]], start: float, end: float) -> float:
+    """Tasks per second between ``start`` and ``end``, from (time, count) polls."""
+    def count_at(t: float) -> float:
+        before = [p for p in points if p[0] <= t]
+        after = [p for p in points if p[0] >= t]
+        if not before or not after:
+            return float(before[-1][1] if before else 0)
+        (t0, c0), (t1, c1) = before[-1], after[0]
+        return c0 if t1 == t0 else c0 + (c1 - c0) * (t - t0) / (t1 - t0)
+    return (count_at(end) - count_at(start)) / max(end - start, 1e-9)
+
+
+def one_pair(url: str, work_dir: str, checkouts: list[tuple[str, str]], args: argparse.Namespace,
+             index: int) -> dict[str, Any]:
+    procs = Processes()
+    gate = os.path.join(work_dir, f"pair{index}.gate")
+    tallies: dict[str, Tally] = {}
+    workers = {}
+    try:
+        for label, path in checkouts:
+            queue = f"pair-{label}-{uuid.uuid4().hex[:6]}"
+            preload(url, queue, args.tasks)
+            tallies[label] = Tally(os.path.join(work_dir, f"pair{index}-{label}.tally"),
+                                   args.tasks)
+            env = {"PYTHONPATH": os.pathsep.join([HERE, path]),
+                   "BENCH_TALLY_FILE": tallies[label].path, "BENCH_GATE_FILE": gate}
+            workers[label] = spawn_worker(procs, work_dir, f"pair{index}-{label}", url, queue,
+                                          pool=args.pool, concurrency=args.concurrency,
+                                          wait=False, env=env)
+        deadline = time.monotonic() + 120
+        for label, proc in workers.items():
+            ready = os.path.join(work_dir, f"pair{index}-{label}.ready")
+            while not os.path.exists(ready):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    out = os.path.join(work_dir, f"pair{index}-{label}.out")
+                    raise RuntimeError(f"worker {label} did not become ready:\n{tail(out)}")
+                time.sleep(0.05)
+        time.sleep(1.0)   # both idle, both consuming
+        points: dict[str, list[tuple[float, int]]] = {label: [] for label in tallies}
+        open(gate, "w").close()
+        ends: dict[str, float] = {}
+        deadline = time.monotonic() + max(300.0, args.tasks / 20)
+        while len(ends) < len(tallies):
+            now = time.monotonic()
+            for label, tally in tallies.items():
+                count = executions(tally)
+                points[label].append((now, count))
+                if label not in ends and tally.done():
+                    ends[label] = now
+            if now > deadline:
+                raise RuntimeError("the drains did not finish")
+            time.sleep(POLL)
+        firsts = {label: tally.summary().first for label, tally in tallies.items()}
+        start, end = max(firsts.values()), min(ends.values())
+        # The first tenth of the common window is start-up (the first listing, the pools).
+        start += (end - start) * 0.1
+        rates = {label: rate_between(points[label], start, end) for label in tallies}
+    finally:
+        procs.stop_all()
+        for tally in tallies.values():
+            tally.close()
+    out: dict[str, Any] = {"first": checkouts[0][0], "window_s": end - start, **rates,
+                           "b_over_a": rates["b"] / rates["a"]}
+    log(f"pair {index + 1}: a {rates['a']:,.0f} tasks/s, b {rates['b']:,.0f} "
+        f"(b ÷ a {out['b_over_a']:.3f}) over {end - start:.1f} s; {checkouts[0][0]} started first")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--a", required=True, help="checkout A (a directory holding celery_zk/)")
+    parser.add_argument("--b", required=True, help="checkout B")
+    parser.add_argument("--pool", default="prefork")
+    parser.add_argument("-c", "--concurrency", type=int, default=4)
+    parser.add_argument("--tasks", type=int, default=10000, help="tasks per drain")
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--json", help="write the pairs' figures here")
+    add_server_options(parser)
+    args = parser.parse_args(argv)
+    for path in (args.a, args.b):
+        if not os.path.isfile(os.path.join(path, "celery_zk", "__init__.py")):
+            parser.error(f"{path} holds no celery_zk/: give a checkout's top directory")
+    zk = measured_server(args)
+    work_dir = tempfile.mkdtemp(prefix="celery_zk-pair-")
+    pairs = []
+    try:
+        zk.start()
+        warm_up_zookeeper(zk.hosts)
+        if args.zk_warm_up:
+            import shapes  # a script: imported only for this
+            warm = Processes()
+            try:
+                shapes.warm_up_with_load(warm, work_dir, f"{zk.url}/warm-up", args.zk_warm_up)
+            finally:
+                warm.stop_all()
+        url = f"{zk.url}/pair"
+        for index in range(args.pairs):
+            order = [("a", args.a), ("b", args.b)]
+            pairs.append(one_pair(url, work_dir, order if index % 2 == 0 else order[::-1],
+                                  args, index))
+    finally:
+        try:
+            from celery_zk.zk.session import close_all
+            close_all(zk.hosts)
+        finally:
+            zk.close()
+            shutil.rmtree(work_dir, ignore_errors=True)
+    ratios = [p["b_over_a"] for p in pairs]
+    log(f"b ÷ a over {len(pairs)} pairs: median {statistics.median(ratios):.3f}, "
+        f"mean {statistics.mean(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}")
+    if args.json:
+        write_json(args.json, {"a": args.a, "b": args.b, "pool": args.pool,
+                               "concurrency": args.concurrency, "tasks": args.tasks,
+                               "pairs": pairs})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,9 +7,13 @@ Here both checkouts drain together, on one ZooKeeper, each its own queue of
 ``--tasks`` stored no-op tasks and its own worker (``--pool``, ``-c``): a
 slower or faster host slows or speeds both alike. Each pair reports the two
 rates over the window both ran in (from the later first task to the first
-drain's end) and B's ÷ A's; ``--pairs`` pairs, which checkout's worker is
+drain's end), each worker process's CPU per task over it and its pool
+children's, and B's ÷ A's; ``--pairs`` pairs, which checkout's worker is
 started first alternating. Both workers share two cores, so each drains at
-about half its rate alone: what is compared is what each costs per task.
+about half its rate alone, and which one the scheduler favours moves the
+rates by ±10 % (the same checkout against itself: 0.81-1.03): the worker
+process's CPU per task, which both measure on the same host at the same
+time, is the figure to compare.
 
 Usage (run from a directory that is no repository; both checkouts must store
 messages as this one does, which preloads them)::
@@ -42,26 +46,37 @@ from common import (  # noqa: E402
     warm_up_zookeeper,
     write_json,
 )
+from machine import CLK_TCK, _stat, run_pids  # noqa: E402
 from tally import SLOT, SLOTS, Tally  # noqa: E402
 from workers import preload  # noqa: E402
 
-POLL = 0.02   # seconds between looks at the two tallies
+POLL = 0.05   # seconds between looks at the two tallies and the workers' CPU
 
 
 def executions(tally: Tally) -> int:
     return sum(SLOT.unpack_from(tally.mm, i * SLOT.size)[0] for i in range(SLOTS))
 
 
-def rate_between(points: list[tuple[float, int]], start: float, end: float) -> float:
-    """Tasks per second between ``start`` and ``end``, from (time, count) polls."""
-    def count_at(t: float) -> float:
-        before = [p for p in points if p[0] <= t]
-        after = [p for p in points if p[0] >= t]
-        if not before or not after:
-            return float(before[-1][1] if before else 0)
-        (t0, c0), (t1, c1) = before[-1], after[0]
-        return c0 if t1 == t0 else c0 + (c1 - c0) * (t - t0) / (t1 - t0)
-    return (count_at(end) - count_at(start)) / max(end - start, 1e-9)
+def cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU of ``pids`` so far (a process gone counts nothing)."""
+    jiffies = 0
+    for pid in pids:
+        fields = _stat(pid)
+        if fields:
+            jiffies += int(fields[11]) + int(fields[12])
+    return jiffies / CLK_TCK
+
+
+def at(points: list[tuple[float, ...]], t: float, column: int) -> float:
+    """``column`` of the polls, interpolated at time ``t`` (column 0)."""
+    before = [p for p in points if p[0] <= t]
+    after = [p for p in points if p[0] >= t]
+    if not before or not after:
+        return float((before[-1] if before else points[0])[column])
+    p0, p1 = before[-1], after[0]
+    if p1[0] == p0[0]:
+        return float(p0[column])
+    return p0[column] + (p1[column] - p0[column]) * (t - p0[0]) / (p1[0] - p0[0])
 
 
 def one_pair(url: str, work_dir: str, checkouts: list[tuple[str, str]], args: argparse.Namespace,
@@ -90,15 +105,20 @@ def one_pair(url: str, work_dir: str, checkouts: list[tuple[str, str]], args: ar
                     raise RuntimeError(f"worker {label} did not become ready:\n{tail(out)}")
                 time.sleep(0.05)
         time.sleep(1.0)   # both idle, both consuming
-        points: dict[str, list[tuple[float, int]]] = {label: [] for label in tallies}
+        # Each worker's process and its pool's children (its process group).
+        parents = {label: proc.pid for label, proc in workers.items()}
+        children = {label: [child for child in run_pids([parent], []) if child != parent]
+                    for label, parent in parents.items()}
+        # (time, tasks run, parent CPU s, children CPU s) per worker
+        points: dict[str, list[tuple[float, ...]]] = {label: [] for label in tallies}
         open(gate, "w").close()
         ends: dict[str, float] = {}
         deadline = time.monotonic() + max(300.0, args.tasks / 20)
         while len(ends) < len(tallies):
             now = time.monotonic()
             for label, tally in tallies.items():
-                count = executions(tally)
-                points[label].append((now, count))
+                points[label].append((now, executions(tally), cpu_seconds([parents[label]]),
+                                      cpu_seconds(children[label])))
                 if label not in ends and tally.done():
                     ends[label] = now
             if now > deadline:
@@ -108,15 +128,26 @@ def one_pair(url: str, work_dir: str, checkouts: list[tuple[str, str]], args: ar
         start, end = max(firsts.values()), min(ends.values())
         # The first tenth of the common window is start-up (the first listing, the pools).
         start += (end - start) * 0.1
-        rates = {label: rate_between(points[label], start, end) for label in tallies}
+        figures: dict[str, dict[str, float]] = {}
+        for label, polls in points.items():
+            tasks = at(polls, end, 1) - at(polls, start, 1)
+            figures[label] = {
+                "rate": tasks / (end - start),
+                "parent_us": (at(polls, end, 2) - at(polls, start, 2)) * 1e6 / tasks,
+                "children_us": (at(polls, end, 3) - at(polls, start, 3)) * 1e6 / tasks}
     finally:
         procs.stop_all()
         for tally in tallies.values():
             tally.close()
-    out: dict[str, Any] = {"first": checkouts[0][0], "window_s": end - start, **rates,
-                           "b_over_a": rates["b"] / rates["a"]}
-    log(f"pair {index + 1}: a {rates['a']:,.0f} tasks/s, b {rates['b']:,.0f} "
-        f"(b ÷ a {out['b_over_a']:.3f}) over {end - start:.1f} s; {checkouts[0][0]} started first")
+    a, b = figures["a"], figures["b"]
+    out: dict[str, Any] = {"first": checkouts[0][0], "window_s": end - start, **figures,
+                           "b_over_a": b["rate"] / a["rate"],
+                           "parent_b_over_a": b["parent_us"] / a["parent_us"]}
+    log(f"pair {index + 1}: tasks/s a {a['rate']:,.0f} b {b['rate']:,.0f} (b ÷ a "
+        f"{out['b_over_a']:.3f}); parent µs per task a {a['parent_us']:.0f} b "
+        f"{b['parent_us']:.0f} (b ÷ a {out['parent_b_over_a']:.3f}); children a "
+        f"{a['children_us']:.0f} b {b['children_us']:.0f}; over {end - start:.1f} s, "
+        f"{checkouts[0][0]} started first")
     return out
 
 
@@ -159,9 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             zk.close()
             shutil.rmtree(work_dir, ignore_errors=True)
-    ratios = [p["b_over_a"] for p in pairs]
-    log(f"b ÷ a over {len(pairs)} pairs: median {statistics.median(ratios):.3f}, "
-        f"mean {statistics.mean(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}")
+    for key, what in (("b_over_a", "tasks/s"), ("parent_b_over_a", "parent CPU per task")):
+        ratios = [p[key] for p in pairs]
+        log(f"b ÷ a, {what}, over {len(pairs)} pairs: median {statistics.median(ratios):.3f}, "
+            f"mean {statistics.mean(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}")
     if args.json:
         write_json(args.json, {"a": args.a, "b": args.b, "pool": args.pool,
                                "concurrency": args.concurrency, "tasks": args.tasks,

@@ -90,9 +90,14 @@ def test_pair_drains_two_checkouts_at_once(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["tasks"] == 400 and len(data["pairs"]) == 1
     pair = data["pairs"][0]
-    assert pair["a"] > 0 and pair["b"] > 0 and pair["window_s"] > 0
-    assert pair["b_over_a"] == pytest.approx(pair["b"] / pair["a"])
-    assert "b ÷ a over 1 pairs" in run.stdout
+    assert pair["window_s"] > 0
+    for side in ("a", "b"):
+        assert pair[side]["rate"] > 0
+        assert pair[side]["parent_us"] > 0 and pair[side]["children_us"] > 0
+    assert pair["b_over_a"] == pytest.approx(pair["b"]["rate"] / pair["a"]["rate"])
+    assert pair["parent_b_over_a"] == pytest.approx(
+        pair["b"]["parent_us"] / pair["a"]["parent_us"])
+    assert "b ÷ a, parent CPU per task, over 1 pairs" in run.stdout
 
 
 def test_pair_refuses_a_directory_without_celery_zk(tmp_path: Path) -> None:

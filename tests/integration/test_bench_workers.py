@@ -97,7 +97,10 @@ def test_pair_drains_two_checkouts_at_once(tmp_path: Path) -> None:
     assert pair["b_over_a"] == pytest.approx(pair["b"]["rate"] / pair["a"]["rate"])
     assert pair["parent_b_over_a"] == pytest.approx(
         pair["b"]["parent_us"] / pair["a"]["parent_us"])
-    assert "b ÷ a, parent CPU per task, over 1 pairs" in run.stdout
+    assert pair["relative_b_over_a"] == pytest.approx(
+        (pair["b"]["parent_us"] / pair["b"]["children_us"])
+        / (pair["a"]["parent_us"] / pair["a"]["children_us"]))
+    assert "b ÷ a, parent CPU ÷ children CPU, over 1 pairs" in run.stdout
 
 
 def test_pair_refuses_a_directory_without_celery_zk(tmp_path: Path) -> None:

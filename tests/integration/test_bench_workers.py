@@ -15,6 +15,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "workers.py"
+PAIR = ROOT / "benchmarks" / "pair.py"
+
+
+def run_script(script: Path, cwd: Path, *args: str, timeout: float = 280
+               ) -> subprocess.CompletedProcess[str]:
+    """``script`` from another directory, the checkout by PYTHONPATH: as when
+    comparing commits."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def check_drain(entry: dict, tasks: int, processes: int | None = None) -> None:
@@ -30,13 +41,8 @@ def check_drain(entry: dict, tasks: int, processes: int | None = None) -> None:
 @pytest.mark.slow
 def test_quick_run_on_zk_writes_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "workers.json"
-    # From another directory, the checkout by PYTHONPATH: as when comparing commits.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--brokers", "zk", "--ks", "1",
-         "--settle", "0", "--retries", "0", "--json", str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    run = run_script(SCRIPT, tmp_path, "--quick", "--brokers", "zk", "--ks", "1",
+                     "--settle", "0", "--retries", "0", "--json", str(out))
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "tasks/s" in run.stdout
 
@@ -79,13 +85,9 @@ def test_quick_run_on_zk_writes_every_figure(tmp_path: Path) -> None:
 def test_pair_drains_two_checkouts_at_once(tmp_path: Path) -> None:
     """benchmarks/pair.py: one pair of the same checkout, both drains complete."""
     out = tmp_path / "pair.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "pair.py"), "--a", str(ROOT),
-         "--b", str(ROOT), "--pool", "prefork", "-c", "2", "--tasks", "400", "--pairs", "1",
-         "--zk-warm-up", "0", "--json", str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    run = run_script(PAIR, tmp_path, "--a", str(ROOT), "--b", str(ROOT), "--pool", "prefork",
+                     "-c", "2", "--tasks", "400", "--pairs", "1", "--zk-warm-up", "0",
+                     "--json", str(out))
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     data = json.loads(out.read_text())
     assert data["tasks"] == 400 and len(data["pairs"]) == 1
@@ -104,10 +106,7 @@ def test_pair_drains_two_checkouts_at_once(tmp_path: Path) -> None:
 
 
 def test_pair_refuses_a_directory_without_celery_zk(tmp_path: Path) -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "pair.py"), "--a", str(tmp_path),
-         "--b", str(ROOT)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    run = run_script(PAIR, tmp_path, "--a", str(tmp_path), "--b", str(ROOT), timeout=60)
     assert run.returncode == 2
     assert "holds no celery_zk/" in run.stderr
 

@@ -6,12 +6,14 @@ as a long-running system does every 4,096.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import random
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from kazoo.client import KazooClient
@@ -87,6 +89,27 @@ def largest_directory(zk_client: KazooClient, path: str = "/queues") -> tuple[in
     return best
 
 
+@contextlib.contextmanager
+def bucket_listings(connection: Connection) -> Iterator[list[int]]:
+    """How many names each listing of a bucket through ``connection``'s client
+    (the session its process's dispatcher uses) returned, while in the block."""
+    listed: list[int] = []
+    client = connection.transport.handle.client
+    real = client.get_children
+
+    def spy(path: str, *args: Any, **kwargs: Any) -> Any:
+        names = real(path, *args, **kwargs)
+        if parse_bucket_name(path.rpartition("/")[2]) is not None:
+            listed.append(len(names))
+        return names
+
+    client.get_children = spy   # type: ignore[method-assign]
+    try:
+        yield listed
+    finally:
+        del client.get_children
+
+
 def test_a_backlog_many_buckets_long_keeps_priority_and_fifo_order(
         zk_url: str, zk_client: KazooClient) -> None:
     """60 messages, 3 priorities, buckets of 5: one consumer gets them highest
@@ -102,22 +125,9 @@ def test_a_backlog_many_buckets_long_keeps_priority_and_fifo_order(
         # Reads names only: queue_declare's count is the buckets' child counts.
         assert conn.default_channel.queue_declare("long", passive=True).message_count == 60
 
-        listings: list[int] = []
-        client = conn.transport.handle.client
-        real = client.get_children
-
-        def spy(path: str, *args: Any, **kwargs: Any) -> Any:
-            names = real(path, *args, **kwargs)
-            if parse_bucket_name(path.rpartition("/")[2]) is not None:
-                listings.append(len(names))
-            return names
-
-        client.get_children = spy   # type: ignore[method-assign]
         before = dataclasses.replace(CLAIMS)
-        try:
+        with bucket_listings(conn) as listings:
             got = consume_all(conn, queue, 60)
-        finally:
-            del client.get_children
     # A prefetch of 1: a claim per message at most (fewer once the consumer looks
     # ahead), and nobody to contend with.
     assert CLAIMS.messages - before.messages == 60
@@ -138,21 +148,8 @@ def test_a_backlog_is_listed_once_bucket_by_bucket(zk_url: str) -> None:
     total, size = 240, 20
     with Connection(url(zk_url, size=size)) as conn:
         publish(conn, queue, list(range(total)))
-        listed: list[int] = []
-        client = conn.transport.handle.client
-        real = client.get_children
-
-        def spy(path: str, *args: Any, **kwargs: Any) -> Any:
-            names = real(path, *args, **kwargs)
-            if parse_bucket_name(path.rpartition("/")[2]) is not None:
-                listed.append(len(names))
-            return names
-
-        client.get_children = spy   # type: ignore[method-assign]
-        try:
+        with bucket_listings(conn) as listed:
             got = consume_all(conn, queue, total)
-        finally:
-            del client.get_children
     assert [body for body, _ in got] == list(range(total))
     # Every name once, and a bucket's worth more at most (the first listing may
     # come while the consumer's first look lists again).

@@ -143,7 +143,7 @@ def test_a_backlog_is_listed_once_bucket_by_bucket(zk_url: str) -> None:
     """A drain lists each bucket of its backlog once: deleting the buckets it
     emptied is no reason for the dispatcher to list the next ones again (it
     did, once per bucket: a drain of full buckets read every name twice).
-    Making one is (test_a_trickle_leaves_no_trail_of_empty_buckets)."""
+    Making one still is: see test_a_trickle_leaves_no_trail_of_empty_buckets."""
     queue = queue_of("once")
     total, size = 240, 20
     with Connection(url(zk_url, size=size)) as conn:
@@ -157,9 +157,10 @@ def test_a_backlog_is_listed_once_bucket_by_bucket(zk_url: str) -> None:
 
 
 def test_a_trickle_leaves_no_trail_of_empty_buckets(zk_url: str, zk_client: KazooClient) -> None:
-    """Published one at a time to a consumer that keeps up, messages never make
-    the dispatcher's head run out (it is complete, kept by the watches), so a
-    listing is not what finds the buckets it emptied: a new bucket is."""
+    """Published one at a time to a consumer that keeps up, messages never run
+    the dispatcher's head out (it is complete, and the watches keep it so): it
+    lists only when a new bucket is made, and that listing deletes the
+    buckets it emptied."""
     queue = queue_of("trickle")
     total = 40
     got: list[int] = []
@@ -180,7 +181,7 @@ def test_a_trickle_leaves_no_trail_of_empty_buckets(zk_url: str, zk_client: Kazo
                         pass
             # The last roll's listing, and its deletes, a moment after the create.
             wait_until(lambda: len(buckets(zk_client, LAYOUT, "trickle")) <= 2, 10, 0.05,
-                       f"emptied buckets left: {buckets(zk_client, LAYOUT, 'trickle')}")
+                       lambda: f"emptied buckets left: {buckets(zk_client, LAYOUT, 'trickle')}")
     assert got == list(range(total))
 
 

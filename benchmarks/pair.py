@@ -48,25 +48,17 @@ from common import (  # noqa: E402
     warm_up_zookeeper,
     write_json,
 )
-from machine import CLK_TCK, _stat, run_pids  # noqa: E402
-from tally import SLOT, SLOTS, Tally  # noqa: E402
+from machine import CLK_TCK, process_jiffies, run_pids  # noqa: E402
+from tally import Tally  # noqa: E402
 from workers import preload  # noqa: E402
 
 POLL = 0.05   # seconds between looks at the two tallies and the workers' CPU
 
 
-def executions(tally: Tally) -> int:
-    return sum(SLOT.unpack_from(tally.mm, i * SLOT.size)[0] for i in range(SLOTS))
-
-
 def cpu_seconds(pids: list[int]) -> float:
-    """User and system CPU of ``pids`` so far (a process gone counts nothing)."""
-    jiffies = 0
-    for pid in pids:
-        fields = _stat(pid)
-        if fields:
-            jiffies += int(fields[11]) + int(fields[12])
-    return jiffies / CLK_TCK
+    """CPU of ``pids`` so far (what they reaped counts too, and changes only if a
+    pool replaces a child: not within a drain)."""
+    return process_jiffies(pids) / CLK_TCK
 
 
 def at(points: list[tuple[float, ...]], t: float, column: int) -> float:
@@ -119,7 +111,7 @@ def one_pair(url: str, work_dir: str, checkouts: list[tuple[str, str]], args: ar
         while len(ends) < len(tallies):
             now = time.monotonic()
             for label, tally in tallies.items():
-                points[label].append((now, executions(tally), cpu_seconds([parents[label]]),
+                points[label].append((now, tally.executions(), cpu_seconds([parents[label]]),
                                       cpu_seconds(children[label])))
                 if label not in ends and tally.done():
                     ends[label] = now

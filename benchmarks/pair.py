@@ -11,7 +11,8 @@ drain's end), each worker process's CPU per task over it and its pool
 children's, and B's ÷ A's; ``--pairs`` pairs, which checkout's worker is
 started first alternating. Both workers share two cores, so each drains at
 about half its rate alone, and which one the scheduler favours moves the
-rates by ±10 % (the same checkout against itself: 0.81-1.03): the worker
+rates by ±10 % (the same checkout against itself: 0.81-1.20 over two runs
+of six pairs): the worker
 process's CPU per task, which both measure on the same host at the same
 time, is the figure to compare; over its children's CPU (the tasks' own
 work, the same code in both), it varied by ±2-3 % (a against itself:
@@ -44,13 +45,12 @@ from common import (  # noqa: E402
     log,
     measured_server,
     spawn_worker,
-    tail,
     warm_up_zookeeper,
     write_json,
 )
 from machine import CLK_TCK, process_jiffies, run_pids  # noqa: E402
 from tally import Tally  # noqa: E402
-from workers import preload  # noqa: E402
+from workers import await_ready, preload  # noqa: E402
 
 POLL = 0.05   # seconds between looks at the two tallies and the workers' CPU
 
@@ -90,14 +90,7 @@ def one_pair(url: str, work_dir: str, checkouts: list[tuple[str, str]], args: ar
             workers[label] = spawn_worker(procs, work_dir, f"pair{index}-{label}", url, queue,
                                           pool=args.pool, concurrency=args.concurrency,
                                           wait=False, env=env)
-        deadline = time.monotonic() + 120
-        for label, proc in workers.items():
-            ready = os.path.join(work_dir, f"pair{index}-{label}.ready")
-            while not os.path.exists(ready):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    out = os.path.join(work_dir, f"pair{index}-{label}.out")
-                    raise RuntimeError(f"worker {label} did not become ready:\n{tail(out)}")
-                time.sleep(0.05)
+        await_ready(work_dir, list(workers.values()), [f"pair{index}-{label}" for label in workers])
         time.sleep(1.0)   # both idle, both consuming
         # Each worker's process and its pool's children (its process group).
         parents = {label: proc.pid for label, proc in workers.items()}

@@ -174,6 +174,20 @@ def preload(url: str, queue: str, total: int) -> None:
         time.sleep(0.2)
 
 
+def await_ready(work_dir: str, workers: list[subprocess.Popen[bytes]], names: list[str]
+                ) -> None:
+    """Wait until each of ``workers`` (``spawn_worker(..., wait=False)``, named
+    ``names``) consumes; RuntimeError with its output if one exits or is late."""
+    deadline = time.monotonic() + 60 + 15 * len(workers)
+    for proc, name in zip(workers, names):
+        while not os.path.exists(os.path.join(work_dir, f"{name}.ready")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"worker {name} did not become ready (exit "
+                                   f"{proc.poll()}):\n"
+                                   f"{tail(os.path.join(work_dir, name + '.out'))}")
+            time.sleep(0.05)
+
+
 # -- the run -------------------------------------------------------------------------------
 @dataclass
 class Run:
@@ -245,7 +259,7 @@ class Run:
                                          "BENCH_GATE_FILE": gate,
                                          "BENCH_CLAIMS_FILE": claims[i]})
                        for i in range(k)]
-            self.await_ready(workers, [f"{tag}-{i}" for i in range(k)])
+            await_ready(self.work_dir, workers, [f"{tag}-{i}" for i in range(k)])
             entry.update(quiet_check(f"{server.name} {label}", self.args.settle))
             server_groups = [os.getpgid(pid) for pid in server.pids]
             parts = {"server": run_pids(server_groups, server.pids),
@@ -279,16 +293,6 @@ class Run:
             + (f", {entry['failed_per_message']:.3f} failed transactions per task"
                if "failed_per_message" in entry else ""))
         return entry
-
-    def await_ready(self, workers: list[subprocess.Popen[bytes]], names: list[str]) -> None:
-        deadline = time.monotonic() + 60 + 15 * len(workers)
-        for proc, name in zip(workers, names):
-            while not os.path.exists(os.path.join(self.work_dir, f"{name}.ready")):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"worker {name} did not become ready (exit "
-                                       f"{proc.poll()}):\n"
-                                       f"{tail(os.path.join(self.work_dir, name + '.out'))}")
-                time.sleep(0.05)
 
     def watch(self, tally: Tally, workers: list[subprocess.Popen[bytes]], opened: float,
               total: int, tag: str, window: CpuWindow) -> None:

@@ -212,11 +212,16 @@ class Channel(virtual.Channel):
         inbox.set_credit(self.qos.prefetch_count or 0)
         while True:
             in_hand, slots = self._in_hand(), celery_compat.pool_slots()
+            if inbox.quiet(in_hand, slots):
+                raise Empty()
             inbox.look(in_hand, slots)
             claimed = inbox.take()
             if claimed is None:
-                inbox.fill(self._claim_limit(), in_hand, slots)
+                limit = self._claim_limit()
+                inbox.fill(limit, in_hand, slots)
                 claimed = inbox.take()
+                if claimed is None and limit > 0:
+                    inbox.found_nothing(in_hand, slots)
             if claimed is None:
                 raise Empty()
             payload = self._decode(claimed)

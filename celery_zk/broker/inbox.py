@@ -97,6 +97,15 @@ BUSY_GRACE = 0.02
 #: to the second; none once a publisher hands a message over or the
 #: dispatcher's work leaves a slot free (a burst in a steady trickle).
 OFFER_AFTER = (0.01, 1.0)
+#: Seconds a look that found nothing to deliver stands for the next ones, while
+#: nothing it depended on changes (no event from the inbox's watch, the same
+#: tasks in hand, settled ones, offer and credit) and no look-again timer
+#: falls due. A worker's event loop looks at every queue it consumes before
+#: each delivery; in a prefork drain its remote-control queue, empty, was
+#: looked at 1.6 times a task, 22 µs each (benchmarks/README.md). Shorter
+#: than every delay decided in a look (LOOK_AGAIN, OFFER_AFTER, BUSY_GRACE
+#: set timers, which end it; IDLE is a second).
+QUIET = 0.005
 
 
 def held_back(waiting: int, took: Sequence[float], now: float) -> int:
@@ -147,6 +156,8 @@ class Inbox:
         self._offer_after = 0.0
         # What the last fill was told: tasks in hand, and how many run at once.
         self._in_hand, self._slots = 0, 1
+        # (until when, what it depended on) of the last look that found nothing.
+        self._quiet: tuple[float, tuple[bool, int, int, bool, int]] | None = None
         # Looked up on every turn of the consuming loop, so kept: our inbox's path
         # (for consumer_id) and the queue's dispatcher (for a session).
         self._path: tuple[str | None, str] = (None, "")
@@ -299,6 +310,7 @@ class Inbox:
     def start(self) -> None:
         """A channel starts consuming the queue."""
         self.consuming += 1
+        self._quiet = None
         if self.consuming == 1:
             # Joined now, not on the first look: the dispatcher fills the inbox
             # while the worker finishes starting (its basic_consume comes right
@@ -372,6 +384,38 @@ class Inbox:
             self._look_in = LOOK_AGAIN[0]
             # A free slot: let a publisher hand us the next one.
             offer.make(consumer_id, self.transport.session.bodies_in_names)
+
+    def quiet(self, in_hand: int, slots: int) -> bool:
+        """Whether the last look found nothing and it still stands (see QUIET):
+        the caller need not look again now. ``in_hand``, ``slots``: as for
+        :meth:`fill`."""
+        mark = self._quiet
+        if mark is None:
+            return False
+        until, seen = mark
+        if (self.arrivals or self.stale or time.monotonic() >= until
+                or seen != self._depends(in_hand, slots)):
+            self._quiet = None
+            return False
+        return True
+
+    def found_nothing(self, in_hand: int, slots: int) -> None:
+        """A look and a fill delivered nothing: the next looks may stand on it
+        (see :meth:`quiet`), unless something is on its way already."""
+        if self.buffer or self.pending or self.arrivals or self.stale:
+            return
+        until = time.monotonic() + QUIET
+        if self._look_timer is not None:
+            until = min(until, self._look_at)
+        self._quiet = (until, self._depends(in_hand, slots))
+
+    def _depends(self, in_hand: int, slots: int) -> tuple[bool, int, int, bool, int]:
+        """What a look that found nothing decided on, besides the watch's events:
+        of the tasks in hand only whether they take every slot (they change
+        with each task a worker starts or ends, which the offer does not)."""
+        offer = self.offer
+        return (in_hand >= slots, slots, len(self.delivered),
+                offer is not None and offer.outstanding, self.credit)
 
     def _offer_to_make(self) -> Offer | None:
         """Our offer, when we may make it: consuming, fewer delivered and not
@@ -746,7 +790,7 @@ class Inbox:
         (what was delivered is settled by the channel's QoS)."""
         transport = self.transport
         consumer_id, node = self.consumer_id, self.node
-        self.node = None
+        self.node, self._quiet = None, None
         self._withdraw(wait=True)
         self._stop_watch()
         if consumer_id is not None:

@@ -97,6 +97,7 @@ def consumer(conn: Connection, queue: Queue, got: list[Any], ack: bool = True,
     return Consumer(conn, [queue], callbacks=[on_message], **kwargs)
 
 
+@pytest.mark.usefixtures("quiet")
 def test_an_idle_consumer_is_handed_each_message_without_a_claim(
         conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
     queue = Queue("hand", Exchange("hand", "direct"), "hand")
@@ -537,6 +538,92 @@ def event_loop(conn: Connection, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ru
         hub.close()
 
 
+@pytest.fixture(params=["as shipped", "standing until a change"])
+def quiet(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run a test also with a look that found nothing standing until something
+    it decided on changes (``inbox.QUIET`` without end): offers and looks
+    again that a test waits for must come from a change or a timer, never
+    from QUIET running out."""
+    if request.param != "as shipped":
+        import celery_zk.broker.inbox as inbox_module
+
+        monkeypatch.setattr(inbox_module, "QUIET", 3600.0)
+
+
+def test_a_look_that_found_nothing_stands_until_what_it_decided_on_changes(
+        conn: Connection, zk_url: str, zk_client: KazooClient,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's event loop looks at every queue it consumes before each
+    delivery (its remote-control queue, empty, on every task of a drain).
+    Looked at again while nothing changed, an empty queue's inbox does not
+    decide again; a task taking its only slot, the watch's event of a message
+    and the message's ack each end that."""
+    from queue import Empty
+
+    import celery.worker.state as worker_state
+
+    import celery_zk.broker.inbox as inbox_module
+    from celery_zk.broker.inbox import Inbox
+
+    class Running:   # a task request in Celery's worker state (kept weakly)
+        pass
+
+    monkeypatch.setattr(inbox_module, "QUIET", 3600.0)   # only a change ends it
+    fills: list[int] = []
+    real_fill = Inbox.fill
+
+    def fill(inbox: Inbox, *args: Any, **kwargs: Any) -> None:
+        fills.append(1)
+        real_fill(inbox, *args, **kwargs)
+    monkeypatch.setattr(Inbox, "fill", fill)
+    queue = Queue("quiet", Exchange("quiet", "direct"), "quiet")
+    got: list[Any] = []
+    with consumer(conn, queue, got):
+        channel = conn.default_channel
+        inbox = conn.transport.inbox("quiet")
+
+        def look() -> Any:
+            try:
+                return channel._get("quiet")
+            except Empty:
+                return None
+        wait_until(lambda: look() is None and offers(zk_client, "quiet"), 5, 0.02,
+                   "no offer was made")
+        looked = len(fills)
+        for _ in range(20):
+            assert look() is None
+        assert len(fills) == looked   # it stood
+
+        running = Running()
+        worker_state.reserved_requests.add(running)   # a task takes the only slot
+        try:
+            assert look() is None
+            assert len(fills) == looked + 1
+            assert look() is None
+            assert len(fills) == looked + 1   # and stands again
+        finally:
+            worker_state.reserved_requests.discard(running)
+        assert look() is None
+        assert len(fills) == looked + 2
+        wait_until(lambda: look() is None and offers(zk_client, "quiet"), 5, 0.02,
+                   "no offer once the slot was free")
+
+        publish(zk_url, queue, "handed")
+        wait_until(lambda: inbox.arrivals, 5, 0.01, "the watch reported nothing")
+        payload = look()
+        assert payload is not None, "the watch's event did not end the look's standing"
+        looked = len(fills)
+        assert look() is None   # delivered and not settled: decided again
+        assert len(fills) == looked + 1
+        assert look() is None
+        assert len(fills) == looked + 1
+        message = channel.Message(payload, channel=channel)
+        channel.basic_ack(message.delivery_tag)
+        assert look() is None   # settled: decided again
+        assert len(fills) == looked + 2
+
+
+@pytest.mark.usefixtures("quiet")
 def test_an_idle_worker_offers_once_its_running_tasks_end(
         zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """In a Celery worker a task is acked as it starts and counts as in hand
@@ -571,6 +658,7 @@ def test_an_idle_worker_offers_once_its_running_tasks_end(
         run_until(lambda: offers(zk_client, "busy"), "no offer once the task ended")
 
 
+@pytest.mark.usefixtures("quiet")
 def test_a_blocking_consumer_offers_again_as_it_acks_not_when_it_next_waits(
         conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
     """A client that drains only while it waits for a reply (Celery's rpc://
@@ -620,6 +708,7 @@ def test_rpc_results_over_zk_are_handed_to_the_waiting_client(
         app.close()
 
 
+@pytest.mark.usefixtures("quiet")
 def test_offers_back_off_while_the_dispatcher_gives_the_work(
         zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """A consumer whose offer is withdrawn because the dispatcher gave it work
@@ -655,6 +744,7 @@ def test_offers_back_off_while_the_dispatcher_gives_the_work(
         assert inbox._offer_after == 0.0
 
 
+@pytest.mark.usefixtures("quiet")
 def test_work_that_leaves_a_pool_slot_free_keeps_the_offer(
         zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker that runs two tasks at once keeps its offer while the dispatcher
@@ -718,6 +808,7 @@ def test_work_that_leaves_a_pool_slot_free_keeps_the_offer(
                 worker_state.reserved_requests.discard(request)
 
 
+@pytest.mark.usefixtures("quiet")
 def test_handed_work_that_takes_every_slot_keeps_the_offer_for_a_moment(
         zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """A burst of a trickle takes every pool slot for a moment: the offer

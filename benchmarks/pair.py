@@ -8,7 +8,8 @@ Here both checkouts drain together, on one ZooKeeper, each its own queue of
 slower or faster host slows or speeds both alike. Each pair reports the two
 rates over the window both ran in (from the later first task to the first
 drain's end), each worker process's CPU per task over it and its pool
-children's, and B's ÷ A's; ``--pairs`` pairs, which checkout's worker is
+children's (a threads pool has none: the worker's CPU is the figure), and
+B's ÷ A's; ``--pairs`` pairs, which checkout's worker is
 started first alternating. Both workers share two cores, so each drains at
 about half its rate alone, and which one the scheduler favours moves the
 rates by ±10 % (the same checkout against itself: 0.81-1.20 over two runs
@@ -127,17 +128,20 @@ def one_pair(url: str, work_dir: str, checkouts: list[tuple[str, str]], args: ar
         for tally in tallies.values():
             tally.close()
     a, b = figures["a"], figures["b"]
+    # A pool without child processes (threads, solo) runs the tasks in the
+    # worker process: nothing to divide by, the worker's CPU is the figure.
+    children = bool(a["children_us"] and b["children_us"])
     out: dict[str, Any] = {"first": checkouts[0][0], "window_s": end - start, **figures,
                            "b_over_a": b["rate"] / a["rate"],
                            "parent_b_over_a": b["parent_us"] / a["parent_us"],
                            "relative_b_over_a": (b["parent_us"] / b["children_us"])
-                           / (a["parent_us"] / a["children_us"])}
+                           / (a["parent_us"] / a["children_us"]) if children else None}
     log(f"pair {index + 1}: tasks/s a {a['rate']:,.0f} b {b['rate']:,.0f} (b ÷ a "
-        f"{out['b_over_a']:.3f}); parent µs per task a {a['parent_us']:.0f} b "
-        f"{b['parent_us']:.0f} (b ÷ a {out['parent_b_over_a']:.3f}); children a "
-        f"{a['children_us']:.0f} b {b['children_us']:.0f} (parent ÷ children, b ÷ a "
-        f"{out['relative_b_over_a']:.3f}); over {end - start:.1f} s, "
-        f"{checkouts[0][0]} started first")
+        f"{out['b_over_a']:.3f}); worker process µs per task a {a['parent_us']:.0f} b "
+        f"{b['parent_us']:.0f} (b ÷ a {out['parent_b_over_a']:.3f})"
+        + (f"; children a {a['children_us']:.0f} b {b['children_us']:.0f} (worker ÷ "
+           f"children, b ÷ a {out['relative_b_over_a']:.3f})" if children else "")
+        + f"; over {end - start:.1f} s, {checkouts[0][0]} started first")
     return out
 
 
@@ -182,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work_dir, ignore_errors=True)
     for key, what in (("b_over_a", "tasks/s"), ("parent_b_over_a", "parent CPU per task"),
                       ("relative_b_over_a", "parent CPU ÷ children CPU")):
-        ratios = [p[key] for p in pairs]
+        ratios = [p[key] for p in pairs if p[key] is not None]
+        if not ratios:
+            continue
         log(f"b ÷ a, {what}, over {len(pairs)} pairs: median {statistics.median(ratios):.3f}, "
             f"mean {statistics.mean(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}")
     if args.json:

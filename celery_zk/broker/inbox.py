@@ -404,8 +404,10 @@ class Inbox:
         (see :meth:`quiet`), unless something is on its way already."""
         if self.buffer or self.pending or self.arrivals or self.stale:
             return
-        until = time.monotonic() + QUIET
-        if self._look_timer is not None:
+        now = time.monotonic()
+        until = now + QUIET
+        if self._look_timer is not None and self._look_at > now:
+            # Not past it; one due already asked for the look just made.
             until = min(until, self._look_at)
         self._quiet = (until, self._depends(in_hand, slots))
 

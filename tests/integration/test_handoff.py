@@ -622,6 +622,22 @@ def test_a_look_that_found_nothing_stands_until_what_it_decided_on_changes(
         assert look() is None   # settled: decided again
         assert len(fills) == looked + 2
 
+        # A look-again timer (the offer's wait, BUSY_GRACE) ends it when due; one
+        # due already asked for the look just made and leaves it standing.
+        class Timer:
+            def cancel(self) -> None:
+                pass
+        try:
+            inbox._look_timer, inbox._look_at = Timer(), time.monotonic() - 1
+            inbox.found_nothing(0, 1)
+            assert inbox.quiet(0, 1)
+            inbox._look_at = time.monotonic() + 0.2
+            inbox.found_nothing(0, 1)
+            assert inbox.quiet(0, 1)
+            wait_until(lambda: not inbox.quiet(0, 1), 5, 0.01, "it stood past the timer")
+        finally:
+            inbox._look_timer, inbox._look_at = None, 0.0
+
 
 @pytest.mark.usefixtures("quiet")
 def test_an_idle_worker_offers_once_its_running_tasks_end(

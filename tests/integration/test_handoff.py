@@ -538,16 +538,21 @@ def event_loop(conn: Connection, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ru
         hub.close()
 
 
+def stand_until_a_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A look that found nothing stands until something it decided on changes
+    (``inbox.QUIET`` without end)."""
+    import celery_zk.broker.inbox as inbox_module
+
+    monkeypatch.setattr(inbox_module, "QUIET", 3600.0)
+
+
 @pytest.fixture(params=["as shipped", "standing until a change"])
 def quiet(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run a test also with a look that found nothing standing until something
-    it decided on changes (``inbox.QUIET`` without end): offers and looks
+    """Run a test also with looks standing until a change: offers and looks
     again that a test waits for must come from a change or a timer, never
     from QUIET running out."""
     if request.param != "as shipped":
-        import celery_zk.broker.inbox as inbox_module
-
-        monkeypatch.setattr(inbox_module, "QUIET", 3600.0)
+        stand_until_a_change(monkeypatch)
 
 
 def test_a_look_that_found_nothing_stands_until_what_it_decided_on_changes(
@@ -556,19 +561,18 @@ def test_a_look_that_found_nothing_stands_until_what_it_decided_on_changes(
     """A worker's event loop looks at every queue it consumes before each
     delivery (its remote-control queue, empty, on every task of a drain).
     Looked at again while nothing changed, an empty queue's inbox does not
-    decide again; a task taking its only slot, the watch's event of a message
-    and the message's ack each end that."""
+    decide again; a task taking its only slot, the watch's event of a message,
+    the message's ack and a look-again timer falling due each end that."""
     from queue import Empty
 
     import celery.worker.state as worker_state
 
-    import celery_zk.broker.inbox as inbox_module
     from celery_zk.broker.inbox import Inbox
 
     class Running:   # a task request in Celery's worker state (kept weakly)
         pass
 
-    monkeypatch.setattr(inbox_module, "QUIET", 3600.0)   # only a change ends it
+    stand_until_a_change(monkeypatch)   # only a change ends it
     fills: list[int] = []
     real_fill = Inbox.fill
 

@@ -493,8 +493,9 @@ class Inbox:
             self._publish_credit()   # sent first: the dispatcher sees it before the freed room
         layout, store = self.transport.layout, self.transport.store
         given = 0
-        # One at a time, dropped once back: a requeue that fails (ZooKeeper away)
-        # leaves the rest here, to deliver or give back later, not stranded.
+        # One requeue at a time, each dropped here once back: a requeue that
+        # fails (ZooKeeper away) leaves the rest here, to deliver or give back
+        # later, not stranded.
         # Each stays taken until the watch sees it go. Unread ones first, then
         # the buffer's last in the queue's order: what the pace delivers
         # within HOLD stays.
@@ -502,10 +503,14 @@ class Inbox:
             store.requeue(layout.inbox_message(self.queue, consumer_id, self.pending[0][0]))
             self.pending.popleft()
             given += 1
-        while self.buffer and given < excess:
-            store.requeue(self.buffer.last().owned_path)
-            self.buffer.pop_last()
-            given += 1
+        back: list[Claimed] = []
+        try:
+            for claimed in self.buffer.latest(excess - given):
+                store.requeue(claimed.owned_path)
+                back.append(claimed)
+        finally:
+            self.buffer.remove(back)
+        given += len(back)
         self._pending_moved()
         logger.debug("celery_zk: gave %d undelivered messages of %s back to the queue",
                      given, self.queue)

@@ -20,7 +20,7 @@ the order it published them in. (By name they sorted by their random uids.)
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from ..zk.layout import MessageName
 from .claims import Claimed
@@ -70,22 +70,20 @@ class Ready:
     def first_key(self) -> Key | None:
         return self._heap[0][0] if self._heap else None
 
-    def _last_index(self) -> int:
-        heap = self._heap
-        return max(range(len(heap)), key=lambda index: heap[index][0])
+    def latest(self, count: int) -> list[Claimed]:
+        """The last ``count`` in delivery order, the last first (what a give-back
+        returns first). One selection: found one at a time, a give-back from a
+        deep inbox scanned and re-heaped the whole buffer per message."""
+        return [claimed for _, claimed in heapq.nlargest(count, self._heap,
+                                                         key=lambda entry: entry[0])]
 
-    def last(self) -> Claimed:
-        """The last in delivery order (what a give-back returns first)."""
-        return self._heap[self._last_index()][1]
-
-    def pop_last(self) -> Claimed:
-        heap = self._heap
-        last = self._last_index()
-        entry = heap[last]
-        heap[last] = heap[-1]
-        heap.pop()
-        heapq.heapify(heap)
-        return entry[1]
+    def remove(self, gone: Collection[Claimed]) -> None:
+        """Drop ``gone`` (these very objects), rebuilding the heap once."""
+        if not gone:
+            return
+        ids = {id(claimed) for claimed in gone}
+        self._heap[:] = [entry for entry in self._heap if id(entry[1]) not in ids]
+        heapq.heapify(self._heap)
 
     def clear(self) -> None:
         self._heap.clear()

@@ -43,7 +43,25 @@ def test_the_buffer_gives_back_its_last_in_the_queues_order_first() -> None:
         ready.push(claimed(name), order.key(message))
     in_order = sorted(names, key=order_key)
     assert in_order == [names[1], names[3], names[2], names[0]]
-    assert ready.last().name == in_order[-1]
-    assert ready.pop_last().name == in_order[-1]
-    assert ready.pop_last().name == in_order[-2]
+    last_two = ready.latest(2)
+    assert [c.name for c in last_two] == [in_order[-1], in_order[-2]]
+    assert [c.name for c in ready.latest(9)] == in_order[::-1]
+    assert len(ready) == 4   # chosen, not taken: only what went back is removed
+    ready.remove(last_two[:1])   # the second's requeue failed: it stays
+    assert [c.name for c in ready.latest(1)] == [in_order[-2]]
+    ready.remove(last_two[1:])
+    ready.remove([])
     assert [ready.pop().name for _ in range(len(ready))] == in_order[:2]
+
+
+def test_removing_from_the_buffer_keeps_the_delivery_order_of_the_rest() -> None:
+    names = [message_prefix(0, 0, f"{seq:x}") + f"{seq:010d}" for seq in range(1, 51)]
+    ready, order = Ready(), DeliveryOrder()
+    for name in reversed(names):
+        message = parse_message_name(name)
+        assert message is not None
+        ready.push(claimed(name), order.key(message))
+    in_order = sorted(names, key=order_key)
+    assert [c.name for c in ready.latest(20)] == in_order[:29:-1]
+    ready.remove(ready.latest(20))
+    assert [ready.pop().name for _ in range(len(ready))] == in_order[:30]

@@ -33,6 +33,7 @@ made on kazoo's connection thread can block it for good).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -53,6 +54,7 @@ from ..zk.reads import read_many
 from ..zk.session import weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED
 from . import big
+from .acks import REQUEUE_BATCH
 from .claims import Claimed
 from .dispatcher import Dispatcher
 from .handoff import Offer
@@ -492,26 +494,27 @@ class Inbox:
             self.deep = False
             self._publish_credit()   # sent first: the dispatcher sees it before the freed room
         layout, store = self.transport.layout, self.transport.store
+        # Unread ones first, then the buffer's last in the queue's order: what
+        # the pace delivers within HOLD stays. They go back in multis
+        # (requeue_many; one synced write each stalled this event loop for
+        # as many round trips), each batch dropped here once back: a batch
+        # that fails (ZooKeeper away) leaves itself and the rest here, to
+        # deliver or give back later, not stranded. Each stays taken until
+        # the watch sees it go.
+        unread = list(itertools.islice(self.pending, excess))
+        read = self.buffer.latest(excess - len(unread))
+        paths = ([layout.inbox_message(self.queue, consumer_id, entry[0]) for entry in unread]
+                 + [claimed.owned_path for claimed in read])
         given = 0
-        # One requeue at a time, each dropped here once back: a requeue that
-        # fails (ZooKeeper away) leaves the rest here, to deliver or give back
-        # later, not stranded.
-        # Each stays taken until the watch sees it go. Unread ones first, then
-        # the buffer's last in the queue's order: what the pace delivers
-        # within HOLD stays.
-        while self.pending and given < excess:
-            store.requeue(layout.inbox_message(self.queue, consumer_id, self.pending[0][0]))
-            self.pending.popleft()
-            given += 1
-        back: list[Claimed] = []
         try:
-            for claimed in self.buffer.latest(excess - given):
-                store.requeue(claimed.owned_path)
-                back.append(claimed)
+            for start in range(0, len(paths), REQUEUE_BATCH):
+                store.requeue_many(paths[start:start + REQUEUE_BATCH])
+                given = min(start + REQUEUE_BATCH, len(paths))
         finally:
-            self.buffer.remove(back)
-        given += len(back)
-        self._pending_moved()
+            for _ in range(min(given, len(unread))):
+                self.pending.popleft()
+            self.buffer.remove(read[:max(0, given - len(unread))])
+            self._pending_moved()
         logger.debug("celery_zk: gave %d undelivered messages of %s back to the queue",
                      given, self.queue)
 

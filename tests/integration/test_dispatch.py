@@ -19,6 +19,7 @@ import pytest
 from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
+from celery_zk.broker.acks import Acking
 from celery_zk.broker.dispatcher import Dispatcher
 from celery_zk.broker.inbox import HOLD, IDLE
 from celery_zk.broker.queue import CLAIMS
@@ -258,10 +259,25 @@ def looking_ahead(zk_url: str, zk_client: KazooClient, name: str
 
 
 def test_what_waits_behind_a_long_task_goes_back_for_other_consumers(
-        zk_url: str, zk_client: KazooClient, drainers: list[Drainer]) -> None:
+        zk_url: str, zk_client: KazooClient, drainers: list[Drainer],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A consumer looking ahead holds more than its channel may take; when its
     prefetch is full (long tasks) for HOLD s, the messages waiting in its inbox
-    go back to the queue, and another consumer gets them."""
+    go back to the queue, in multis, and another consumer gets them."""
+    batches: list[int] = []
+    one_by_one: list[str] = []
+    requeue_many, requeue = Acking.requeue_many, Acking.requeue
+
+    def counted_many(self: Acking, owned_paths: list[str]) -> int:
+        batches.append(len(owned_paths))
+        return requeue_many(self, owned_paths)
+
+    def counted(self: Acking, owned_path: str, *args: Any, **kwargs: Any) -> bool:
+        one_by_one.append(owned_path)
+        return requeue(self, owned_path, *args, **kwargs)
+
+    monkeypatch.setattr(Acking, "requeue_many", counted_many)
+    monkeypatch.setattr(Acking, "requeue", counted)
     queue = queue_of("long")
     with looking_ahead(zk_url, zk_client, "long") as (publisher, busy, got, held):
         publish(publisher, queue, [100, 101] + list(range(200, 210)))
@@ -280,6 +296,8 @@ def test_what_waits_behind_a_long_task_goes_back_for_other_consumers(
             drain_until(busy, got, 63, 0.2, poll=0.1)
         assert sorted(other.got) == list(range(200, 210))
         assert got[62:] == []   # the busy consumer delivered none of them
+        # Given back in multis, not one synced write each.
+        assert one_by_one == [] and sum(batches) >= 10 and max(batches) > 1, (batches, one_by_one)
         assert credit_of(zk_client, "long")[0] == 2   # its lookahead ended
         for message in held:
             message.ack()

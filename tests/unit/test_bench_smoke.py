@@ -170,3 +170,21 @@ def test_timeline_hooks_find_the_steps_they_wrap() -> None:
     done = subprocess.run([sys.executable, "-c", code, str(BENCH.parent)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_give_back_compares_two_ways_of_the_same_choice() -> None:
+    """benchmarks/give_back.py: its one-at-a-time reference leaves the buffer
+    as Ready.latest + Ready.remove do, so the figures compare like with like."""
+    spec = importlib.util.spec_from_file_location(
+        "celery_zk_give_back", BENCH.parent / "give_back.py")
+    assert spec is not None and spec.loader is not None
+    give_back = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(give_back)
+    left = []
+    for way in (give_back.one_at_a_time, give_back.at_once):
+        ready = give_back.fill(40)
+        way(ready, 25)
+        left.append([ready.pop().name for _ in range(len(ready))])
+    assert left[0] == left[1] and len(left[0]) == 15
+    in_order = [ready.pop().name for ready in [give_back.fill(40)] for _ in range(40)]
+    assert left[0] == in_order[:15]   # the first 15 in the queue's order stay

@@ -336,15 +336,19 @@ class Acking(StoreBase):
 
         return bool(client.retry(move))
 
-    def requeue_many(self, owned_paths: list[str]) -> int:
+    def requeue_many(self, owned_paths: list[str], settled: list[str] | None = None) -> int:
         """:meth:`requeue` for many messages, each to its place: the names of
         those whose body is apart move :data:`REQUEUE_BATCH` per multi (a dead
         worker's inbox holds its credit, up to ``lookahead`` times its
         prefetch: one synced write each held up its recovery for seconds on a
         busy server). What a multi refuses (one moved already, its bucket
         gone, a lost reply) and messages from before 0.2 go one at a time, as
-        :meth:`requeue` does. Returns how many were moved."""
+        :meth:`requeue` does. Returns how many were moved. ``settled``, when
+        given, gets each path whose fate is known as it becomes known (moved,
+        or found not there): a caller dropping them from its own memory
+        drops exactly those when a later one raises."""
         layout, client = self.layout, self.client
+        done = settled.append if settled is not None else (lambda _path: None)
         moves: list[tuple[str, str]] = []
         moved = 0
         for owned_path in owned_paths:
@@ -352,8 +356,9 @@ class Acking(StoreBase):
             message = parse_message_name(name)
             if message is not None and message.body_apart:
                 moves.append((owned_path, layout.unowned_message(queue, requeued_name(message))))
-            elif self.requeue(owned_path):
-                moved += 1
+            else:
+                moved += self.requeue(owned_path)
+                done(owned_path)
         for start in range(0, len(moves), REQUEUE_BATCH):
             batch = moves[start:start + REQUEUE_BATCH]
             txn = client.transaction()
@@ -364,8 +369,12 @@ class Acking(StoreBase):
                 committed = multi_failure(txn.commit()) is None
             except ConnectionLoss:
                 committed = False   # looked at one by one: a moved one is not moved twice
-            moved += (len(batch) if committed
-                      else sum(1 for owned_path, _ in batch if self.requeue(owned_path)))
+            for owned_path, _ in batch:
+                if not committed:
+                    moved += self.requeue(owned_path)
+                elif owned_path is batch[0][0]:
+                    moved += len(batch)
+                done(owned_path)
         return moved
 
     def remove(self, owned_path: str, dead_letter: bool, reason: str = "") -> bool:

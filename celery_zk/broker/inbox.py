@@ -54,7 +54,6 @@ from ..zk.reads import read_many
 from ..zk.session import weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED
 from . import big
-from .acks import REQUEUE_BATCH
 from .claims import Claimed
 from .dispatcher import Dispatcher
 from .handoff import Offer
@@ -497,23 +496,24 @@ class Inbox:
         # Unread ones first, then the buffer's last in the queue's order: what
         # the pace delivers within HOLD stays. They go back in multis
         # (requeue_many; one synced write each stalled this event loop for
-        # as many round trips), each batch dropped here once back: a batch
-        # that fails (ZooKeeper away) leaves itself and the rest here, to
-        # deliver or give back later, not stranded. Each stays taken until
-        # the watch sees it go.
+        # as many round trips), each dropped here once its fate is known: a
+        # failure (ZooKeeper away) leaves the rest here, to deliver or give
+        # back later, not stranded. Each stays taken until the watch sees it go.
         unread = list(itertools.islice(self.pending, excess))
         read = self.buffer.latest(excess - len(unread))
         paths = ([layout.inbox_message(self.queue, consumer_id, entry[0]) for entry in unread]
                  + [claimed.owned_path for claimed in read])
-        given = 0
+        settled: list[str] = []
         try:
-            for start in range(0, len(paths), REQUEUE_BATCH):
-                store.requeue_many(paths[start:start + REQUEUE_BATCH])
-                given = min(start + REQUEUE_BATCH, len(paths))
+            store.requeue_many(paths, settled)
         finally:
-            for _ in range(min(given, len(unread))):
-                self.pending.popleft()
-            self.buffer.remove(read[:max(0, given - len(unread))])
+            gone = set(settled)
+            given = len(gone)
+            kept = [entry for entry in self.pending
+                    if layout.inbox_message(self.queue, consumer_id, entry[0]) not in gone]
+            self.pending.clear()
+            self.pending.extend(kept)
+            self.buffer.remove([claimed for claimed in read if claimed.owned_path in gone])
             self._pending_moved()
         logger.debug("celery_zk: gave %d undelivered messages of %s back to the queue",
                      given, self.queue)

@@ -268,9 +268,9 @@ def test_what_waits_behind_a_long_task_goes_back_for_other_consumers(
     one_by_one: list[str] = []
     requeue_many, requeue = Acking.requeue_many, Acking.requeue
 
-    def counted_many(self: Acking, owned_paths: list[str]) -> int:
+    def counted_many(self: Acking, owned_paths: list[str], *args: Any) -> int:
         batches.append(len(owned_paths))
-        return requeue_many(self, owned_paths)
+        return requeue_many(self, owned_paths, *args)
 
     def counted(self: Acking, owned_path: str, *args: Any, **kwargs: Any) -> bool:
         one_by_one.append(owned_path)

@@ -369,11 +369,11 @@ class Acking(StoreBase):
                 committed = multi_failure(txn.commit()) is None
             except ConnectionLoss:
                 committed = False   # looked at one by one: a moved one is not moved twice
+            if committed:
+                moved += len(batch)
             for owned_path, _ in batch:
                 if not committed:
                     moved += self.requeue(owned_path)
-                elif owned_path is batch[0][0]:
-                    moved += len(batch)
                 done(owned_path)
         return moved
 

@@ -509,10 +509,11 @@ class Inbox:
         finally:
             gone = set(settled)
             given = len(gone)
-            kept = [entry for entry in self.pending
-                    if layout.inbox_message(self.queue, consumer_id, entry[0]) not in gone]
-            self.pending.clear()
-            self.pending.extend(kept)
+            # The unread given back were the first of pending: put back those not.
+            for _ in unread:
+                self.pending.popleft()
+            self.pending.extendleft(reversed(
+                [entry for entry, path in zip(unread, paths) if path not in gone]))
             self.buffer.remove([claimed for claimed in read if claimed.owned_path in gone])
             self._pending_moved()
         logger.debug("celery_zk: gave %d undelivered messages of %s back to the queue",

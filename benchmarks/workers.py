@@ -16,7 +16,7 @@ benchmarks/README.md, "Throughput as workers are added".
 Usage::
 
     .venv/bin/python benchmarks/workers.py [--quick] [--brokers zk,redis,rabbitmq]
-        [--ks 1,4,16] [--tasks 6000] [--only scaling,single,latency]
+        [--ks 1,4,16] [--tasks 20000] [--single-tasks 10000] [--only scaling,single,latency]
         [--rounds 1] [--zk-option KEY=VALUE] [--json out.json]
 
 ``--rounds N``: the whole run N times, the brokers' order reversed each round
@@ -24,7 +24,8 @@ Usage::
 is the median of the rounds'; each target the median of the ratios taken
 within each round, listed round by round. On a shared 2-core machine one
 drain of 16 processes moves by a third between runs a minute apart, on any
-broker (benchmarks/README.md).
+broker (benchmarks/README.md). The backlogs (20,000 and 10,000 tasks since
+2026-12-02; 6,000 and 3,000 before) make each drain last several seconds.
 
 Against another checkout: ``PYTHONPATH=/path/to/checkout``, run from a
 directory that is no repository (the workers would import its celery_zk).
@@ -363,8 +364,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--brokers", default=",".join(BROKERS))
     parser.add_argument("--only", default=",".join(PARTS))
     parser.add_argument("--ks", help="worker processes per scaling drain (default 1,4,16)")
-    parser.add_argument("--tasks", type=int, help="scaling backlog (default 6000)")
-    parser.add_argument("--single-tasks", type=int, help="single-worker backlog (3000)")
+    parser.add_argument("--tasks", type=int, help="scaling backlog (default 20000)")
+    parser.add_argument("--single-tasks", type=int, help="single-worker backlog (10000)")
     parser.add_argument("--pools", default="threads,prefork",
                         help="the single-worker pools to run (default threads,prefork)")
     parser.add_argument("--samples", type=int, help="latency samples per shape (200)")
@@ -383,8 +384,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     quick = args.quick
     args.ks = [int(k) for k in (args.ks or ("1,4" if quick else "1,4,16")).split(",")]
-    args.tasks = args.tasks or (600 if quick else 6000)
-    args.single_tasks = args.single_tasks or (300 if quick else 3000)
+    # Drains of several seconds at 2,000-4,000 tasks/s: a 6,000-task one lasted
+    # 1.5 s, and a host's stall of 100-200 ms moved its rate by a tenth.
+    args.tasks = args.tasks or (600 if quick else 20000)
+    args.single_tasks = args.single_tasks or (300 if quick else 10000)
     args.pools = [p for p in args.pools.split(",") if p]
     unknown = set(args.pools) - {pool for pool, _ in SINGLE}
     if unknown:

@@ -60,7 +60,7 @@ def test_tally_is_not_done_until_every_index_ran(benchmarks: None, tmp_path: Pat
 def test_workers_options(benchmarks: None) -> None:
     import workers
     args = workers.parse_args([])
-    assert (args.ks, args.tasks, args.single_tasks, args.samples) == ([1, 4, 16], 6000, 3000, 200)
+    assert (args.ks, args.tasks, args.single_tasks, args.samples) == ([1, 4, 16], 20000, 10000, 200)
     assert args.brokers == ["zk", "redis", "rabbitmq"]
     assert args.only == ["scaling", "single", "latency"]
     quick = workers.parse_args(["--quick", "--ks", "1", "--brokers", "zk",

@@ -24,8 +24,7 @@ Usage::
 is the median of the rounds'; each target the median of the ratios taken
 within each round, listed round by round. On a shared 2-core machine one
 drain of 16 processes moves by a third between runs a minute apart, on any
-broker (benchmarks/README.md). The backlogs (20,000 and 10,000 tasks since
-2026-12-02; 6,000 and 3,000 before) make each drain last several seconds.
+broker (benchmarks/README.md).
 
 Against another checkout: ``PYTHONPATH=/path/to/checkout``, run from a
 directory that is no repository (the workers would import its celery_zk).

@@ -37,7 +37,6 @@ from ..zk.layout import (
     requeued_name,
     without_body,
 )
-from ..zk.multi import Multi
 from ..zk.payload import commit_deleting
 from . import big
 from .dead import wrap
@@ -113,7 +112,7 @@ class Acking(StoreBase):
             return False
         raise failure[1]
 
-    def _delete_ops(self, txn: TransactionRequest | Multi, owned_path: str) -> int:
+    def _delete_ops(self, txn: TransactionRequest, owned_path: str) -> int:
         """Add the deletes that end ``owned_path`` (its name, then its body); how many."""
         txn.delete(owned_path)
         body = self.body_of(owned_path)
@@ -207,7 +206,7 @@ class Acking(StoreBase):
 
     def _send_ack_batch(self, consumer_node: str, paths: list[str]) -> None:
         """One multi: the owner's session is alive (the check), and every message goes."""
-        txn = Multi(self.client)   # one per message acked: kazoo's builder costs more
+        txn = self.client.transaction()
         txn.check(consumer_node, ANY_VERSION)
         owners: list[str] = []   # the owned path each op after the check ends
         for owned_path in paths:

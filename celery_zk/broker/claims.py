@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from kazoo.client import TransactionRequest
 from kazoo.exceptions import (
     BadVersionError,
     ConnectionLoss,
@@ -24,7 +25,6 @@ from kazoo.exceptions import (
 
 from ..zk.client import multi_failure, synced
 from ..zk.layout import parse_message_name
-from ..zk.multi import Multi
 from .store import ANY_VERSION, OP_OVERHEAD, REQUEST_BUDGET, StoreBase
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class Claiming(StoreBase):
 
     def assignment(self, queue: str, plan: dict[str, list[str]],
                    bodies: dict[str, tuple[bytes, int]],
-                   nodes: dict[str, str]) -> tuple[Multi, Assignment]:
+                   nodes: dict[str, str]) -> tuple[TransactionRequest, Assignment]:
         """The multi that gives each consumer of ``plan`` its names; ``nodes``:
         each one's node under the queue's consumers/, which the multi checks.
 
@@ -91,7 +91,7 @@ class Claiming(StoreBase):
         :data:`ASSIGN_OPS` operations or :data:`REQUEST_BUDGET` bytes.
         """
         layout = self.layout
-        txn = Multi(self.client)   # one per message given: kazoo's builder costs more
+        txn = self.client.transaction()
         done = Assignment(queue)
         budget = REQUEST_BUDGET
         for consumer, names in plan.items():

@@ -28,7 +28,6 @@ from kazoo.protocol.states import KeeperState
 from kazoo.retry import KazooRetry, RetryFailedError
 from kazoo.security import OPEN_ACL_UNSAFE, make_digest_acl
 
-from ..compat import kazoo as kazoo_compat
 from ..exceptions import ZKAuthError, ZKConfigurationError, ZKConnectionError
 from .config import ZKSettings
 from .handler import PollingHandler
@@ -97,11 +96,11 @@ def make_client(settings: ZKSettings, connect_timeout: float | None = None) -> K
         connection_retry=KazooRetry(max_tries=-1, max_delay=2.0),
         command_retry=KazooRetry(max_tries=10, delay=0.05, max_delay=2.0, deadline=max(
             opts.session_timeout, 5.0)),
-        handler=PollingHandler(),
+        # ZooKeeper grants the timeout asked for within its bounds (4 to 40 s
+        # by default): two thirds of it is what a server may leave us unanswered.
+        handler=PollingHandler(silence=opts.session_timeout * 2 / 3),
         **kwargs,
     )
-    kazoo_compat.buffer_reads(client)   # many packets per recv(); kazoo's reads if it cannot
-    kazoo_compat.direct_requests(client)   # written by the caller; kazoo's queue if it cannot
     why = _start(client, settings.hosts, timeout,
                  fail_fast=settings.hosts not in _reached)
     if why is None:

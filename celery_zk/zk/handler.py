@@ -1,34 +1,22 @@
-"""kazoo's threading handler, waiting on its sockets with ``poll()``.
+"""kazoo's threading handler, with a ``select`` that notices a silent server.
 
-kazoo's connection thread waits for its socket through ``handler.select``
-about five times per request and reply (the loop, a write, the two reads of
-a packet: its length, then its body). kazoo's own ``select`` (since 2.7, to
-lift ``select()``'s limit of file descriptors below 1024) builds an epoll
-selector, registers the sockets, waits once and closes it, on every call:
-four system calls and a few Python objects each time. ``poll()`` has no such
-limit and is one system call. In a raw-kazoo model of the dispatcher this
-was the largest single saving of client CPU (see benchmarks/README.md, "The
-dispatch model"). ``select`` is a method of kazoo's handler interface, so
-this is a public override, not a private name.
+kazoo pings only after a quiet spell and counts every request it sends as a
+ping, so a busy client whose server was cut off (a partition on the
+server's side) wrote into the void until its session had expired instead of
+moving to another server in time: the nemesis saw a task run twice so.
+ZooKeeper's own client drops a connection that has not heard from its
+server for two thirds of the session timeout ("have not heard from
+server"); this handler does the same through ``select``, a method of
+kazoo's handler interface (no private name): kazoo waits for its socket to
+be writable before each write and readable before each read, so ``select``
+sees when a request goes out and when the server answers. A socket that
+left a write unanswered for :attr:`PollingHandler.silence` seconds makes
+``select`` raise ``ConnectionDropped``, which kazoo's connection loop takes
+as any other drop: it connects to the next server, the session kept.
 
-It also knows of packets read ahead (:func:`celery_zk.compat.kazoo.buffer_reads`):
-while some wait in a buffer, their socket is reported readable at once, or
-kazoo's loop would wait on a socket whose bytes were already taken.
-
-Its results (:class:`Result`) ask the connection, before a blocking
-``get``, whether the waiting thread may read the reply itself
-(:meth:`celery_zk.compat.kazoo._DirectRequests.wait`).
-
-And it notices a connection that went silent while requests wait, as
-ZooKeeper's own client does ("have not heard from server"): kazoo pings only
-after a quiet spell and counts every request it sends as a ping, so a busy
-client whose server was cut off (a partition on the server's side) wrote
-into the void until its session had expired, instead of moving to another
-server in time (the nemesis saw a task run twice so). The reader tells the
-handler what the server granted and when bytes arrive; :meth:`PollingHandler.select`
-sees every write (kazoo waits for its socket to be writable first) and
-reports a socket unanswered for :attr:`PollingHandler.silence` seconds
-readable, for the reader to drop it.
+``select`` is also one ``poll()`` where kazoo's own (since 2.7, to lift
+``select()``'s limit of file descriptors) builds, uses and closes an epoll
+selector on every call: four system calls, about five times per request.
 """
 from __future__ import annotations
 
@@ -38,9 +26,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kazoo.handlers.threading import AsyncResult, SequentialThreadingHandler
+from kazoo.exceptions import ConnectionDropped
+from kazoo.handlers.threading import SequentialThreadingHandler
 
-__all__ = ["PollingHandler", "Result"]
+__all__ = ["PollingHandler"]
 
 _READ = select.POLLIN | select.POLLPRI
 _WRITE = select.POLLOUT
@@ -49,60 +38,23 @@ _WRITE = select.POLLOUT
 _TROUBLE = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 
-#: While packets wait in the read buffer, the other sockets (kazoo's wake-up
-#: for requests to send) are looked at every this many packets.
-HELD_PEEK = 8
-
-
 def _fd(fileobj: Any) -> int:
     return fileobj if isinstance(fileobj, int) else int(fileobj.fileno())
 
 
-class Result(AsyncResult):
-    """kazoo's result of a request, whose waiting thread may read the reply
-    itself: :attr:`reader` is set when the request was written by that thread
-    (:meth:`celery_zk.compat.kazoo._DirectRequests.wait`)."""
-
-    reader: Any = None
-
-    def get(self, block: bool = True, timeout: float | None = None) -> Any:
-        reader = self.reader
-        if reader is not None and block:
-            reader(self, timeout)
-        return super().get(block, timeout)
-
-
 class PollingHandler(SequentialThreadingHandler):
     """:class:`~kazoo.handlers.threading.SequentialThreadingHandler` whose
-    ``select`` is one ``poll()``, with ``select()``'s signature and results."""
+    ``select`` is one ``poll()`` and drops a connection gone silent."""
 
-    #: A socket whose next bytes were read ahead and wait in a buffer (or None).
-    held: Any = None
-    #: Seconds a write may go without a byte from the server before its
-    #: connection is taken for dead: two thirds of the session timeout the
-    #: server granted, as in ZooKeeper's client (which leaves a third to reach
-    #: another server). None: not looked at (no reader told us; TLS).
-    silence: float | None = None
-    #: (socket, when): the first write on it since the server was last heard.
-    asked: tuple[Any, float] | None = None
-    #: Looks answered from the buffer in a row (see HELD_PEEK).
-    _held_looks = 0
-
-    def async_result(self) -> Result:
-        return Result(self)
-
-    def asking(self, sock: Any) -> None:
-        """A request is about to be written to ``sock``: its server owes a reply
-        from now on (unless an earlier write still waits for one)."""
-        asked = self.asked
-        if asked is None or asked[0] is not sock:
-            self.asked = (sock, time.monotonic())
-
-    def heard(self, sock: Any) -> None:
-        """Bytes came from ``sock``'s server: what was asked is being answered."""
-        asked = self.asked
-        if asked is not None and asked[0] is sock:
-            self.asked = None
+    def __init__(self, silence: float | None = None) -> None:
+        super().__init__()
+        #: Seconds a write may go without a byte from the server before its
+        #: connection is taken for dead (None: never). Two thirds of the
+        #: session timeout, as in ZooKeeper's client, which leaves a third to
+        #: reach another server.
+        self.silence = silence
+        #: (socket, when): the first write on it since the server was last heard.
+        self.asked: tuple[Any, float] | None = None
 
     def select(self, rlist: Sequence[Any], wlist: Sequence[Any], xlist: Sequence[Any],
                timeout: float | None = None) -> tuple[list[Any], list[Any], list[Any]]:
@@ -111,26 +63,24 @@ class PollingHandler(SequentialThreadingHandler):
                 raise TypeError("timeout must be a number")
             if timeout < 0:
                 raise ValueError("timeout must be non-negative")
+        asked, overdue = self.asked, False
         if wlist and not rlist:   # kazoo about to write a request or a ping
-            self.asking(wlist[0])
-        ready = self.held
-        if ready is None or not any(f is ready for f in rlist):
-            ready = (None if self.asked is None
-                     else next((f for f in rlist if self.silent(f)), None))
-        if ready is not None:
-            # Its packets are here already (or it is silent: its read says
-            # which): look at the rest without waiting, but only every few
-            # packets while a buffer drains (a busy consumer's burst of watch
-            # events): a poll() per packet released the GIL to the consuming
-            # thread and took it back, once per event. Every HELD_PEEK-th look
-            # still sees a request waiting to be sent (kazoo's PR #633).
-            self._held_looks += 1
-            if ready is self.held and not wlist and self._held_looks % HELD_PEEK:
-                return [ready], [], []
-            readable, writable = self._poll([f for f in rlist if f is not ready], wlist, 0)
-            return [ready, *readable], writable, []
-        self._held_looks = 0
+            if asked is None or asked[0] is not wlist[0]:
+                self.asked = (wlist[0], time.monotonic())
+        elif asked is not None and self.silence is not None and any(
+                f is asked[0] for f in rlist):
+            # Wake when it falls due; once due, only what is there already counts
+            # (bytes that came while this process itself was paused do).
+            left = max(0.0, asked[1] + self.silence - time.monotonic())
+            timeout, overdue = (left if timeout is None else min(timeout, left)), left == 0
         readable, writable = self._poll(rlist, wlist, timeout)
+        if asked is not None and any(f is asked[0] for f in readable):
+            self.asked = None   # the server speaks: what was asked is being answered
+        elif overdue:
+            self.asked = None
+            raise ConnectionDropped(
+                f"no reply from the server for {self.silence:.1f}s while requests "
+                "waited: taken for dead (a partition?)")
         return readable, writable, []
 
     def _poll(self, rlist: Sequence[Any], wlist: Sequence[Any],
@@ -151,18 +101,3 @@ class PollingHandler(SequentialThreadingHandler):
         readable = [f for f in rlist if ready.get(_fd(f), 0) & (_READ | _TROUBLE)]
         writable = [f for f in wlist if ready.get(_fd(f), 0) & (_WRITE | _TROUBLE)]
         return readable, writable
-
-    def silent(self, sock: Any) -> bool:
-        """Whether ``sock``'s server has left a write unanswered for
-        :attr:`silence` seconds."""
-        asked, silence = self.asked, self.silence
-        return (asked is not None and asked[0] is sock and silence is not None
-                and time.monotonic() - asked[1] > silence)
-
-    def wait_readable(self, sock: Any, timeout: float | None) -> bool:
-        """Whether ``sock`` itself has bytes (or trouble) within ``timeout`` s,
-        whatever is held: for the reader that fills the buffer."""
-        poller = select.poll()
-        poller.register(_fd(sock), _READ)
-        wait = None if timeout is None else math.ceil(timeout * 1000)
-        return bool(poller.poll(wait))

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "celery_zk"
 #: Every private name of a dependency celery_zk touches; only compat/ may.
 FENCED = {
     "_call", "_read_watch_event", "_connection", "_data_watchers", "_child_watchers",
-    "_read", "_socket", "_socket_error_handling",
+    "_socket",
     "_apply_tasks", "_regen", "sanitize_url", "maybe_sanitize_url",
     "_delivered", "_dirty", "_flush", "_quick_ack", "_on_collect", "_active_queues",
     "_tag_to_queue", "_get_message_priority", "_raw", "_deliver",
@@ -57,53 +57,21 @@ def test_no_module_outside_compat_touches_a_fenced_name() -> None:
 
 
 # -- a changed release: named, and the fallback taken ------------------------------
-def test_kazoo_without_its_connection_internals_is_named_and_watches_fall_back(
+def test_kazoo_without_its_connection_internals_is_named_and_refused(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without persistent watches a consumer has nothing to wait on: a transport
+    refuses to start, naming the release and the name."""
     from kazoo.client import KazooClient
     from kazoo.protocol.connection import ConnectionHandler
 
     monkeypatch.delattr(ConnectionHandler, "_read_watch_event")
     [problem] = kazoo_compat.missing()
     assert "kazoo" in problem and "ConnectionHandler._read_watch_event" in problem
-    assert "one-shot child watches" in problem
+    assert "cannot wait for messages" in problem
     with pytest.raises(PrivateAPIChanged, match="_read_watch_event"):
         kazoo_compat.intercept_watch_events(KazooClient(), lambda kind, path: False)
-
-    from celery_zk.zk.watches import TreeWatches
-
-    class Handle:   # a session as TreeWatches sees it; no request is sent
-        client = KazooClient()
-
-        def add_listener(self, listener: Any) -> None:
-            pass
-
-    watches = TreeWatches(Handle())
-    assert watches.watch("/q", lambda kind, name: None) is False
-    assert watches.supported is False
-
-
-def test_kazoo_without_its_read_is_named_and_reads_stay_kazoos(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from kazoo.client import KazooClient
-    from kazoo.protocol.connection import ConnectionHandler
-
-    from celery_zk.zk.handler import PollingHandler
-
-    client = KazooClient(handler=PollingHandler())
-    assert kazoo_compat.buffer_reads(client) is True
-    # Another handler does not know the buffer: its loop would wait on a drained socket.
-    assert kazoo_compat.buffer_reads(KazooClient()) is False
-
-    monkeypatch.delattr(ConnectionHandler, "_read")
-    monkeypatch.setattr(kazoo_compat, "_logged", set())
-    [problem] = kazoo_compat.missing()
-    assert "ConnectionHandler._read" in problem and "two steps" in problem
-    client = KazooClient(handler=PollingHandler())
-    with caplog.at_level(logging.WARNING, logger="celery_zk.compat.kazoo"):
-        assert kazoo_compat.buffer_reads(client) is False
-    assert "ConnectionHandler._read" in caplog.text
-    assert not isinstance(getattr(client._connection, "_read", None),
-                          kazoo_compat._BufferedReads)
+    with pytest.raises(PrivateAPIChanged, match="_read_watch_event"):
+        kazoo_compat.require()
 
 
 def test_kazoo_without_call_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -473,31 +441,3 @@ def test_a_pool_without_num_processes_is_named(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.delattr(base.BasePool, "num_processes")
     assert any("BasePool.num_processes" in problem for problem in celery_compat.missing())
-
-
-def test_kazoo_without_the_names_of_direct_requests_queues_every_request(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from kazoo.client import KazooClient
-    from kazoo.protocol.connection import ConnectionHandler
-
-    client = KazooClient()
-    assert kazoo_compat.direct_requests(client) is True
-    assert isinstance(client._call.__self__, kazoo_compat._DirectRequests)
-    # kazoo's own reads (not buffered): its loop reads every reply, unwrapped.
-    assert client._call.__self__.reads is None
-    assert "_read_socket" not in vars(client._connection)
-    # TLS: one thread must not write the SSL socket while another reads it.
-    assert kazoo_compat.direct_requests(KazooClient(use_ssl=True, verify_certs=False)) is False
-
-    monkeypatch.delattr(ConnectionHandler, "_send_ping")
-    monkeypatch.setattr(kazoo_compat, "_logged", set())
-    [problem] = kazoo_compat.missing()
-    assert "ConnectionHandler._send_ping" in problem and "kazoo's queue" in problem
-    client = KazooClient()
-    with caplog.at_level(logging.WARNING, logger="celery_zk.compat.kazoo"):
-        assert kazoo_compat.direct_requests(client) is False
-    assert "kazoo's queue" in caplog.text
-    assert not isinstance(getattr(client._call, "__self__", None), kazoo_compat._DirectRequests)
-    monkeypatch.undo()
-    monkeypatch.delattr(ConnectionHandler, "_read_socket")
-    assert any("ConnectionHandler._read_socket" in problem for problem in kazoo_compat.missing())

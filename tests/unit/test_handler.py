@@ -1,4 +1,5 @@
-"""celery_zk.zk.handler.PollingHandler: select()'s results from one poll()."""
+"""celery_zk.zk.handler.PollingHandler: select()'s results from one poll(), and a
+server silent while a request waits taken for dead."""
 from __future__ import annotations
 
 import os
@@ -8,8 +9,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from kazoo.exceptions import ConnectionDropped
 
-from celery_zk.zk.handler import HELD_PEEK, PollingHandler
+from celery_zk.zk.handler import PollingHandler
 
 
 @pytest.fixture
@@ -61,33 +63,53 @@ def test_descriptors_above_select_limit(pair: tuple[socket.socket, socket.socket
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_a_socket_with_bytes_held_in_a_buffer_is_readable_at_once(
+def test_a_server_silent_while_a_request_waits_is_dropped(
         pair: tuple[socket.socket, socket.socket]) -> None:
-    """Packets read ahead (compat.kazoo.buffer_reads) wait in memory: kazoo's
-    loop must not sleep on a socket whose bytes were taken already."""
-    a, b = pair
-    handler = PollingHandler()
-    handler.held = a
+    """kazoo pings only when it sends nothing: a busy client's dead connection
+    is found by the time since its first unanswered write."""
+    ours, _ = pair
+    handler = PollingHandler(silence=0.06)
+    assert handler.select([], [ours], [], 0) == ([], [ours], [])   # a request goes
+    assert handler.select([ours], [], [], 0) == ([], [], [])      # not yet overdue
+    time.sleep(0.1)
+    assert handler.select([], [ours], [], 0)[1] == [ours]   # more writes: still the first's age
     started = time.monotonic()
-    assert handler.select([a, b], [], [], 5) == ([a], [], [])
-    assert time.monotonic() - started < 1
-    a.sendall(b"y")   # b readable too: reported, after the held one, within HELD_PEEK looks
-    looks = [handler.select([a, b], [], [], 5) for _ in range(HELD_PEEK)]
-    assert all(readable[0] is a for readable, _, _ in looks)
-    assert ([a, b], [], []) in looks
-    # Not every look: a burst of buffered packets costs no poll() each.
-    assert ([a], [], []) in looks
-    handler.held = None   # the buffer drained: every look polls again
-    assert handler.select([a, b], [], [], 5) == ([b], [], [])
-    # The reader that fills the buffer asks about the socket itself.
-    assert not handler.wait_readable(a, 0)
-    b.sendall(b"x")
-    assert handler.wait_readable(a, 0)
+    with pytest.raises(ConnectionDropped, match="no reply from the server for 0.1s"):
+        handler.select([ours], [], [], 5)
+    assert time.monotonic() - started < 1   # at once, no wait
 
 
-def test_a_held_socket_not_asked_about_is_not_reported(
+def test_a_wait_ends_when_the_silence_falls_due(
         pair: tuple[socket.socket, socket.socket]) -> None:
-    a, b = pair
-    handler = PollingHandler()
-    handler.held = a
-    assert handler.select([b], [], [], 0) == ([], [], [])
+    ours, _ = pair
+    handler = PollingHandler(silence=0.1)
+    handler.select([], [ours], [], 0)
+    started = time.monotonic()
+    assert handler.select([ours], [], [], 5) == ([], [], [])   # woken when due ...
+    assert time.monotonic() - started < 1
+    with pytest.raises(ConnectionDropped):   # ... and the next look drops it
+        handler.select([ours], [], [], 5)
+
+
+def test_an_answer_that_came_meanwhile_resets_the_clock(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, theirs = pair
+    handler = PollingHandler(silence=0.06)
+    handler.select([], [ours], [], 0)
+    time.sleep(0.1)
+    theirs.sendall(b"late, but here")   # e.g. our own process was paused
+    assert handler.select([ours], [], [], 0) == ([ours], [], [])
+    assert handler.asked is None
+    ours.recv(100)
+    assert handler.select([ours], [], [], 0) == ([], [], [])
+
+
+def test_an_idle_connection_is_never_taken_for_dead(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    """Nothing asked, nothing owed: kazoo's own ping covers a quiet connection."""
+    ours, _ = pair
+    handler = PollingHandler(silence=0.06)
+    time.sleep(0.1)
+    assert handler.select([ours], [], [], 0) == ([], [], [])
+    assert PollingHandler().select([], [ours], [], 0) == ([], [ours], [])   # no silence set
+    time.sleep(0.01)

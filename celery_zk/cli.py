@@ -366,6 +366,29 @@ def tree(ctx: click.Context, path: str, data: bool, timeout: float) -> None:
                                        f"root {root!r})") from None
 
 
+@zk.command()
+@timeout_option
+@click.pass_context
+def upgrade(ctx: click.Context, timeout: float) -> None:
+    """Store messages kept by celery_zk before 0.2 as this release does.
+
+    Run it once after upgrading, with the old release's workers and
+    publishers stopped: until then their messages wait undelivered (a worker
+    logs which queue holds them). Running it again finds nothing to do.
+    """
+    from .ops.upgrade import upgrade as run_upgrade
+
+    with _zk_broker(ctx, timeout) as transport, _clear_errors("upgrade"):
+        done = run_upgrade(transport.store)
+    for queue, count in sorted(done.moved.items()):
+        click.echo(f"{queue}: {count} message(s) stored anew")
+    for queue, count in sorted(done.owned_by_live.items()):
+        click.echo(f"{queue}: {count} message(s) left, owned by a live worker of the old "
+                   "release: stop it and run the upgrade again")
+    if not done.moved and not done.owned_by_live:
+        click.echo("nothing to upgrade")
+
+
 @zk.group()
 def limit() -> None:
     """Cluster-wide rate and concurrency limits (see docs/features.md).

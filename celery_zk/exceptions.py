@@ -63,5 +63,9 @@ class ZKConnectionError(CeleryZKError, ConnectionError):
     """ZooKeeper could not be reached within the connect timeout."""
 
 
+class ZKServerTooOld(ZKConfigurationError):
+    """The ZooKeeper servers are older than celery_zk needs (3.6)."""
+
+
 class ZKAuthError(CeleryZKError, PermissionError):
     """ZooKeeper refused the URL's credentials."""

@@ -35,7 +35,6 @@ from ..zk.layout import (
     MessageName,
     parse_message_name,
     requeued_name,
-    without_body,
 )
 from ..zk.payload import commit_deleting
 from . import big
@@ -270,28 +269,17 @@ class Acking(StoreBase):
         redo.submit(item)
         return True
 
-    def requeue(self, owned_path: str, data: bytes | None = None,
-                expected_version: int = -1) -> bool:
-        """Move an owned message back to wait, ahead of newer messages of its priority.
-
-        An ``n`` message's name moves alone (its body stays where it was
-        written); an ``m`` message (from before 0.2) carries its body, read
-        from the owned node when ``data`` is None. Returns False when the
-        message was no longer there (acked, or requeued by someone else): the
-        delete in the same transaction makes a double requeue impossible.
+    def requeue(self, owned_path: str) -> bool:
+        """Move an owned message back to wait, ahead of newer messages of its
+        priority: its name moves alone (its body stays where it was written).
+        Returns False when the message was no longer there (acked, or requeued
+        by someone else): the delete in the same transaction makes a double
+        requeue impossible.
         """
         layout, client = self.layout, self.client
         queue, _, name = layout.split_owned_path(owned_path)
         message = parse_message_name(name)
         assert message is not None  # split_owned_path validated the name
-        if message.body_apart:
-            data = b""
-        elif data is None:
-            try:
-                data, stat = client.retry(client.get, owned_path)
-            except NoNodeError:
-                return False
-            expected_version = stat.version
         # Not sequential: the uid makes the name unique (one copy of a message
         # exists at a time), and no bucket's counter moves.
         path = layout.unowned_message(queue, requeued_name(message))
@@ -308,8 +296,8 @@ class Acking(StoreBase):
             # credit never goes to what the message goes back ahead of.
             if make_bucket:
                 txn.create(bucket)
-            txn.create(path, data)
-            txn.delete(owned_path, version=expected_version)
+            txn.create(path)
+            txn.delete(owned_path)
             try:
                 failure = multi_failure(txn.commit())
             except ConnectionLoss:
@@ -329,20 +317,19 @@ class Acking(StoreBase):
                 # message belongs).
                 make_bucket = True
                 return move()
-            if isinstance(error, (NoNodeError, BadVersionError, NodeExistsError)):
+            if isinstance(error, (NoNodeError, NodeExistsError)):
                 return False   # moved already (a retry, or another survivor)
             raise error
 
         return bool(client.retry(move))
 
     def requeue_many(self, owned_paths: list[str], settled: list[str] | None = None) -> int:
-        """:meth:`requeue` for many messages, each to its place: the names of
-        those whose body is apart move :data:`REQUEUE_BATCH` per multi (a dead
-        worker's inbox holds its credit, up to ``lookahead`` times its
-        prefetch: one synced write each held up its recovery for seconds on a
-        busy server). What a multi refuses (one moved already, its bucket
-        gone, a lost reply) and messages from before 0.2 go one at a time, as
-        :meth:`requeue` does. Returns how many were moved. ``settled``, when
+        """:meth:`requeue` for many messages, each to its place, their names
+        moved :data:`REQUEUE_BATCH` per multi (a dead worker's inbox holds its
+        credit, up to ``lookahead`` times its prefetch: one synced write each
+        held up its recovery for seconds on a busy server). What a multi
+        refuses (one moved already, its bucket gone, a lost reply) goes one at
+        a time, as :meth:`requeue` does. Returns how many were moved. ``settled``, when
         given, gets each path whose fate is known as it becomes known (moved,
         or found not there): a caller dropping them from its own memory
         drops exactly those when a later one raises."""
@@ -353,16 +340,13 @@ class Acking(StoreBase):
         for owned_path in owned_paths:
             queue, _, name = layout.split_owned_path(owned_path)
             message = parse_message_name(name)
-            if message is not None and message.body_apart:
-                moves.append((owned_path, layout.unowned_message(queue, requeued_name(message))))
-            else:
-                moved += self.requeue(owned_path)
-                done(owned_path)
+            assert message is not None  # split_owned_path validated the name
+            moves.append((owned_path, layout.unowned_message(queue, requeued_name(message))))
         for start in range(0, len(moves), REQUEUE_BATCH):
             batch = moves[start:start + REQUEUE_BATCH]
             txn = client.transaction()
             for owned_path, path in batch:
-                txn.create(path, b"")   # before its delete, as in requeue()
+                txn.create(path)   # before its delete, as in requeue()
                 txn.delete(owned_path)
             try:
                 committed = multi_failure(txn.commit()) is None
@@ -389,9 +373,7 @@ class Acking(StoreBase):
                 return False
             raise failure[1]
         queue, message = self._message(owned_path)
-        # Without the copy of its body a handed message's name may carry: the
-        # dead node holds the body, and a requeue names it again.
-        name = without_body(layout.split_owned_path(owned_path)[2])
+        name = layout.split_owned_path(owned_path)[2]
         return self._move_to_dead(owned_path, layout.dead_message(queue, name), reason,
                                   self.body_of(owned_path),
                                   (queue, message.uid) if message.chunked else None)

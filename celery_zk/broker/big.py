@@ -79,12 +79,6 @@ def prepare(client: KazooClient, layout: Layout, queue: str, uid: str, data: byt
         client.retry(client.create, container, State.PENDING)
     except NodeExistsError:
         pass   # a retried create: ours already
-    except NoNodeError:   # a queue declared by an earlier release: no chunks/ yet
-        try:
-            client.retry(client.create, layout.chunks(queue))
-        except NodeExistsError:
-            pass
-        return prepare(client, layout, queue, uid, data, chunk_size)
     return write_chunks(client, container, data, chunk_size, ref=uid)
 
 

@@ -117,9 +117,8 @@ class QoS(virtual.QoS):
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         if self._closed(delivery_tag, "rejecting"):
             return
-        message = kombu_compat.delivered(self, delivery_tag)
         if requeue:
-            self.channel.requeue_owned(delivery_tag, message)
+            self.channel.connection.store.requeue(delivery_tag)
         else:
             self.channel.connection.store.remove(
                 delivery_tag, dead_letter=self.channel.options.dead_letter_rejected,
@@ -133,7 +132,7 @@ class QoS(virtual.QoS):
         errors: list[tuple[BaseException, Any]] = []
         for tag, message, settled in kombu_compat.drain_delivered(self):
             try:
-                self.channel.requeue_owned(tag, message)
+                self.channel.connection.store.requeue(tag)
             except BaseException as exc:
                 if not settled:
                     errors.append((exc, message))
@@ -212,16 +211,11 @@ class Channel(virtual.Channel):
         inbox.set_credit(self.qos.prefetch_count or 0)
         while True:
             in_hand, slots = self._in_hand(), celery_compat.pool_slots()
-            if inbox.quiet(in_hand, slots):
-                raise Empty()
             inbox.look(in_hand, slots)
             claimed = inbox.take()
             if claimed is None:
-                limit = self._claim_limit()
-                inbox.fill(limit, in_hand, slots)
+                inbox.fill(self._claim_limit(), in_hand, slots)
                 claimed = inbox.take()
-                if claimed is None and limit > 0:
-                    inbox.found_nothing(in_hand, slots)
             if claimed is None:
                 raise Empty()
             payload = self._decode(claimed)
@@ -289,10 +283,6 @@ class Channel(virtual.Channel):
             for queue in list(self._consuming):
                 self.connection.inbox(queue).fill(0, 0)
 
-    def requeue_owned(self, owned_path: str, message: Any = None) -> None:
-        # A message from before 0.2 goes back with its body as kombu decoded it.
-        data = json.dumps(kombu_compat.raw(message)).encode() if message is not None else None
-        self.connection.store.requeue(owned_path, data)
 
     # -- publishing ---------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:

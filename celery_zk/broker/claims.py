@@ -24,13 +24,12 @@ from kazoo.exceptions import (
 )
 
 from ..zk.client import multi_failure, synced
-from ..zk.layout import parse_message_name
 from .store import ANY_VERSION, OP_OVERHEAD, REQUEST_BUDGET, StoreBase
 
 logger = logging.getLogger(__name__)
 
 #: Most operations in one assignment multi (each a path of ~150 bytes at most:
-#: far below jute.maxbuffer, unless messages from before 0.2 carry bodies).
+#: far below jute.maxbuffer).
 ASSIGN_OPS = 1000
 
 
@@ -81,14 +80,11 @@ class Claiming(StoreBase):
     """Moving names into inboxes: the dispatcher's multis, ``basic_get``'s claim."""
 
     def assignment(self, queue: str, plan: dict[str, list[str]],
-                   bodies: dict[str, tuple[bytes, int]],
                    nodes: dict[str, str]) -> tuple[TransactionRequest, Assignment]:
         """The multi that gives each consumer of ``plan`` its names; ``nodes``:
         each one's node under the queue's consumers/, which the multi checks.
-
-        ``bodies``: for names from before 0.2 (``m``), whose body moves with
-        them, their data and version as read. Stops adding consumers before
-        :data:`ASSIGN_OPS` operations or :data:`REQUEST_BUDGET` bytes.
+        Stops adding consumers before :data:`ASSIGN_OPS` operations or
+        :data:`REQUEST_BUDGET` bytes.
         """
         layout = self.layout
         txn = self.client.transaction()
@@ -96,17 +92,16 @@ class Claiming(StoreBase):
         budget = REQUEST_BUDGET
         for consumer, names in plan.items():
             ops = 1 + 2 * len(names)
-            size = sum(len(bodies.get(name, (b"", 0))[0]) + OP_OVERHEAD for name in names)
+            size = sum(2 * len(name) + OP_OVERHEAD for name in names)
             if done.ops and (len(done.ops) + ops > ASSIGN_OPS or done.size + size > budget):
                 break
             txn.check(layout.queue_consumer(queue, nodes[consumer]), ANY_VERSION)
             done.ops.append(("check", consumer, ""))
             for name in names:
-                data, version = bodies.get(name, (b"", ANY_VERSION))
                 # Without the multi a crash between the two would lose the
                 # message (deleted, never given) or give it twice.
-                txn.delete(layout.unowned_message(queue, name), version=version)
-                txn.create(layout.inbox_message(queue, consumer, name), data)
+                txn.delete(layout.unowned_message(queue, name))
+                txn.create(layout.inbox_message(queue, consumer, name))
                 done.ops += [("delete", consumer, name), ("create", consumer, name)]
             done.size += size
         CLAIMS.transactions += 1
@@ -125,33 +120,14 @@ class Claiming(StoreBase):
         CLAIMS.conflicts += 1
         return done.ops[index]
 
-    def read_inside(self, queue: str, names: list[str]) -> dict[str, tuple[bytes, int]]:
-        """Data and version of the ``m`` names among ``names`` (their body moves
-        with them); a name found gone is left out."""
-        client = self.client
-        reads = [(name, client.get_async(self.layout.unowned_message(queue, name)))
-                 for name in names if not _body_apart(name)]
-        found: dict[str, tuple[bytes, int]] = {}
-        for name, read in reads:
-            try:
-                data, stat = read.get()
-            except NoNodeError:
-                continue
-            found[name] = (data, stat.version)
-        return found
-
     def claim_one(self, queue: str, name: str, consumer_id: str) -> str | None:
         """Move one waiting message into our own inbox (``basic_get``); its owned
         path, or None when another consumer (or the dispatcher) took it first."""
         client = self.client
-        bodies = self.read_inside(queue, [name])
-        if not _body_apart(name) and name not in bodies:
-            return None
         txn = client.transaction()
-        data, version = bodies.get(name, (b"", ANY_VERSION))
         owned = self.layout.inbox_message(queue, consumer_id, name)
-        txn.delete(self.layout.unowned_message(queue, name), version=version)
-        txn.create(owned, data)
+        txn.delete(self.layout.unowned_message(queue, name))
+        txn.create(owned)
         CLAIMS.transactions += 1
         try:
             results = txn.commit()
@@ -172,7 +148,3 @@ class Claiming(StoreBase):
         client = self.client
         return client.retry(client.get, owned_path)
 
-
-def _body_apart(name: str) -> bool:
-    message = parse_message_name(name)
-    return message is not None and message.body_apart

@@ -14,8 +14,7 @@ moves names into the inboxes of consumers with free credit, many names for
 many consumers in one multi (:mod:`celery_zk.broker.claims`). It learns of
 new messages and of acks from persistent recursive watches on ``unowned/``
 and ``owned/`` (:mod:`celery_zk.zk.watches`), so it lists only when it
-starts, after a reconnect, or when the head it knows runs out; without
-persistent watches it lists on every change instead. Consumers watch only
+starts, after a reconnect, or when the head it knows runs out. Consumers watch only
 their own inbox (:mod:`celery_zk.broker.inbox`): no consumer lists the
 queue, no two consumers race for one message, and a publish wakes one
 process, not every idle one.
@@ -49,12 +48,13 @@ from ..zk.config import ZKOptions
 from ..zk.layout import (
     Layout,
     MessageName,
+    is_legacy,
     order_key,
     parse_message_name,
     parse_queue_consumer,
 )
 from ..zk.session import SharedSession, weak_callback
-from ..zk.watches import NODE_CREATED, NODE_DELETED, TreeWatches
+from ..zk.watches import NODE_CREATED, NODE_DELETED, watches_of
 from . import big
 from .queue import QueueStore
 
@@ -165,20 +165,18 @@ class Dispatcher:
         self._inbox_events: deque[tuple[int, str]] = deque()
         self._stale_listing = True
         self._stale_consumers = True
-        self._stale_inboxes: set[str] = set()
         # Our thread's alone.
         self.consumers: dict[str, _Consumer] = {}
         self.head = _Head()
         self._listed_at = 0.0
         self._swept_at = 0.0
-        self._generation = -1   # TreeWatches' connection generation our watches belong to
-        self._tree = False
+        self._watching = False   # our watches on unowned/ and owned/ were added
+        self._told_legacy = False   # names stored before 0.2 were found and said so
         self._rotation = 0
         self._gate: Gate | None = None
         self._given: dict[tuple[str, str], list[float]] = {}   # rate limits' give times
         self._unowned_cb = weak_callback(self._on_unowned)
         self._owned_cb = weak_callback(self._on_owned)
-        self._child_cb = weak_callback(self._on_child_event)
         self._election_cb = weak_callback(self._on_election_event)
         self._wake_cb = weak_callback(self.wake)
         session.add_listener(self._election_cb)   # a new connection: look again
@@ -285,16 +283,6 @@ class Dispatcher:
             if event_type == NODE_DELETED:
                 self._wake.set()
 
-    def _on_child_event(self, event: Any) -> None:
-        # One-shot watches, without persistent ones: a bucket or an inbox changed.
-        path = getattr(event, "path", None) or ""
-        inboxes = self.layout.owned(self.queue) + "/"
-        if path.startswith(inboxes):
-            self._stale_inboxes.add(path[len(inboxes):])
-        else:
-            self._stale_listing = True
-        self._wake.set()
-
     # -- the dispatcher thread ------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -338,29 +326,21 @@ class Dispatcher:
 
     def _stop_watches(self) -> None:
         """No longer the dispatcher: the watches would only pile up events."""
-        if self._tree:
-            self._tree = False
-            watches = self._watches()
-            if watches is not None:
-                try:
-                    watches.unwatch(self.layout.unowned(self.queue), self._unowned_cb)
-                    watches.unwatch(self.layout.owned(self.queue), self._owned_cb)
-                except CONNECTION_ERRORS:
-                    pass   # they went with the connection
+        if self._watching:
+            self._watching = False
+            watches = watches_of(self.session)
+            try:
+                watches.unwatch(self.layout.unowned(self.queue), self._unowned_cb)
+                watches.unwatch(self.layout.owned(self.queue), self._owned_cb)
+            except CONNECTION_ERRORS:
+                pass   # they went with the connection
         self._arrivals.clear()
         self._inbox_events.clear()
-
-    def _watches(self) -> TreeWatches | None:
-        if not self.options.persistent_watches:
-            return None
-        session = self.session
-        return session.singleton(TreeWatches, lambda: TreeWatches(session))
 
     def _restart(self) -> None:
         """Forget what the watches told: list everything again next round."""
         self._given.clear()   # read again: another dispatcher may have given meanwhile
         self._stale_listing = self._stale_consumers = True
-        self._generation = -1
         for consumer in self.consumers.values():
             consumer.listed = False
 
@@ -394,19 +374,17 @@ class Dispatcher:
 
     def _ensure_watches(self) -> None:
         """Persistent watches on unowned/ and owned/, (re)added on a new connection."""
-        watches = self._watches()
-        if watches is None or not watches.supported:
-            self._tree = False
-            return
+        watches = watches_of(self.session)
         unowned, owned = self.layout.unowned(self.queue), self.layout.owned(self.queue)
-        if self._tree and watches.active(unowned) and watches.active(owned):
+        if self._watching and watches.active(unowned) and watches.active(owned):
             return
         self._restart()
         # Added before the listings they keep current: nothing falls between.
         self._arrivals.clear()
         self._inbox_events.clear()
-        self._tree = watches.watch(unowned, self._unowned_cb) and watches.watch(
-            owned, self._owned_cb)
+        watches.watch(unowned, self._unowned_cb)
+        watches.watch(owned, self._owned_cb)
+        self._watching = True
 
     def _apply_events(self) -> None:
         head = self.head
@@ -468,13 +446,10 @@ class Dispatcher:
         self._wake.set()
 
     def _list_inboxes(self) -> None:
-        """List the inboxes we do not know yet, or whose one-shot watch fired."""
+        """List the inboxes we do not know yet (the watch keeps them current)."""
         client = self.session.client
-        stale, self._stale_inboxes = self._stale_inboxes, set()
-        todo = [c for c in self.consumers.values() if not c.listed or c.id in stale]
-        watch = None if self._tree else self._child_cb
-        reads = [(c, client.get_children_async(self.layout.inbox(self.queue, c.id),
-                                               watch=watch)) for c in todo]
+        reads = [(c, client.get_children_async(self.layout.inbox(self.queue, c.id)))
+                 for c in self.consumers.values() if not c.listed]
         for consumer, read in reads:
             try:
                 names = set(read.get())
@@ -490,10 +465,17 @@ class Dispatcher:
         self._stale_listing = False
         want = max(self.options.claim_batch,
                    2 * sum(max(0, c.free) for c in self.consumers.values()))
-        found = self.store.listing(self.queue, want, watch=None if self._tree else self._child_cb)
+        found = self.store.listing(self.queue, want)
         for name in found.foreign:
-            self.store.dead_letter_unowned(self.queue, name,
-                                           "node name was not written by celery_zk")
+            if not is_legacy(name.rpartition("/")[2]):
+                self.store.dead_letter_unowned(self.queue, name,
+                                               "node name was not written by celery_zk")
+            elif not self._told_legacy:   # left for `celery zk upgrade`, said once
+                self._told_legacy = True
+                logger.error("celery_zk: queue %r holds messages stored by celery_zk "
+                             "before 0.2, which this release does not deliver; run "
+                             "`celery -A proj zk upgrade` once to store them as every "
+                             "other message is", self.queue)
         self.head.reset(found.names, found.complete)
         self._listed_at = monotonic()
         return bool(self.head.names)
@@ -597,16 +579,15 @@ class Dispatcher:
         return plan, retry_in
 
     def _board(self) -> Board:
-        board = board_for(self.session, self.layout, self._watches())
+        board = board_for(self.session, self.layout)
         board.refresh()
         return board
 
     def _give(self, plan: dict[str, list[str]]) -> None:
         """One multi; on a refusal, forget what refused it (the next pass plans again)."""
         store = self.store
-        inside = store.read_inside(self.queue, [n for names in plan.values() for n in names])
         nodes = {cid: self.consumers[cid].node for cid in plan}
-        txn, done = store.assignment(self.queue, plan, inside, nodes)
+        txn, done = store.assignment(self.queue, plan, nodes)
         records = list(self._gate.records()) if self._gate is not None else []
         for limit, times in records:
             # In the multi that gives them: a dispatcher taking over sees them.

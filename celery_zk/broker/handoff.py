@@ -16,7 +16,7 @@ Why it is safe:
   commits only while that session lives: a handed message always has a live
   owner. If the session ends afterwards, the recovery leader requeues it like
   any other owned message.
-* When the offer is gone (taken by another publisher, withdrawn), the multi
+* When the offer is gone (withdrawn, or its session ended), the multi
   changes nothing and the publisher publishes the message as usual. A stale
   cache of offers costs a refused request, never a message.
 * A consumer withdraws its offer (deletes it) when the work it is given or
@@ -29,10 +29,7 @@ Why it is safe:
 
 The handed name's sequence is zero: the message was handed over while its
 queue was empty, so if it is requeued it goes back ahead of everything that
-arrived since (see :func:`celery_zk.zk.layout.handed_name`). The name also
-carries a copy of the body, when the consumer's offer says it reads one
-there and the body is small: the watch event that tells the consumer of the
-message then brings the body too, and the delivery needs no read.
+arrived since (see :func:`celery_zk.zk.layout.handed_name`).
 """
 from __future__ import annotations
 
@@ -43,19 +40,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from kazoo.client import KazooClient, TransactionRequest
+from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
 
 from ..zk.client import RedoThread, connected_retry, log_failure, multi_failure, synced
-from ..zk.layout import (
-    BODY_APART,
-    Layout,
-    encode_body,
-    handed_name,
-    offer_name,
-    offer_token,
-    parse_offer_name,
-)
+from ..zk.layout import Layout, handed_name, offer_name, parse_offer_name
 from ..zk.session import ClientHandle
 from .queue import NewMessage, QueueStore, new_uid
 
@@ -76,7 +65,6 @@ class HandOff:
         # never mutated: read by publishing threads, written by kazoo's thread.
         self._offers: dict[str, tuple[str, ...]] = {}
         self._watchers: dict[str, Callable[[Any], None]] = {}
-        self._directories: set[str] = set()   # queues whose offers/ exists
         # queue -> (unowned path, watched) of this process's last message of it put
         # in line, while it may still wait there (see give)
         self._line: dict[str, tuple[str, bool]] = {}
@@ -91,7 +79,6 @@ class HandOff:
             with self._lock:
                 if client is not self._client:
                     self._offers, self._watchers = {}, {}
-                    self._directories = set()
                     self._client = client
         return client
 
@@ -148,11 +135,9 @@ class HandOff:
         if parsed is None:
             return False
         layout, client, queue = self.layout, self.client, message.queue
-        body = (encode_body(message.data)
-                if parsed.takes_body and message.kind == BODY_APART else None)
         name = handed_name(message.inverted_priority, message.generation, message.uid,
-                           message.kind, message.task, message.limit_key, body)
-        owned = layout.inbox_message(queue, parsed.consumer_id, name)
+                           message.kind, message.task, message.limit_key)
+        owned = layout.inbox_message(queue, parsed[0], name)
 
         lost = False
 
@@ -199,7 +184,7 @@ class HandOff:
 
     def _list(self, client: KazooClient, queue: str) -> tuple[str, ...]:
         """Read ``queue``'s offers and watch them (an exists watch while there is no
-        directory yet: the queue was declared by an older version, or not at all)."""
+        directory: the queue is not declared yet)."""
         path, watcher = self.layout.offers(queue), self._watcher(queue)
         try:
             names = tuple(client.retry(client.get_children, path, watch=watcher))
@@ -271,22 +256,16 @@ class HandOff:
 
         When it is due, ``still_wanted(send)`` decides under the offer's lock
         whether to send it (a withdrawal meanwhile must not be overtaken by the
-        create). ``failed`` runs on kazoo's thread if it could not be made, and
-        when it is deleted (withdrawn; or taken by a publisher of a release
-        before 0.3.3, which deleted the offer it handed a message to).
+        create). ``failed`` runs on kazoo's thread if it could not be made.
         """
         client = self.client
-        if queue not in self._directories and not self._ensure_directory(client, queue):
-            failed()
-            return
         path = self.layout.offer(queue, offer_name(consumer_id, token))
         self.handle.own(path)   # a connection dropped without close() deletes it too
 
         def done(result: Any) -> None:   # kazoo's thread: never block
             try:
                 result.get()
-            except NoNodeError:   # the queue was deleted: look it up again next time
-                self._directories.discard(queue)
+            except NoNodeError:   # the queue was deleted: nothing to offer on
                 self.handle.disown(path)
                 failed()
             except Exception:   # lost with the connection: withdrawing will tell
@@ -294,33 +273,14 @@ class HandOff:
 
         def send() -> None:
             client.create_async(path, ephemeral=True).rawlink(done)
-            # Sent after the create, so it sees the offer: it fires when a
-            # publisher takes it (or we withdraw it, which the caller ignores).
-            client.exists_async(path, watch=failed)
 
         def due() -> None:
             still_wanted(send)
 
         self.store.deferred.later(due)
 
-    def _ensure_directory(self, client: KazooClient, queue: str) -> bool:
-        """Make ``offers/`` for a queue declared by an older version; False when
-        the queue does not exist (its directory is never made without it)."""
-        layout = self.layout
-        if client.retry(client.exists, layout.offers(queue)) is None:
-            def build(txn: TransactionRequest) -> None:
-                txn.check(layout.unowned(queue), -1)
-                txn.create(layout.offers(queue))
-
-            failure = multi_failure(self.store.commit(build))
-            if failure is not None and not isinstance(failure[1], NodeExistsError):
-                return False
-        self._directories.add(queue)
-        return True
-
     def withdraw(self, queue: str, consumer_id: str, token: str) -> None:
-        """Delete an offer (gone already: a publisher took it, and what it handed
-        over is in the consumer's inbox)."""
+        """Delete an offer (gone already: a lost reply of ours deleted it)."""
         client = self.client
         path = self.layout.offer(queue, offer_name(consumer_id, token))
         try:
@@ -340,7 +300,7 @@ class HandOff:
             try:
                 result.get()
             except NoNodeError:
-                pass   # a publisher took it
+                pass   # deleted by a retry of ours
             except Exception:   # the connection dropped: redone in the background
                 self.withdraw_later(queue, consumer_id, token)
                 return
@@ -352,8 +312,8 @@ class HandOff:
             self.withdraw_later(queue, consumer_id, token)
 
     def taken(self, queue: str, consumer_id: str, token: str) -> None:
-        """A publisher deleted our offer (kazoo's thread), or it was never sent: it
-        is no longer ours to delete."""
+        """Our offer was never made (kazoo's thread), or never sent: it is not
+        ours to delete."""
         self.handle.disown(self.layout.offer(queue, offer_name(consumer_id, token)))
 
     def withdraw_later(self, queue: str, consumer_id: str, token: str) -> None:
@@ -374,10 +334,9 @@ class Offer:
     It stands until the consumer withdraws it: publishers check it, and each
     message they hand over costs the consumer nothing more. ``token`` is
     read and swapped under a lock by the consuming thread (making,
-    withdrawing) and by kazoo's thread (the exists watch that says the offer
-    went: a publisher before 0.3.3 deleted the offer it took), so a deleted
-    offer is never deleted again (a failed delete is still a logged
-    transaction on the server).
+    withdrawing) and by kazoo's thread (a create that failed), so an offer
+    is never deleted twice (a failed delete is still a logged transaction on
+    the server).
     """
 
     def __init__(self, handoff: HandOff, queue: str) -> None:
@@ -392,10 +351,9 @@ class Offer:
     def outstanding(self) -> bool:
         return self.token is not None
 
-    def make(self, consumer_id: str, takes_body: bool = True) -> None:
-        """Offer to take messages (``takes_body``: with their bodies in their
-        names; see ConsumerSession.bodies_in_names)."""
-        token = offer_token(new_uid(), takes_body)
+    def make(self, consumer_id: str) -> None:
+        """Offer to take messages."""
+        token = new_uid()
         with self._lock:
             if self.token is not None:
                 return   # made meanwhile (an ack's thread, the consuming one)
@@ -411,14 +369,14 @@ class Offer:
                 self._sent = token
                 return True
 
-        def gone(event: Any = None) -> None:   # kazoo's thread: made and then deleted
+        def failed() -> None:   # kazoo's thread: the create failed (no queue)
             with self._lock:
                 if self.token != token:
                     return   # withdrawn by us
                 self.token = None
             self.handoff.taken(self.queue, consumer_id, token)
 
-        self.handoff.make_offer(self.queue, consumer_id, token, still_wanted, gone)
+        self.handoff.make_offer(self.queue, consumer_id, token, still_wanted, failed)
 
     def withdraw(self, wait: bool = True) -> None:
         """Withdraw the outstanding offer, unless a publisher took it (``wait``:

@@ -8,15 +8,12 @@ inbox, ``owned/{consumer}/``, as its credit allows; a consumer with nothing
 waiting in its inbox and a free slot in its worker's pool also leaves an
 offer, and a publisher may hand a message straight into the inbox
 (:mod:`celery_zk.broker.handoff`). The consumer watches only its inbox: a
-persistent watch that names each new entry, or, without persistent watches,
-a one-shot child watch and a listing of the inbox (a handful of names).
+persistent watch that names each new entry.
 
-For each new entry it reads the body (from ``bodies/``, or from the entry
-itself for a message from before 0.2), pipelined (many in one ``multiRead``,
-:mod:`celery_zk.zk.reads`), and delivers in the queue's order. A message
-handed over with a copy of its body in its name needs no read. Only it
-deletes from its inbox (acks, in :mod:`celery_zk.broker.acks`), so nothing
-it does can conflict.
+For each new entry it reads the body from ``bodies/``, many in one
+``multiRead`` (:mod:`celery_zk.zk.reads`), and delivers in the queue's
+order. Only it deletes from its inbox (acks, in :mod:`celery_zk.broker.acks`),
+so nothing it does can conflict.
 
 **Lookahead.** A refill follows an ack by two synced writes (the ack's
 multi, then the dispatcher's), so a consumer whose tasks take less than that
@@ -49,7 +46,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 from ..exceptions import ChunkMissing
 from ..features import affinity
 from ..zk.client import CONNECTION_ERRORS, RedoThread, create_once, log_failure, reply_or_retry
-from ..zk.layout import inline_body, parse_message_name, sort_messages
+from ..zk.layout import parse_message_name, sort_messages
 from ..zk.reads import read_many
 from ..zk.session import weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED
@@ -98,17 +95,6 @@ BUSY_GRACE = 0.02
 #: to the second; none once a publisher hands a message over or the
 #: dispatcher's work leaves a slot free (a burst in a steady trickle).
 OFFER_AFTER = (0.01, 1.0)
-#: Seconds a look that found nothing to deliver stands for the next ones, while
-#: nothing it depended on changes (no event from the inbox's watch, the same
-#: tasks in hand, settled ones, offer and credit) and no look-again timer
-#: falls due. A worker's event loop looks at every queue it consumes before
-#: each delivery; in a prefork drain its remote-control queue, empty, was
-#: looked at 1.6 times a task, 22 µs each (benchmarks/README.md). Shorter
-#: than every delay decided in a look (LOOK_AGAIN, OFFER_AFTER, BUSY_GRACE
-#: set timers, which end it; IDLE is a second).
-QUIET = 0.005
-
-
 def held_back(waiting: int, took: Sequence[float], now: float) -> int:
     """How many of ``waiting`` messages the pace of the deliveries made at
     ``took`` (the last prefetch's worth) would not deliver within HOLD s."""
@@ -144,9 +130,8 @@ class Inbox:
         self.order = DeliveryOrder()          # where what arrives goes (see broker.ready)
         self.arrivals: deque[str] = deque()   # names the tree watch reported
         self.departures: deque[str] = deque()   # and those it saw go
-        self.heard_at = 0.0   # when the watch last reported an arrival (monotonic)
         self.stale = True   # list the inbox before trusting the watch
-        self._tree_held = False
+        self._watching = False   # our watch on the inbox was added
         self._waiting_credit = False
         self.offer = Offer(transport.handoff, queue) if transport.handoff is not None else None
         self._look_in = LOOK_AGAIN[0]   # the next look-again's delay
@@ -157,30 +142,22 @@ class Inbox:
         self._offer_after = 0.0
         # What the last fill was told: tasks in hand, and how many run at once.
         self._in_hand, self._slots = 0, 1
-        # (until when, what it depended on) of the last look that found nothing.
-        self._quiet: tuple[float, tuple[bool, int, int, bool, int]] | None = None
         # Looked up on every turn of the consuming loop, so kept: our inbox's path
         # (for consumer_id) and the queue's dispatcher (for a session).
         self._path: tuple[str | None, str] = (None, "")
         self._duty: tuple[Any, Dispatcher | None] = (None, None)
         self._lock = threading.Lock()
         self._tree_cb = weak_callback(self._on_tree)
-        self._one_shot_cb = weak_callback(self._on_one_shot)
 
     # -- kazoo's threads: record and wake -------------------------------------
     def _on_tree(self, event_type: int, name: str) -> None:
         if not name or "/" in name:
             return
         if event_type == NODE_CREATED:
-            self.heard_at = time.monotonic()
             self.arrivals.append(name)
             self.transport.wake()
         elif event_type == NODE_DELETED:
             self.departures.append(name)   # acked or given back: forget it
-
-    def _on_one_shot(self, _event: Any) -> None:
-        self.stale = True
-        self.transport.wake()
 
     def reset(self) -> None:
         """After a connection or session change: the watch may be gone; list again."""
@@ -263,15 +240,7 @@ class Inbox:
                                                              ephemeral=True, sequence=True),
                                find)
         except NoNodeError:
-            if client.retry(client.exists, transport.layout.unowned(self.queue)) is None:
-                return   # no queue (deleted meanwhile): the next look, once re-declared
-            try:   # a queue declared by an earlier release: no consumers/ yet
-                client.retry(client.create, parent)
-            except NodeExistsError:
-                pass
-            node = create_once(client, lambda: client.create(path, self._data(),
-                                                             ephemeral=True, sequence=True),
-                               find)
+            return   # no queue (deleted meanwhile): the next look, once declared again
         transport.handle.own(node)   # deleted when this connection goes, however
         self.node = node
         self._dispatcher().join(consumer_id, transport.wake)
@@ -311,7 +280,6 @@ class Inbox:
     def start(self) -> None:
         """A channel starts consuming the queue."""
         self.consuming += 1
-        self._quiet = None
         if self.consuming == 1:
             # Joined now, not on the first look: the dispatcher fills the inbox
             # while the worker finishes starting (its basic_consume comes right
@@ -384,41 +352,7 @@ class Inbox:
                 return
             self._look_in = LOOK_AGAIN[0]
             # A free slot: let a publisher hand us the next one.
-            offer.make(consumer_id, self.transport.session.bodies_in_names)
-
-    def quiet(self, in_hand: int, slots: int) -> bool:
-        """Whether the last look found nothing and it still stands (see QUIET):
-        the caller need not look again now. ``in_hand``, ``slots``: as for
-        :meth:`fill`."""
-        mark = self._quiet
-        if mark is None:
-            return False
-        until, seen = mark
-        if (self.arrivals or self.stale or time.monotonic() >= until
-                or seen != self._depends(in_hand, slots)):
-            self._quiet = None
-            return False
-        return True
-
-    def found_nothing(self, in_hand: int, slots: int) -> None:
-        """A look and a fill delivered nothing: the next looks may stand on it
-        (see :meth:`quiet`), unless something is on its way already."""
-        if self.buffer or self.pending or self.arrivals or self.stale:
-            return
-        now = time.monotonic()
-        until = now + QUIET
-        if self._look_timer is not None and self._look_at > now:
-            # Not past it; one due already asked for the look just made.
-            until = min(until, self._look_at)
-        self._quiet = (until, self._depends(in_hand, slots))
-
-    def _depends(self, in_hand: int, slots: int) -> tuple[bool, int, int, bool, int]:
-        """What a look that found nothing decided on, besides the watch's events:
-        of the tasks in hand only whether they take every slot (they change
-        with each task a worker starts or ends, which the offer does not)."""
-        offer = self.offer
-        return (in_hand >= slots, slots, len(self.delivered),
-                offer is not None and offer.outstanding, self.credit)
+            offer.make(consumer_id)
 
     def _offer_to_make(self) -> Offer | None:
         """Our offer, when we may make it: consuming, fewer delivered and not
@@ -426,7 +360,7 @@ class Inbox:
         watch held (what is handed over is heard of)."""
         offer = self.offer
         if (self.consuming and len(self.delivered) < self._slots and offer is not None
-                and not offer.outstanding and self._tree_held):
+                and not offer.outstanding and self._watching):
             return offer
         return None
 
@@ -531,8 +465,7 @@ class Inbox:
             client = self.transport.handle.client
             path = self._inbox_path()
             try:
-                names = client.retry(client.get_children, path,
-                                     watch=None if self._tree_held else self._one_shot_cb)
+                names = client.retry(client.get_children, path)
             except NoNodeError:   # deleted (by hand, or with its queue): make it again
                 self._make_inbox(consumer_id)
                 self.stale = True
@@ -567,23 +500,11 @@ class Inbox:
             # Named with sequence zero; so is the first message of a bucket (one
             # in bucket_size), which then resets the offers' wait once.
             handed = handed or (message.seq == 0 and not message.requeued)
-            body = inline_body(name)
-            if body is not None:
-                # Handed over with a copy of its body in its name: nothing to
-                # read. The server last spoke to us when the latest event came.
-                self.buffer.push(Claimed(self.queue, name,
-                                         layout.inbox_message(self.queue, consumer_id, name),
-                                         body, self.heard_at), key)
-                continue
-            to_read.append((key, name, layout.body(self.queue, message)
-                            or layout.inbox_message(self.queue, consumer_id, name)))
+            to_read.append((key, name, layout.body(self.queue, message)))
         to_read.sort()
-        # With a persistent watch held the server is 3.6 or newer: the bodies in
-        # one multiRead per batch, not one request each.
+        # The bodies in one multiRead per batch, not one request each.
         sent = time.monotonic()
-        paths = [path for _, _, path in to_read]
-        reads = (read_many(client, paths) if self._tree_held
-                 else [client.get_async(path) for path in paths])
+        reads = read_many(client, [path for _, _, path in to_read])
         if to_read:
             first = to_read[0][0]
             if not self.pending or self.pending_first is None or first < self.pending_first:
@@ -623,9 +544,9 @@ class Inbox:
             owned = layout.inbox_message(self.queue, consumer_id, name)
             message = parse_message_name(name)
             assert message is not None
-            path = layout.body(self.queue, message) or owned
             try:
-                data, _ = reply_or_retry(client, read, client.get, path)
+                data, _ = reply_or_retry(client, read, client.get,
+                                         layout.body(self.queue, message))
                 data = big.read_body(client, layout, self.queue, message, data)
             except (NoNodeError, ChunkMissing):
                 self._lost(owned, name)
@@ -694,7 +615,7 @@ class Inbox:
             assert message is not None
             sent = time.monotonic()
             try:
-                data, _ = store.read_owned(layout.body(self.queue, message) or owned)
+                data, _ = store.read_owned(layout.body(self.queue, message))
                 data = big.read_body(store.client, layout, self.queue, message, data)
             except (NoNodeError, ChunkMissing):
                 self._lost(owned, name)
@@ -736,13 +657,10 @@ class Inbox:
         consumer_id, offer = self.consumer_id, self._offer_to_make()
         if (consumer_id is not None and offer is not None and not self.buffer
                 and not self.pending and not self.arrivals):
-            offer.make(consumer_id, self.transport.session.bodies_in_names)
+            offer.make(consumer_id)
 
     def _tree_active(self) -> bool:
-        if not self._tree_held:
-            return False
-        watches = self.transport.watches
-        return watches is not None and watches.active(self._inbox_path())
+        return self._watching and self.transport.watches.active(self._inbox_path())
 
     def _inbox_path(self) -> str:
         consumer_id = self.consumer_id
@@ -753,17 +671,13 @@ class Inbox:
 
     def _ensure_watch(self) -> None:
         """Hold the persistent watch on the inbox (added before the listing it covers)."""
-        watches = self.transport.watches
-        if watches is None or not watches.supported:
-            self._tree_held = False
-            return
-        self._tree_held = watches.watch(self._inbox_path(), self._tree_cb)
+        self.transport.watches.watch(self._inbox_path(), self._tree_cb)
+        self._watching = True
 
     def _stop_watch(self) -> None:
-        held, self._tree_held = self._tree_held, False
-        watches = self.transport.watches
-        if held and watches is not None and self.consumer_id is not None:
-            watches.unwatch(self._inbox_path(), self._tree_cb)
+        held, self._watching = self._watching, False
+        if held and self.consumer_id is not None:
+            self.transport.watches.unwatch(self._inbox_path(), self._tree_cb)
 
     def _withdraw_when_busy(self) -> None:
         """Every slot is taken by handed work: withdraw the offer once that has
@@ -801,7 +715,7 @@ class Inbox:
         (what was delivered is settled by the channel's QoS)."""
         transport = self.transport
         consumer_id, node = self.consumer_id, self.node
-        self.node, self._quiet = None, None
+        self.node = None
         self._withdraw(wait=True)
         self._stop_watch()
         if consumer_id is not None:

@@ -31,13 +31,7 @@ from kazoo.recipe.watchers import ChildrenWatch
 
 from ..zk.client import create_once, log_failure
 from ..zk.config import ZKOptions
-from ..zk.layout import (
-    BODY_IN_NAME,
-    Layout,
-    new_consumer_id,
-    parse_consumer_name,
-    split_owned_name,
-)
+from ..zk.layout import Layout, new_consumer_id, parse_consumer_name
 from ..zk.process import current_pid
 from ..zk.session import ClientHandle, SharedSession, weak_callback
 from .autodelete import Sweeper
@@ -127,15 +121,7 @@ class ConsumerSession:
 
     def _data(self) -> bytes:
         return json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                           "queues": sorted(self._queues), BODY_IN_NAME: True}).encode()
-
-    @property
-    def bodies_in_names(self) -> bool:
-        """Whether what is handed to this connection may carry its body in its
-        name: only while the process leading recovery knows such names (0.3
-        on). A release before could not requeue it if this process died."""
-        recovery = self._recovery
-        return recovery is not None and recovery.leader_takes_bodies
+                           "queues": sorted(self._queues)}).encode()
 
     def set_queues(self, queues: set[str]) -> None:
         """The queues this connection consumes, kept in its node's data for
@@ -209,10 +195,6 @@ class Recovery:
         self.sweeper = Sweeper(session, layout, self.store)
         self._members: weakref.WeakSet[ConsumerSession] = weakref.WeakSet()
         self._live: list[str] = []
-        #: The leader (the oldest consumer) knows names with a body (0.3 on):
-        #: set by the recovery thread, read by consumers making offers.
-        self.leader_takes_bodies = False
-        self._leader_seen: str | None = None
         self._wake = threading.Event()
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -277,31 +259,9 @@ class Recovery:
         for member in list(self._members):
             if member.registered:
                 member.ensure_registered()   # again, after a session expiry
-        self._look_at_leader()
         if self.is_leader():
             self.recover_dead_owners()
             self.sweeper.sweep()
-
-    def _look_at_leader(self) -> None:
-        """Read whether a new leader knows names with a body (its node's data):
-        during a rolling upgrade from 0.2 the oldest workers, which lead, are
-        0.2, and 0.2's recovery stops at such a name."""
-        ids = self.live_ids()
-        leader = ids[0] if ids else None
-        if leader == self._leader_seen:
-            return
-        if leader is None:
-            takes = False
-        elif self._ours(leader):
-            takes = True
-        else:
-            client = self.session.client
-            try:
-                data, _ = client.retry(client.get, self.layout.consumer(leader))
-            except NoNodeError:
-                return   # gone already: the watch tells of the next one
-            takes = node_meta(data).get(BODY_IN_NAME) is True
-        self.leader_takes_bodies, self._leader_seen = takes, leader
 
     def recover_dead_owners(self) -> int:
         """Requeue every owned message whose owner has no live session. Returns count.
@@ -320,11 +280,7 @@ class Recovery:
         moved = 0
         for queue, names in owned:
             for name in names:
-                flat = split_owned_name(name)   # claimed by celery_zk before 0.2
-                if flat is not None:
-                    if flat[0] not in live and store.requeue(layout.owned_message(queue, name)):
-                        moved += 1
-                elif parse_consumer_name(name) == name and name not in live:
+                if parse_consumer_name(name) == name and name not in live:
                     moved += self._empty_inbox(queue, name)
         if moved:
             logger.warning("celery_zk: requeued %d message(s) of consumers whose "
@@ -354,8 +310,7 @@ class Recovery:
 
 def node_meta(data: bytes | None) -> dict[str, Any]:
     """A consumer node's data as :meth:`ConsumerSession._data` wrote it
-    (``{"host", "pid", "queues", "body_in_name"}``; before 0.3 without the
-    last), ``{}`` if unreadable."""
+    (``{"host", "pid", "queues"}``), ``{}`` if unreadable."""
     try:
         meta = json.loads(data or b"{}")
     except ValueError:

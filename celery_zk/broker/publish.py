@@ -289,8 +289,7 @@ class Publishing(StoreBase):
                 maybe_made = True
                 return None
             if isinstance(failure[1], NoNodeError):
-                # Its bucket (or the bodies' twin) is gone: deleted when empty,
-                # or never made (a queue declared by an earlier release).
+                # Its bucket (or the bodies' twin) is gone: deleted when empty.
                 failed = next(i for i, end in enumerate(ends) if failure[0] <= end)
                 self._rename_to_tail(chunk, chunk[failed])
                 return None
@@ -378,7 +377,7 @@ class Publishing(StoreBase):
         try:
             if stat is None:
                 self._create_if_missing(layout.bucket(queue, bucket))
-            self._create_if_missing(layout.body_bucket(queue, bucket), parent=True)
+            self._create_if_missing(layout.body_bucket(queue, bucket))
         except NoNodeError:   # the queue was deleted meanwhile: declare it again
             self.declare(queue)
             return self._find_tail(queue, inv)
@@ -386,16 +385,10 @@ class Publishing(StoreBase):
         self._filled[(queue, inv)] = (generation, creates(stat) if stat is not None else 0)
         return generation
 
-    def _create_if_missing(self, path: str, parent: bool = False) -> None:
-        """Create a directory (``parent``: its parent too, which a queue declared
-        by an earlier release lacks); NoNode when the queue itself is gone."""
+    def _create_if_missing(self, path: str) -> None:
+        """Create a directory; NoNode when the queue itself is gone."""
         client = self.client
         try:
             client.retry(client.create, path)
         except NodeExistsError:
             pass
-        except NoNodeError:
-            if not parent:
-                raise
-            self._create_if_missing(self.layout.parent(path))   # NoNode: no queue either
-            self._create_if_missing(path)

@@ -57,46 +57,37 @@ class QueueStore(Publishing, Claiming, Acking):
         """Messages waiting, from the directories' stats alone (no message listing)."""
         client = self.client
         try:
-            buckets, flat = self.buckets(queue)
+            buckets, _ = self.buckets(queue)
         except NoNodeError:
             return 0
         stats = [client.exists_async(self.layout.bucket(queue, bucket)) for bucket in buckets]
-        return len(flat) + sum(stat.numChildren for stat in (
+        return sum(stat.numChildren for stat in (
             reply_or_retry(client, result, client.exists, self.layout.bucket(queue, bucket))
             for bucket, result in zip(buckets, stats)) if stat is not None)
 
     # -- consuming ----------------------------------------------------------------
-    def listing(self, queue: str, want: int,
-                watch: Callable[[Any], None] | None = None) -> Listing:
+    def listing(self, queue: str, want: int) -> Listing:
         """The first ``want`` (or a few more) waiting messages of a queue, in
         delivery order, from names alone.
 
         Lists ``unowned/`` and then its buckets in order until ``want`` names
-        are found; ``watch`` is set on every directory listed, so an empty
-        result is fully watched. An empty bucket with a later one of its
-        priority is deleted: no publisher will come back to it.
+        are found. An empty bucket with a later one of its priority is
+        deleted: no publisher will come back to it.
         """
         client = self.client
-        path = self.layout.unowned(queue)
-        while True:
-            try:
-                buckets, flat = self.buckets(queue, watch)
-            except NoNodeError:
-                # No listing watch on a missing node: watch for its creation instead
-                # (a deleted auto-delete queue its owner re-declares after an expiry).
-                if watch is None or client.retry(client.exists, path, watch=watch) is None:
-                    return Listing([], [])
-                continue  # created meanwhile: list it
-            break
-        names, foreign = _in_place(None, flat)
+        try:
+            buckets, other = self.buckets(queue)
+        except NoNodeError:
+            return Listing([], [])
+        names: list[str] = []
+        foreign = list(other)
         complete = True
         for index, bucket in enumerate(buckets):
             if len(names) >= want:
                 complete = False
                 break
             try:
-                children = client.retry(client.get_children, self.layout.bucket(queue, bucket),
-                                        watch=watch)
+                children = client.retry(client.get_children, self.layout.bucket(queue, bucket))
             except NoNodeError:
                 continue   # emptied and deleted meanwhile
             if not children:
@@ -144,10 +135,10 @@ class QueueStore(Publishing, Claiming, Acking):
         few hundred messages (names and bodies) per multi."""
         client, layout = self.client, self.layout
         try:
-            buckets, flat = self.buckets(queue)
+            buckets, _ = self.buckets(queue)
         except NoNodeError:
             return 0
-        removed = self._delete_waiting(queue, flat)
+        removed = 0
         for bucket in buckets:
             try:
                 names = client.retry(client.get_children, layout.bucket(queue, bucket))

@@ -45,20 +45,18 @@ REQUEST_BUDGET = 1_000_000
 #: A multi's check of a node that must exist, whatever its data (ZooKeeper: -1).
 ANY_VERSION = -1
 
-def _in_place(bucket: str | None, names: list[str]) -> tuple[list[str], list[str]]:
-    """Split the children of a bucket (``None``: of ``unowned/`` itself) into the
-    message names that belong there and the rest, as paths under ``unowned/``."""
+def _in_place(bucket: str, names: list[str]) -> tuple[list[str], list[str]]:
+    """Split the children of a bucket into the message names that belong there
+    and the rest, as paths under ``unowned/``."""
     ours, foreign = [], []
     # Compared as numbers: formatting each name's bucket cost more than its parse.
-    place = parse_bucket_name(bucket) if bucket is not None else None
+    place = parse_bucket_name(bucket)
     for name in names:
         parsed = parse_message_name(name)
-        if parsed is not None and (
-                parsed.generation is None if place is None
-                else (parsed.inverted_priority, parsed.generation) == place):
+        if parsed is not None and (parsed.inverted_priority, parsed.generation) == place:
             ours.append(name)
         else:
-            foreign.append(f"{bucket}/{name}" if bucket else name)
+            foreign.append(f"{bucket}/{name}")
     return ours, foreign
 
 def creates(stat: ZnodeStat) -> int:
@@ -132,15 +130,21 @@ class StoreBase:
         failure = multi_failure(self.commit(build))
         if failure and not isinstance(failure[1], NodeExistsError):
             raise failure[1]
+        if failure and failure[0] == 0 and holder is None:
+            # Declared by an earlier release, which made fewer directories.
+            for path in directories:
+                try:
+                    client.retry(client.create, path)
+                except NodeExistsError:
+                    pass
         return failure is None
 
     def exists(self, queue: str) -> bool:
         return self.client.retry(self.client.exists, self.layout.unowned(queue)) is not None
 
-    def buckets(self, queue: str, watch: Callable[[Any], None] | None = None
-                ) -> tuple[list[str], list[str]]:
+    def buckets(self, queue: str) -> tuple[list[str], list[str]]:
         """``(buckets in delivery order, other names)`` in a queue's ``unowned/``."""
         client = self.client
-        names = client.retry(client.get_children, self.layout.unowned(queue), watch=watch)
+        names = client.retry(client.get_children, self.layout.unowned(queue))
         buckets = sorted(name for name in names if parse_bucket_name(name) is not None)
         return buckets, [name for name in names if parse_bucket_name(name) is None]

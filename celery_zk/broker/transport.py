@@ -45,14 +45,6 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
 * ``lookahead`` (int, 16): a consumer that runs dry while delivering fast may
   hold this many times its prefetch in its inbox (1: never more than the
   prefetch); what waits there while its prefetch is full for 1 s goes back.
-* ``listing_max_age`` (float, 1.0): unused since 0.2 (consumers no longer list
-  queues); still accepted, so URLs that set it keep working.
-* ``persistent_watches`` (bool, True): consumers follow their inbox, and
-  dispatchers ``unowned/`` and ``owned/``, with persistent recursive watches
-  that name each new node, so nothing is listed per delivery (ZooKeeper
-  3.6+; older servers fall back by themselves). False: one-shot child
-  watches and a listing on every change (see :mod:`celery_zk.broker.inbox`,
-  :mod:`celery_zk.broker.dispatcher`).
 * ``handoff`` (bool, True): a consumer with a free pool slot leaves an
   offer, and a publisher that sees it puts the message straight into that
   consumer's inbox (see :mod:`celery_zk.broker.handoff`): one synced write
@@ -104,6 +96,7 @@ from kazoo.exceptions import SessionExpiredError
 from kombu.transport import virtual
 
 from ..compat import celery as celery_compat
+from ..compat import kazoo as kazoo_compat
 from ..compat import kombu as kombu_compat
 from ..features.affinity import Board, board_for
 from ..features.limits import book_for
@@ -121,7 +114,7 @@ from ..zk.config import (
 from ..zk.layout import Layout
 from ..zk.process import current_pid
 from ..zk.session import ClientHandle, give_up_when_cut_off
-from ..zk.watches import TreeWatches
+from ..zk.watches import TreeWatches, watches_of
 from . import child_gate, start_gate
 from .autodelete import AutoDeleteQueues
 from .bindings import Bindings
@@ -233,6 +226,7 @@ class Transport(virtual.Transport):
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         kombu_compat.require()   # this kombu has what the transport reads, or a clear error
+        kazoo_compat.require()   # and this kazoo what it needs to send addWatch
         super().__init__(client, **kwargs)
         self.settings = self._settings(client)
         _hide_secrets(client)
@@ -247,9 +241,7 @@ class Transport(virtual.Transport):
         self.auto_delete = AutoDeleteQueues(self.handle, self.layout, self.store)
         self.session = ConsumerSession(self.handle, self.layout, self.store)
         self.handoff = (HandOff(self.handle, self.layout, self.store)
-                        if self.settings.options.handoff
-                        and self.settings.options.persistent_watches else None)
-        self._watches: TreeWatches | None = None
+                        if self.settings.options.handoff else None)
         self.declared_queues: set[str] = set()
         self.inboxes: dict[str, Inbox] = {}
         self.unconfirmed = (None if self.settings.options.confirm_publish
@@ -299,22 +291,15 @@ class Transport(virtual.Transport):
         return parse_url(urls, client.transport_options)
 
     @property
-    def watches(self) -> TreeWatches | None:
+    def watches(self) -> TreeWatches:
         """The session's persistent watches (one per session, shared by its connections)."""
-        if not self.settings.options.persistent_watches:
-            return None
-        session = self.handle.session
-        watches = self._watches
-        if watches is None or watches.handle is not session:
-            watches = self._watches = session.singleton(TreeWatches,
-                                                        lambda: TreeWatches(session))
-        return watches
+        return watches_of(self.handle.session)
 
     @property
     def affinity(self) -> Board:
         """Who holds which affinity key, and what this process holds
         (:mod:`celery_zk.features.affinity`)."""
-        return board_for(self.handle.session, self.layout, self.watches)
+        return board_for(self.handle.session, self.layout)
 
     @property
     def batches_groups(self) -> bool:

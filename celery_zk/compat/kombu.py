@@ -12,8 +12,7 @@ kombu's internals, each through a function here:
 * the QoS's ``_on_collect`` exit hook, cancelled so a dropped Connection can
   be garbage-collected (and give back its share of the session);
 * the channel's ``_active_queues`` / ``_tag_to_queue`` and
-  ``_get_message_priority``; a Message's ``_raw`` (the dict it was decoded
-  from, stored again on requeue); the Transport's ``_deliver``.
+  ``_get_message_priority``; the Transport's ``_deliver``.
 
 No fallback exists for these: :func:`require` makes the transport refuse to
 start, naming what is missing, rather than fail later in the middle of a
@@ -28,9 +27,9 @@ from kombu.transport import virtual
 
 from . import PrivateAPIChanged, describe
 
-__all__ = ["CHANNEL_HOOKS", "consumed_queues", "deliver_callback", "delivered",
-           "drain_delivered", "forget_at_exit", "lookup", "missing", "priority_of",
-           "queue_of", "raw", "require", "settle", "unacked"]
+__all__ = ["CHANNEL_HOOKS", "consumed_queues", "deliver_callback", "drain_delivered",
+           "forget_at_exit", "lookup", "missing", "priority_of", "queue_of", "require",
+           "settle", "unacked"]
 
 #: The underscore methods of ``virtual.Channel`` celery_zk's Channel overrides.
 CHANNEL_HOOKS = ("_get", "_put", "_new_queue", "_has_queue", "_size", "_purge", "_lookup")
@@ -118,11 +117,6 @@ def unacked(qos: virtual.QoS) -> int:
     return len(qos._delivered) - len(qos._dirty)  # type: ignore[arg-type]
 
 
-def delivered(qos: virtual.QoS, delivery_tag: str) -> Any:
-    """The Message delivered as ``delivery_tag`` (None if none is)."""
-    return qos._delivered.get(delivery_tag)  # type: ignore[attr-defined]
-
-
 def settle(qos: virtual.QoS, delivery_tag: str) -> None:
     """Forget ``delivery_tag`` without acking it again (it was rejected)."""
     qos._quick_ack(delivery_tag)
@@ -159,11 +153,6 @@ def lookup(channel: virtual.Channel, exchange: str, routing_key: str,
     """kombu's own routing-table lookup (the one celery_zk's Channel extends)."""
     return virtual.Channel._lookup(channel, exchange, routing_key,
                                    default)
-
-
-def raw(message: Any) -> dict[str, Any]:
-    """The dict a kombu Message was decoded from, as it was published."""
-    return message._raw
 
 
 def deliver_callback(transport: virtual.Transport) -> Callable[..., Any]:

@@ -34,7 +34,6 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable
 from enum import Enum
-from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from celery import signals
@@ -46,7 +45,7 @@ from ..zk.client import log_failure, multi_failure
 from ..zk.layout import Layout, affinity_token, parse_holding_name
 from ..zk.process import current_pid
 from ..zk.session import SharedSession, weak_callback
-from ..zk.watches import NODE_CREATED
+from ..zk.watches import NODE_CREATED, watches_of
 
 if TYPE_CHECKING:
     from ..zk.watches import TreeWatches
@@ -58,8 +57,6 @@ logger = logging.getLogger(__name__)
 
 #: The message header that carries a task's affinity key.
 HEADER = "zk_affinity"
-#: Without persistent watches, how often the holdings are listed again (seconds).
-RELOAD_EVERY = 5.0
 #: This worker: made again when a worker starts (worker_init); its pool processes inherit it.
 WORKER = uuid.uuid4().hex[:12]
 
@@ -185,14 +182,12 @@ class Board:
     """Which worker holds which key under one root, as one session sees it, and
     what this process has said it holds there."""
 
-    def __init__(self, session: SharedSession, layout: Layout,
-                 watches: TreeWatches | None) -> None:
+    def __init__(self, session: SharedSession, layout: Layout) -> None:
         self.session = session
         self.layout = layout
-        self.watches = watches
         self._holders: dict[str, set[tuple[str, int]]] = {}   # token -> {(worker, pid)}
         self._log: list[tuple[bool, str]] | None = None   # events during a load
-        self._loaded_at: float | None = None
+        self._loaded = False   # listed, and kept current by the watch since
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()
         self._made: set[str] = set()   # holding paths this process made
@@ -210,9 +205,9 @@ class Board:
             self._generation += 1
             self._made = set()   # ZooKeeper dropped them with the session: say it again
             self._unsaid = True
-            self._loaded_at = None
+            self._loaded = False
         elif state != KazooState.CONNECTED:
-            self._loaded_at = None   # the watch went with the connection
+            self._loaded = False   # the watch went with the connection
         elif self._unsaid and (_held or self._made):
             # A process that only runs tasks (a prefork child) has no consumer
             # that would notice: state them again from a thread of our own,
@@ -271,29 +266,24 @@ class Board:
 
     def refresh(self) -> None:
         """Load the holdings if this session has not got them watched."""
-        watches = self.watches
-        path = self.layout.affinity
+        watches = watches_of(self.session)
         try:
             if (self._unsaid and (_held or self._made)) or (
                     _held and (not self._made or self._pid != current_pid())):
                 self.sync()   # after a session expiry or a failed sync, or in a forked child
-            if self._loaded_at is not None:
-                if watches is not None and watches.supported and watches.active(path):
-                    return
-                if monotonic() - self._loaded_at < RELOAD_EVERY:
-                    return
+            if self._loaded and watches.active(self.layout.affinity):
+                return
             self._load(watches)
         except KazooException as exc:   # the choice goes on without them
             log_failure(logger, exc, "celery_zk: could not read the affinity holdings; "
                         "choosing without them for now")
 
-    def _load(self, watches: TreeWatches | None) -> None:
+    def _load(self, watches: TreeWatches) -> None:
         client = self.session.client
         with self._lock:
             self._log = []
         try:
-            if watches is not None:
-                watches.watch(self.layout.affinity, self._tree_cb)   # before the listing
+            watches.watch(self.layout.affinity, self._tree_cb)   # before the listing
             replies = [client.get_children_async(shard)
                        for shard in self.layout.affinity_shards()]
             fresh: dict[str, set[tuple[str, int]]] = {}
@@ -313,7 +303,7 @@ class Board:
         finally:
             with self._lock:
                 self._log = None
-        self._loaded_at = monotonic()
+        self._loaded = True
 
     def sync(self) -> None:
         """Make this process's holding nodes match what it holds: one multi."""
@@ -376,6 +366,6 @@ class SeenBy:
         return Where.ELSEWHERE
 
 
-def board_for(session: SharedSession, layout: Layout, watches: TreeWatches | None) -> Board:
+def board_for(session: SharedSession, layout: Layout) -> Board:
     """The session's one board for ``layout``'s root."""
-    return session.singleton(("affinity", layout.root), lambda: Board(session, layout, watches))
+    return session.singleton(("affinity", layout.root), lambda: Board(session, layout))

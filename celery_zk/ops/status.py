@@ -9,8 +9,7 @@ report costs a few pipelined round trips per queue, whatever its backlog.
   listing of its first non-empty bucket, at most ``bucket_size`` names) and
   that node's ``ctime``.
 * Owned messages per consumer: the ``numChildren`` of each inbox
-  (``owned/{consumer}/``; flat names of celery_zk before 0.2 start with the
-  consumer's id); dead letters: ``dead/``'s ``numChildren``.
+  (``owned/{consumer}/``); dead letters: ``dead/``'s ``numChildren``.
 * Consumers: the ephemeral ``consumers/`` nodes (host, pid, queues).
 * Results, groups and chords: the shards' ``numChildren``; how many are past
   their expiry: the expiry index's hours older than ``result_expires``.
@@ -48,11 +47,9 @@ from ..zk.layout import (
     Layout,
     parse_bucket_name,
     parse_consumer_name,
-    parse_message_name,
     parse_offer_name,
     parse_payload_name,
     sort_messages,
-    split_owned_name,
     unescape,
 )
 from .limits import LimitStatus, limit_statuses
@@ -180,7 +177,6 @@ def _queue(client: KazooClient, layout: Layout, queue: str, now: float) -> Queue
     status = QueueStatus(queue)
     unowned = _children(client, layout.unowned(queue))
     buckets = sorted(n for n in unowned if parse_bucket_name(n) is not None)
-    flat = [n for n in unowned if parse_bucket_name(n) is None]
     # One pipelined round: every bucket's stat, owned/, dead/ and offers/.
     stats = [client.exists_async(layout.bucket(queue, b)) for b in buckets]
     owned = client.get_children_async(layout.owned(queue))
@@ -195,13 +191,8 @@ def _queue(client: KazooClient, layout: Layout, queue: str, now: float) -> Queue
         priority = MAX_PRIORITY - inverted
         status.waiting[priority] = status.waiting.get(priority, 0) + stat.numChildren
         first.setdefault(priority, bucket)
-    ordered_flat, _ = sort_messages(flat)
-    for parsed in filter(None, map(parse_message_name, ordered_flat)):
-        # celery_zk before buckets: flat in unowned/
-        status.waiting[parsed.priority] = status.waiting.get(parsed.priority, 0) + 1
-    owners = _reply_or_empty(owned)
-    counts = Counter(parts[0] for parts in map(split_owned_name, owners) if parts)
-    inboxes = [name for name in owners if parse_consumer_name(name) == name]
+    counts: Counter[str] = Counter()
+    inboxes = [name for name in _reply_or_empty(owned) if parse_consumer_name(name) == name]
     for consumer_id, reply in [(c, client.exists_async(layout.inbox(queue, c)))
                                for c in inboxes]:
         stat = _reply_or_none(reply)
@@ -212,15 +203,14 @@ def _queue(client: KazooClient, layout: Layout, queue: str, now: float) -> Queue
     status.dead = dead_stat.numChildren if dead_stat is not None else 0
     status.offers = sum(1 for n in _reply_or_empty(offers) if parse_offer_name(n))
     status.chunked, status.chunked_bytes = big.stored(client, layout, queue)
-    status.oldest_age = _oldest_age(client, layout, queue, list(first.values()),
-                                    ordered_flat, now)
+    status.oldest_age = _oldest_age(client, layout, queue, list(first.values()), now)
     return status
 
 
 def _oldest_age(client: KazooClient, layout: Layout, queue: str, buckets: list[str],
-                flat: list[str], now: float) -> float | None:
+                now: float) -> float | None:
     """Seconds the first message in line of each priority has waited; the longest."""
-    heads = [layout.unowned_message(queue, flat[0])] if flat else []
+    heads = []
     listings = [client.get_children_async(layout.bucket(queue, b)) for b in buckets]
     for reply in listings:
         ordered, _ = sort_messages(_reply_or_empty(reply))

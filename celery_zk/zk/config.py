@@ -17,6 +17,7 @@ production running on a default nobody chose.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -26,6 +27,8 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ..exceptions import ZKConfigurationError
 from .layout import MAX_CHUNKS
+
+logger = logging.getLogger(__name__)
 
 SCHEMES = ("zk", "zookeeper")
 DEFAULT_PORT = 2181
@@ -58,6 +61,14 @@ _REJECTED_OPTIONS = {
     ),
 }
 
+#: Options of earlier releases that mean nothing now: accepted with one warning,
+#: so a URL that sets them keeps working.
+_RETIRED_OPTIONS = {
+    "listing_max_age": "consumers have not listed queues since 0.2",
+    "persistent_watches": ("celery_zk 0.4 needs ZooKeeper 3.6 or newer and always "
+                           "waits on persistent watches"),
+}
+
 _HOST_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+)(?::(\d{1,5}))?$")
 
 
@@ -86,19 +97,10 @@ class ZKOptions:
                             "many creates in one. Bounds every listing (about 45 bytes "
                             "a name) and keeps ZooKeeper's 32-bit sequence counters far "
                             "from their end. 2 to 10,000.")
-    listing_max_age: float = _opt(1.0, "Unused since 0.2 (consumers no longer list "
-                                  "queues; a dispatcher's watch keeps what it listed "
-                                  "current); still accepted, so URLs that set it work.")
-    persistent_watches: bool = _opt(True, "Consumers and dispatchers follow their "
-                                    "directories with persistent recursive watches, "
-                                    "which name each new node (no listing per delivery; "
-                                    "ZooKeeper 3.6+, falls back by itself on older "
-                                    "servers). False: one-shot child watches and a "
-                                    "listing on every change.")
     handoff: bool = _opt(True, "Let a publisher hand a message straight into an idle "
                          "consumer's inbox (celery_zk.broker.handoff): one synced write "
                          "on an idle delivery's path instead of two (docs/design.md, "
-                         "Hand-off). Needs persistent watches; set it on both sides: "
+                         "Hand-off). Set it on both sides: "
                          "consumers make offers, publishers take them.")
     locality_wait: float = _opt(3.0, "Seconds the dispatcher keeps a message whose "
                                 "affinity key a live worker holds for that worker, "
@@ -213,6 +215,9 @@ def build_options(*sources: Mapping[str, Any] | None) -> ZKOptions:
                 raise ZKConfigurationError(_REJECTED_OPTIONS[name])
             if name in GENERIC_KOMBU_OPTIONS:
                 continue
+            if name in _RETIRED_OPTIONS:
+                _warn_retired(name)
+                continue
             if name not in known:
                 raise ZKConfigurationError(
                     f"Unknown celery_zk option {name!r}. Valid options: "
@@ -236,6 +241,16 @@ def build_options(*sources: Mapping[str, Any] | None) -> ZKOptions:
                            values.get("max_message_size", ZKOptions.max_message_size),
                            "max_message_size")
     return ZKOptions(**values)
+
+
+_warned: set[str] = set()
+
+
+def _warn_retired(name: str) -> None:
+    if name not in _warned:   # once per process, however many URLs name it
+        _warned.add(name)
+        logger.warning("celery_zk: option %r is ignored: %s. Remove it from the URL or "
+                       "the transport options.", name, _RETIRED_OPTIONS[name])
 
 
 def _check_payload_options(chunk_size: int, largest: int,

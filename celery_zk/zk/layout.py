@@ -9,7 +9,6 @@
           n{P}-{gen}-{uid}-{seq}      a waiting message's name (empty); P = 9 - priority
           n{P}-{gen}-{uid}-r{first}   requeued message, keeps its first seq
           n{P}-{gen}-{uid}@{key}-{seq}  one with a data-affinity key (celery_zk.features.affinity)
-          m{P}-{gen}-{uid}-{seq}      stored by celery_zk before 0.2: the body in the node
         bodies/p{P}-{gen}/{uid}       an ``n`` message's body, written once by its publisher
                                       and deleted by its ack: only names move; a ``c``
                                       message's holds the manifest of its chunks
@@ -22,13 +21,8 @@
         owned/{consumer}/             the consumer's inbox: what it was given
           {unowned name}              given by the dispatcher, or handed over by a
                                       publisher (celery_zk.broker.handoff)
-          {unowned name}~{body}       handed over with a copy of its body in the name
-                                      (base64url of zlib): the watch event carries it
-        owned/{consumer}~{name}       claimed by celery_zk before 0.2 (recovered as before)
-        offers/{consumer}~{token}[~b] ephemeral: a consumer with a free pool slot offers
-                                      to take messages (broker.handoff); "~b": it
-                                      reads a body from the name, and so does the
-                                      process leading recovery (before 0.3: no "~b")
+        offers/{consumer}~{token}     ephemeral: a consumer with a free pool slot offers
+                                      to take messages (broker.handoff)
         dead/{unowned name}           dead-lettered (rejected / undecodable); data: a
                                       reason line, then the message (celery_zk.broker.dead)
         holders/s{session}-{lease}    auto-delete queues only: ephemeral, one per
@@ -75,19 +69,20 @@ end (a signed 32-bit count of creates per parent): a publisher moves on to
 generation ``gen + 1`` once a create's sequence reaches ``bucket_size``, and
 a consumer deletes an empty bucket once a later one of its priority exists.
 A requeue is not sequential (the uid makes its name unique), so it never
-advances a counter either. Messages of celery_zk before buckets (flat
-``unowned/m{P}-{uid}-{seq}``) are still read, ahead of their priority.
+advances a counter either.
+
+Messages stored by celery_zk before 0.2 (an ``m`` name with its body inside,
+flat in ``unowned/`` or in a bucket, or claimed as ``owned/{consumer}~{name}``)
+are read by nothing but ``celery zk upgrade`` (:mod:`celery_zk.ops.upgrade`),
+which stores them as every other message is; :func:`is_legacy` tells them apart.
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import functools
 import hashlib
 import re
 import time
 import uuid
-import zlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -114,38 +109,23 @@ MAX_CHUNKS = 10 ** 6
 PAYLOAD_ENTRY = "p" + OWNER_SEP   # an expiry index entry naming a payload container
 REVOKED_TASK, REVOKED_STAMP = "t" + OWNER_SEP, "s" + OWNER_SEP   # kinds under revoked/
 
-#: The first letter of a message name: where its body is.
-BODY_APART = "n"    # in bodies/, written once; the name alone moves (celery_zk 0.2)
+#: The first letter of a message name: how its body is stored in bodies/.
+BODY_APART = "n"    # whole, written once; the name alone moves
 BODY_CHUNKED = "c"  # as "n", and bigger than chunk_size: its body node holds a
                     # manifest, the bytes are chunks under chunks/{uid}
-BODY_INSIDE = "m"   # in the name's own node (celery_zk before 0.2)
 _MESSAGE_RE = re.compile(
-    r"^([mnc])(\d)-(\d{10})-([0-9a-f]{1,32})(?:\.([0-9a-f]{8}))?(?:!([0-9a-f]{8}))?"
+    r"^([nc])(\d)-(\d{10})-([0-9a-f]{1,32})(?:\.([0-9a-f]{8}))?(?:!([0-9a-f]{8}))?"
     r"(?:@([^/~]+?))?-(r?)(\d{10})$")
-# Before buckets: flat in unowned/, the requeue sequential too.
-_FLAT_MESSAGE_RE = re.compile(r"^m(\d)-([0-9a-f]{1,32})-(?:r(\d{10})-)?(\d{10})$")
+#: Names celery_zk stored before 0.2, the body inside the node: in a bucket as
+#: today's but for their "m", or flat in unowned/ (the requeue sequential too).
+_LEGACY_FLAT_RE = re.compile(r"^m(\d)-([0-9a-f]{1,32})-(?:r(\d{10})-)?(\d{10})$")
 _BUCKET_RE = re.compile(r"^p(\d)-(\d{10})$")
 # The sequential "-{seq}" suffix is from before consumer ids carried their time.
 _CONSUMER_RE = re.compile(r"^(c[0-9a-f]{1,32})(?:-\d{10})?$")
 _PAYLOAD_RE = re.compile(r"^([a-z])~([^/~]+)~([0-9a-f]{1,32})~(\d{1,12})$")
 _HOLDING_RE = re.compile(r"^([^/~]+)~([0-9a-f]{1,32})-(\d{1,10})$")
-_OFFER_RE = re.compile(r"^(c[0-9a-f]{1,32})~([0-9a-f]{1,32}(~b)?)$")
-#: The end of an offer's token when its consumer takes a body from a handed
-#: name (and the process leading recovery can requeue such a name).
-OFFER_TAKES_BODY = OWNER_SEP + "b"
-#: The key a consumer process's node under consumers/ holds (true) when it
-#: knows names with a body (0.3 on): only while the oldest, which leads
-#: recovery, does are bodies put in names.
-BODY_IN_NAME = "body_in_name"
-#: A handed message's name may carry a copy of its body after this: the
-#: watch event that tells its consumer of it carries the body too.
-INLINE_SEP = OWNER_SEP
-_INLINE_RE = re.compile(r"[A-Za-z0-9_-]+")
-#: The most characters a body copied into a name may take. A Celery task's
-#: message (about 1 KB, 0.6 KB compressed) fits; a bigger one is handed over
-#: without it. Only an idle consumer's inbox holds such names, one or two at
-#: a time, so listings stay far below jute.maxbuffer.
-INLINE_CHARS = 2048
+# An offer's token of a release before 0.4 may end in "~b".
+_OFFER_RE = re.compile(r"^(c[0-9a-f]{1,32})~([0-9a-f]{1,32}(?:~b)?)$")
 # Characters that cannot appear raw in a node name, or that we use as separators.
 _ESCAPE_RE = re.compile(r"[%/,~\x00-\x1f\x7f]")
 #: Longest affinity key kept readable in a message name; a longer one is named
@@ -180,13 +160,12 @@ class MessageName(NamedTuple):
     """A parsed waiting-message name."""
 
     inverted_priority: int
-    generation: int | None   # its bucket; None: flat in unowned/ (before buckets)
+    generation: int     # its bucket's
     uid: str
     order: int          # the sequence it was first published with
     requeued: bool      # back from owned/ (a reject, a shutdown or a dead owner)
     seq: int            # this node's own sequence (a requeue's is its order)
     affinity: str | None = None   # its affinity key as named (affinity_token)
-    body_apart: bool = False   # its body is in bodies/ (an "n" or "c" name), not in its node
     chunked: bool = False      # its body is chunked (a "c" name): see Layout.chunks
     task: str | None = None    # its task's token (task_token), for limits
     limit_key: str | None = None   # its concurrency key's token (limit_key_token)
@@ -194,25 +173,22 @@ class MessageName(NamedTuple):
     @property
     def kind(self) -> str:
         """The letter its name starts with."""
-        return BODY_CHUNKED if self.chunked else BODY_APART if self.body_apart else BODY_INSIDE
+        return BODY_CHUNKED if self.chunked else BODY_APART
 
     @property
     def priority(self) -> int:
         return MAX_PRIORITY - self.inverted_priority
 
     @property
-    def bucket(self) -> str | None:
-        if self.generation is None:
-            return None
+    def bucket(self) -> str:
         return bucket_name(self.inverted_priority, self.generation)
 
     @property
     def sort_key(self) -> tuple[int, int, int, bool, int]:
-        # Flat messages first within their priority: they are older than any bucket.
         # On equal order a requeued message goes first: the tie is a handed
         # message (order 0, see handed_name) against a bucket's very first one.
-        generation = -1 if self.generation is None else self.generation
-        return (self.inverted_priority, generation, self.order, not self.requeued, self.seq)
+        return (self.inverted_priority, self.generation, self.order, not self.requeued,
+                self.seq)
 
 
 def clamp_priority(priority: int | None) -> int:
@@ -249,7 +225,7 @@ def message_prefix(inverted_priority: int, generation: int, uid: str,
                    task: str | None = None, limit_key: str | None = None) -> str:
     """Name prefix of a new message; ZooKeeper appends the sequence.
     ``affinity``: an :func:`affinity_token`. ``kind``: where the body is
-    (:data:`BODY_APART`, :data:`BODY_CHUNKED` or :data:`BODY_INSIDE`).
+    (:data:`BODY_APART` or :data:`BODY_CHUNKED`).
     ``task``/``limit_key``: a :func:`task_token` and a :func:`limit_key_token`,
     which a dispatcher applies limits by (celery_zk.features.limits)."""
     tokens = (f".{task}" if task else "") + (f"!{limit_key}" if limit_key else "")
@@ -300,101 +276,55 @@ def affinity_token(key: object) -> str:
 
 def requeued_name(message: MessageName) -> str:
     """The name a message gets when it goes back to wait: in the bucket of its
-    first publication (flat ones: generation 0, ahead of every bucket),
-    marked requeued, with the sequence that keeps its place."""
-    generation = message.generation or 0
-    return (message_prefix(message.inverted_priority, generation, message.uid,
+    first publication, marked requeued, with the sequence that keeps its place."""
+    return (message_prefix(message.inverted_priority, message.generation, message.uid,
                            message.affinity, message.kind, message.task, message.limit_key)
             + f"r{message.order:0{SEQ_DIGITS}d}")
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def parse_message_name(name: str) -> MessageName | None:
     """Parse a waiting-message name; ``None`` for nodes celery_zk did not write.
-
-    A handed message's body copy (see :func:`inline_body`) is not part of
-    what the name says: it is cut off first, so the caches never hold it.
-    """
-    return _parse_message_name(without_body(name))
-
-
-def without_body(name: str) -> str:
-    """``name`` without the copy of its body a handed message's name may
-    carry (``{name}~{body}``); any other name as it is, the same object (a
-    flat owned name, ``{consumer}~{name}``, is not a message name before its
-    ``~``)."""
-    cut = _body_at(name)
-    return name if cut < 0 else name[:cut]
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def _body_at(name: str) -> int:
-    """Where the copy of a body in ``name`` starts (its ``~``), or -1. Cached:
-    a handed message's name (about 800 characters for a Celery task) is cut
-    where it is read, delivered, acked and where its task starts, and the
-    match of a body that long took a few microseconds each time."""
-    cut = name.find(INLINE_SEP)
-    if cut < 0 or _parse_message_name(name[:cut]) is None or not _INLINE_RE.fullmatch(
-            name, cut + 1):
-        return -1
-    return cut
-
-
-def inline_body(name: str) -> bytes | None:
-    """The body copied into a handed message's name, or ``None`` (none there,
-    or it does not decode: the consumer then reads the body node)."""
-    thin = without_body(name)
-    if thin is name:
-        return None
-    text = name[len(thin) + 1:]
-    try:
-        return zlib.decompress(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
-    except (binascii.Error, ValueError, zlib.error):
-        return None
-
-
-def encode_body(data: bytes) -> str | None:
-    """A body as it goes into a handed message's name; ``None`` when it would
-    be longer than :data:`INLINE_CHARS`."""
-    if len(data) > INLINE_CHARS * 4:   # no hope of fitting: do not compress it
-        return None
-    text = base64.urlsafe_b64encode(zlib.compress(data)).rstrip(b"=").decode()
-    return text if len(text) <= INLINE_CHARS else None
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _parse_message_name(name: str) -> MessageName | None:
-    """Cached: a message's name is parsed where it is listed, sorted, given,
+    Cached: a message's name is parsed where it is listed, sorted, given,
     read, delivered and acked, a dozen times between publish and ack; the
     result is immutable. The cache holds about a listing's worth (~4 MB)."""
     match = _MESSAGE_RE.match(name)
-    if match:
-        kind, inv, generation, uid, task, limit, affinity, requeued, seq = match.groups()
-        return MessageName(int(inv), int(generation), uid, int(seq), bool(requeued), int(seq),
-                           affinity, kind != BODY_INSIDE, kind == BODY_CHUNKED, task, limit)
-    match = _FLAT_MESSAGE_RE.match(name)
+    if not match:
+        return None
+    kind, inv, generation, uid, task, limit, affinity, requeued, seq = match.groups()
+    return MessageName(int(inv), int(generation), uid, int(seq), bool(requeued), int(seq),
+                       affinity, kind == BODY_CHUNKED, task, limit)
+
+
+def parse_legacy_name(name: str) -> MessageName | None:
+    """A message name stored before 0.2 (see the module docstring; claimed
+    ones without their ``{consumer}~``), parsed as the message it becomes
+    once upgraded: its body in bodies/, a flat one in bucket 0."""
+    if not name.startswith("m"):
+        return None
+    message = parse_message_name("n" + name[1:])
+    if message is not None:
+        return message
+    match = _LEGACY_FLAT_RE.match(name)
     if not match:
         return None
     inv, uid, first, seq = match.groups()
-    return MessageName(int(inv), None, uid, int(first or seq), first is not None, int(seq))
+    return MessageName(int(inv), 0, uid, int(first or seq), first is not None, int(seq))
+
+
+def is_legacy(name: str) -> bool:
+    """Whether ``name`` (as listed in unowned/ or owned/) is a message stored before 0.2."""
+    return parse_legacy_name(name.rpartition(OWNER_SEP)[2]) is not None
 
 
 #: A message's place in delivery order: its sort key, then its name (ties).
 OrderKey = tuple[tuple[int, int, int, bool, int], str]
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def order_key(name: str) -> OrderKey | None:
     """``(sort_key, name)`` of a message name; ``None`` for nodes celery_zk did not
-    write."""
-    thin = without_body(name)
-    if thin is name:
-        return _order_key(name)
-    key = _order_key(thin)
-    return None if key is None else (key[0], name)
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _order_key(name: str) -> OrderKey | None:
-    """Cached like the parse: a dispatcher orders a bucket's thousands of
+    write. Cached like the parse: a dispatcher orders a bucket's thousands of
     names at each listing, then looks each one up again as it is given."""
     message = parse_message_name(name)
     return None if message is None else (message.sort_key, name)
@@ -434,40 +364,21 @@ def _split_owned_path(queues: str, path: str) -> tuple[str, str, str]:
         queue_path = parent[:-len("/owned")]
         if queue_path.startswith(queues + "/"):
             return unescape(queue_path[len(queues) + 1:]), owner, name
-    queue_path, _, owned = head.rpartition("/")
-    parts = split_owned_name(name)
-    if owned != "owned" or not queue_path.startswith(queues + "/") or parts is None:
-        raise ValueError(f"not an owned-message path: {path!r}")
-    return unescape(queue_path[len(queues) + 1:]), parts[0], parts[1]
+    raise ValueError(f"not an owned-message path: {path!r}")
 
 
 def handed_name(inverted_priority: int, generation: int, uid: str,
                 kind: str = BODY_APART, task: str | None = None,
-                limit_key: str | None = None, body: str | None = None) -> str:
+                limit_key: str | None = None) -> str:
     """The name a message handed straight to an idle consumer gets.
 
     It never waited in a bucket, so it has no sequence: zero. Its body is in
     the bucket of ``generation`` like any other's, and a requeue puts it at
     the front of that bucket: it was handed over while the queue was empty,
-    ahead of its priority's later arrivals, where it belongs. ``body`` (from
-    :func:`encode_body`) is a copy of the body for the consumer to take from
-    the name instead of reading it: one round trip less on an idle delivery.
+    ahead of its priority's later arrivals, where it belongs.
     """
-    name = (message_prefix(inverted_priority, generation, uid, kind=kind, task=task,
+    return (message_prefix(inverted_priority, generation, uid, kind=kind, task=task,
                            limit_key=limit_key) + "0" * SEQ_DIGITS)
-    return name if body is None else f"{name}{INLINE_SEP}{body}"
-
-
-class OfferName(NamedTuple):
-    consumer_id: str
-    token: str
-    takes_body: bool   # its consumer takes a body from a handed name (0.3 on)
-
-
-def offer_token(uid: str, takes_body: bool) -> str:
-    """An offer's token: ``uid``, and ``~b`` when a body may be put in the name
-    of what is handed over (releases before 0.3 make offers without it)."""
-    return uid + OFFER_TAKES_BODY if takes_body else uid
 
 
 def offer_name(consumer_id: str, token: str) -> str:
@@ -475,23 +386,10 @@ def offer_name(consumer_id: str, token: str) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def parse_offer_name(name: str) -> OfferName | None:
-    """What an offer node's name says, or ``None`` if foreign."""
+def parse_offer_name(name: str) -> tuple[str, str] | None:
+    """``(consumer id, token)`` of an offer node's name, or ``None`` if foreign."""
     match = _OFFER_RE.match(name)
-    return OfferName(match.group(1), match.group(2), bool(match.group(3))) if match else None
-
-
-def owned_name(consumer_id: str, message_name: str) -> str:
-    return f"{consumer_id}{OWNER_SEP}{message_name}"
-
-
-def split_owned_name(name: str) -> tuple[str, str] | None:
-    """``(consumer id, unowned name)`` of a flat owned node (celery_zk before
-    0.2: ``owned/{consumer}~{name}``), or ``None`` if it is not one."""
-    consumer, sep, message = name.partition(OWNER_SEP)
-    if not sep or not consumer or parse_message_name(message) is None:
-        return None
-    return consumer, message
+    return (match.group(1), match.group(2)) if match else None
 
 
 def holding_name(token: str, worker: str, pid: int) -> str:
@@ -641,8 +539,7 @@ class Layout:
         return join(self.holders(queue), holder_name(session_id, lease))
 
     def queue_directories(self, queue: str) -> tuple[str, ...]:
-        """The directories every queue has (queues made by an earlier release
-        lack those that came later: they are made when first needed)."""
+        """The directories every queue has."""
         return (self.unowned(queue), self.bodies(queue), self.owned(queue), self.dead(queue),
                 self.offers(queue), self.queue_consumers(queue), self.chunks(queue))
 
@@ -651,13 +548,12 @@ class Layout:
         return _queue_dir(self.root, queue, "unowned", name)
 
     def unowned_message(self, queue: str, name: str) -> str:
-        """Where a waiting message lives: in the bucket its name states (names
-        from before buckets, and foreign ones, directly in ``unowned/``)."""
+        """Where a waiting message lives: in the bucket its name states (a
+        foreign name, as listed: ``bucket/name``, or directly in ``unowned/``)."""
         message = parse_message_name(name)
-        bucket = message.bucket if message is not None else None
-        if bucket is None:
+        if message is None:
             return f"{self.unowned(queue)}/{name}"
-        return f"{self.bucket(queue, bucket)}/{name}"
+        return f"{self.bucket(queue, message.bucket)}/{name}"
 
     def new_message_prefix(self, queue: str, inverted_priority: int, generation: int,
                            uid: str, affinity: str | None = None,
@@ -676,11 +572,8 @@ class Layout:
         """Where the bodies of a bucket's messages live (the bucket's twin)."""
         return _queue_dir(self.root, queue, "bodies", bucket)
 
-    def body(self, queue: str, message: MessageName) -> str | None:
-        """Where a message's body lives; None when it is in the message's own
-        node (an ``m`` name, from before 0.2)."""
-        if not message.body_apart or message.bucket is None:
-            return None
+    def body(self, queue: str, message: MessageName) -> str:
+        """Where a message's body lives."""
         return f"{self.body_bucket(queue, message.bucket)}/{message.uid}"
 
     def new_body(self, queue: str, inverted_priority: int, generation: int, uid: str) -> str:
@@ -718,26 +611,15 @@ class Layout:
     def inbox_message(self, queue: str, consumer_id: str, name: str) -> str:
         return f"{self.inbox(queue, consumer_id)}/{name}"
 
-    def owned_message(self, queue: str, name: str) -> str:
-        """An owned node directly in ``owned/``, as celery_zk before 0.2 made
-        them (``{consumer}~{name}``)."""
-        return join(self.owned(queue), name)
-
     def dead_message(self, queue: str, name: str) -> str:
         """``name``: a waiting message's, or a foreign node's path under ``unowned/``
         (``bucket/name``), kept as one name."""
         return join(self.dead(queue), name.replace("/", OWNER_SEP))
 
     def split_owned_path(self, path: str) -> tuple[str, str, str]:
-        """``(queue, consumer id, unowned name)`` of an owned message: in an
-        inbox (``owned/{consumer}/{name}``, the name as it is there) or flat,
-        from before 0.2 (``owned/{consumer}~{name}``)."""
-        head, _, name = path.rpartition("/")
-        thin = without_body(name)
-        if thin is name:
-            return _split_owned_path(self.queues, path)
-        queue, owner, _ = _split_owned_path(self.queues, f"{head}/{thin}")
-        return queue, owner, name
+        """``(queue, consumer id, unowned name)`` of an owned message in an
+        inbox (``owned/{consumer}/{name}``)."""
+        return _split_owned_path(self.queues, path)
 
     # -- routing --------------------------------------------------------------
     @property

@@ -51,6 +51,7 @@ from ..compat import kazoo as kazoo_compat
 from .client import CONNECTION_ERRORS, Deferred, check_root, log_failure, make_client
 from .config import ZKSettings
 from .process import current_pid
+from .watches import require_add_watch
 
 __all__ = ["AfterExpiry", "ClientHandle", "SharedSession", "give_up_when_cut_off", "session_key",
            "weak_callback"]
@@ -142,6 +143,7 @@ class SharedSession:
             if self.closed:
                 raise ConnectionClosedError("celery_zk: this ZooKeeper session was closed")
             if self._client is None:
+                require_add_watch(self.settings)   # 3.6 or newer: a clear error if not
                 client = make_client(self.settings, timeout)
                 client.add_listener(self._on_state)
                 self._client = client

@@ -9,10 +9,8 @@ kazoo (2.9 to 2.11) has no ``addWatch`` yet (python-zk/kazoo#715 is
 unmerged; Zuul vendors it too), so this module sends the two requests itself
 through kazoo's request queue and reads the events kazoo would otherwise
 drop, through the private names fenced in :mod:`celery_zk.compat.kazoo`.
-When they are missing, or the servers do not know ``addWatch`` (ZooKeeper
-before 3.6; asked once per process by a client of its own, see
-:meth:`TreeWatches._server_knows_add_watch`), :meth:`TreeWatches.watch`
-returns False and the caller keeps using one-shot child watches.
+celery_zk needs them: a server before 3.6 is refused when a session is made
+(:func:`require_add_watch`), with an error naming its version.
 
 The server forgets a connection's watches when the connection drops, and
 kazoo re-sends none (it drops its own one-shot watches too, telling each
@@ -39,12 +37,13 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import UnimplementedError
 from kazoo.protocol.serialization import int_struct, write_string
 
-from ..compat import PrivateAPIChanged
 from ..compat import kazoo as kazoo_compat
+from ..exceptions import ZKServerTooOld
+from ..server.launcher import four_letter_word
 from .client import dispose_later, log_failure, make_client
 from .config import ZKSettings
 
-__all__ = ["NODE_CREATED", "NODE_DELETED", "TreeWatches"]
+__all__ = ["NODE_CREATED", "NODE_DELETED", "TreeWatches", "require_add_watch", "watches_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +58,13 @@ _ANY_WATCHER = 3            # WatcherType: removes every watch of ours on the pa
 TreeCallback = Callable[[int, str], None]
 
 
-#: Why persistent watches are off, as already logged by this process.
-_told: set[str] = set()
-#: Hosts -> whether their servers know addWatch (see TreeWatches._server_knows_add_watch).
-_probed: dict[str, bool] = {}
-#: Where the probe sets its watch: a node no one makes (a missing node has no ACL
-#: to check), outside the chroot, and gone with the probe's session.
+#: Hosts whose servers are known to have addWatch (see require_add_watch).
+_known: set[str] = set()
+#: Where the check sets its watch: a node no one makes (a missing node has no ACL
+#: to check), outside the chroot, and gone with the check's session.
 PROBE_PATH = "/celery_zk-addWatch-probe"
+#: The ZooKeeper release that brought addWatch (and multiRead).
+NEEDED = "3.6"
 
 #: How far below a watched path an event is handed to its callbacks.
 DEPTH = 2
@@ -108,11 +107,8 @@ class WatchSource(Protocol):
 class TreeWatches:
     """The persistent recursive watches of one session's client."""
 
-    add_request: type[AddWatch] = AddWatch   # a test swaps in an opcode the server lacks
-
     def __init__(self, handle: WatchSource) -> None:
         self.handle = handle
-        self.supported = True
         self._client: KazooClient | None = None
         self._generation = 0              # bumped on every connection drop
         self._added: dict[str, int] = {}  # path -> generation it was added in
@@ -165,75 +161,26 @@ class TreeWatches:
         return (self._client is self.handle.client
                 and self._added.get(path) == self._generation)
 
-    def watch(self, path: str, callback: TreeCallback) -> bool:
+    def watch(self, path: str, callback: TreeCallback) -> None:
         """Watch everything created, changed or deleted below ``path``.
 
         Sends ``addWatch`` unless it is already set on this connection (a
-        reconnect needs it again). Returns False when persistent watches are
-        not available; the caller must then use one-shot watches.
+        reconnect needs it again).
         """
-        if not self.supported:
-            return False
-        try:
-            client = self._bind()
-        except PrivateAPIChanged as exc:
-            self._unsupported(str(exc))
-            return False
-        known = self._server_knows_add_watch()
-        if not known:
-            if known is False:
-                self._unsupported("the ZooKeeper server is older than 3.6 (no addWatch)")
-            return False   # None: not known yet, one-shot watches this time
+        client = self._bind()
         with self._lock:
             self._callbacks = {**self._callbacks,
                                path: self._callbacks.get(path, frozenset()) | {callback}}
         generation = self._generation   # read first: a drop meanwhile means "add again"
         if self._added.get(path) == generation:
-            return True
-        request = self.add_request(client.chroot + path, _PERSISTENT_RECURSIVE)
+            return
+        request = AddWatch(client.chroot + path, _PERSISTENT_RECURSIVE)
 
         def add() -> None:
             kazoo_compat.send(client, request).get()
 
         client.retry(add)
         self._added[path] = generation
-        return True
-
-    def _server_knows_add_watch(self) -> bool | None:
-        """Whether the ensemble's servers know ``addWatch``; None if it could not
-        be found out now.
-
-        A server before 3.6 answers an unknown request out of turn (ZooKeeper's
-        UnimplementedRequestProcessor replies at once, ahead of the requests
-        still in its pipeline, then closes the connection), and kazoo, seeing
-        the reply's xid out of order, gives up on the client for good. So the
-        question is never asked on the shared session: a client of its own
-        asks it once per process and ensemble, and is thrown away.
-        """
-        settings = self.handle.settings
-        known = _probed.get(settings.hosts)
-        if known is not None:
-            return known
-        try:
-            probe = make_client(settings)
-        except Exception as exc:
-            log_failure(logger, exc, "celery_zk: could not ask %s whether it has addWatch",
-                        settings.hosts, level=logging.DEBUG)
-            return None
-        try:
-            kazoo_compat.send(probe, self.add_request(PROBE_PATH, _PERSISTENT_RECURSIVE)).get(
-                timeout=settings.options.connect_timeout)
-            known = True
-        except UnimplementedError:
-            known = False
-        except Exception as exc:   # the shared session will meet the same trouble
-            log_failure(logger, exc, "celery_zk: could not ask %s whether it has addWatch",
-                        settings.hosts, level=logging.DEBUG)
-            return None
-        finally:
-            dispose_later(probe)
-        _probed[settings.hosts] = known
-        return known
 
     def unwatch(self, path: str, callback: TreeCallback) -> bool:
         """Stop calling ``callback``; the last one out removes the server's watch.
@@ -269,11 +216,63 @@ class TreeWatches:
             self._callbacks = callbacks
         return not left
 
-    def _unsupported(self, why: str) -> None:
-        self.supported = False
-        if why in _told:   # once per process, whatever the number of sessions
-            return
-        _told.add(why)
-        logger.warning("celery_zk: persistent watches are off: %s. Consumers and "
-                       "dispatchers use one-shot child watches, one more request per "
-                       "delivery.", why)
+
+def watches_of(session: Any) -> TreeWatches:
+    """The one :class:`TreeWatches` of ``session`` (a ``SharedSession``)."""
+    watches: TreeWatches = session.singleton(TreeWatches, lambda: TreeWatches(session))
+    return watches
+
+
+def require_add_watch(settings: ZKSettings) -> None:
+    """Raise :class:`~celery_zk.exceptions.ZKServerTooOld` when the ensemble's
+    servers do not know ``addWatch`` (ZooKeeper before 3.6); asked once per
+    process and ensemble.
+
+    A server before 3.6 answers an unknown request out of turn (ZooKeeper's
+    UnimplementedRequestProcessor replies at once, ahead of the requests
+    still in its pipeline, then closes the connection), and kazoo, seeing the
+    reply's xid out of order, gives up on the client for good. So the
+    question is never asked on a shared session: a client of its own asks
+    it, and is thrown away. When it cannot be asked now (the servers are
+    away) nothing is decided: the next session asks again.
+    """
+    if settings.hosts in _known:
+        return
+    try:
+        probe = make_client(settings)
+    except Exception as exc:   # the shared session will meet the same trouble
+        log_failure(logger, exc, "celery_zk: could not ask %s whether it has addWatch",
+                    settings.hosts, level=logging.DEBUG)
+        return
+    try:
+        kazoo_compat.send(probe, AddWatch(PROBE_PATH, _PERSISTENT_RECURSIVE)).get(
+            timeout=settings.options.connect_timeout)
+    except UnimplementedError:
+        raise ZKServerTooOld(
+            f"The ZooKeeper server at {settings.hosts} is {_version_of(settings)}; "
+            f"celery_zk needs ZooKeeper {NEEDED} or newer (its consumers wait on "
+            f"persistent watches, ZooKeeper {NEEDED}'s addWatch). Upgrade the "
+            "ensemble (3.4 and 3.5 are end of life), or stay on celery_zk 0.3, which "
+            "falls back to one-shot watches.") from None
+    except Exception as exc:
+        log_failure(logger, exc, "celery_zk: could not ask %s whether it has addWatch",
+                    settings.hosts, level=logging.DEBUG)
+        return
+    finally:
+        dispose_later(probe)
+    _known.add(settings.hosts)
+
+
+def _version_of(settings: ZKSettings) -> str:
+    """The version a server of ``settings.hosts`` says it runs (four-letter word
+    ``srvr``, whitelisted by default), or what the refusal tells."""
+    for hostport in settings.hosts.split(","):
+        host, _, port = hostport.rpartition(":")
+        try:
+            reply = four_letter_word(host.strip("[]"), int(port), "srvr")
+        except (OSError, ValueError):
+            continue
+        for line in reply.splitlines():
+            if line.startswith("Zookeeper version:"):
+                return "ZooKeeper " + line.split(":", 1)[1].strip().split("-")[0]
+    return "older than 3.6 (it does not know addWatch)"

@@ -8,7 +8,6 @@ from kazoo.protocol.states import ZnodeStat
 
 from celery_zk.broker.queue import creates
 from celery_zk.zk.layout import (
-    OWNER_SEP,
     Layout,
     parse_bucket_name,
     parse_message_name,
@@ -47,10 +46,9 @@ def waiting_paths(zk_client: KazooClient, layout: Layout, queue: str) -> list[st
 
 
 def body_path(layout: Layout, queue: str, name: str) -> str:
-    """Where a waiting message's body is: in bodies/ (an ``n`` name), else in
-    its own node (an ``m`` name from before 0.2, or a foreign node)."""
+    """Where a waiting message's body is: in bodies/ (a foreign node: in itself)."""
     message = parse_message_name(name)
-    return (message and layout.body(queue, message)) or layout.unowned_message(queue, name)
+    return layout.body(queue, message) if message else layout.unowned_message(queue, name)
 
 
 def stored_body(zk_client: KazooClient, layout: Layout, queue: str,
@@ -69,17 +67,13 @@ def unowned_creations(zk_client: KazooClient, layout: Layout, queue: str) -> int
 
 
 def owned(zk_client: KazooClient, layout: Layout, queue: str) -> list[str]:
-    """Paths of every owned message of a queue: in its consumers' inboxes, and
-    flat ones stored by celery_zk before 0.2."""
+    """Paths of every owned message of a queue, in its consumers' inboxes."""
     try:
         names = zk_client.get_children(layout.owned(queue))
     except NoNodeError:
         return []
     found = []
     for name in names:
-        if OWNER_SEP in name:
-            found.append(layout.owned_message(queue, name))
-            continue
         try:
             found += [layout.inbox_message(queue, name, entry)
                       for entry in zk_client.get_children(layout.inbox(queue, name))]

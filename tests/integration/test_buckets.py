@@ -5,10 +5,8 @@ as a long-running system does every 4,096.
 """
 from __future__ import annotations
 
-import base64
 import contextlib
 import dataclasses
-import json
 import random
 import socket
 import threading
@@ -28,7 +26,7 @@ from celery_zk.zk.layout import (
     parse_message_name,
 )
 
-from .queues import buckets, stored_body, waiting
+from .queues import buckets, waiting
 from .workers import wait_until
 
 LAYOUT = Layout("/")   # zk_client is chrooted at the URL's path
@@ -272,26 +270,6 @@ def test_publishers_and_consumers_across_many_rolls_lose_nothing(
                "emptied buckets were left behind")   # the newest of each priority stays
     for bucket in buckets(zk_client, LAYOUT, "roll"):
         assert creates(zk_client.exists(bucket)) <= SIZE + 2
-
-
-def test_messages_of_celery_zk_before_buckets_are_still_delivered_first(
-        zk_url: str, zk_client: KazooClient) -> None:
-    """A queue written by an older celery_zk (flat unowned/m{P}-{uid}-{seq}) keeps working."""
-    queue = queue_of("old")
-    with Connection(url(zk_url)) as conn:
-        publish(conn, queue, ["template"])
-        (name,) = waiting(zk_client, LAYOUT, "old")
-        data = json.loads(stored_body(zk_client, LAYOUT, "old", name)[0])
-        zk_client.delete(LAYOUT.unowned_message("old", name))
-        for body, prefix in (("old-low", "m9-00000000000000aa-"),
-                             ("old-high", "m0-00000000000000bb-")):
-            data["body"] = base64.b64encode(body.encode()).decode()   # text/plain, as kombu sent it
-            assert data["properties"]["body_encoding"] == "base64"
-            zk_client.create(LAYOUT.unowned("old") + "/" + prefix,
-                             json.dumps(data).encode(), sequence=True)
-        publish(conn, queue, ["new-low", "new-high"], [None, 9])
-        got = consume_all(conn, queue, 4)
-    assert [body for body, _ in got] == ["old-high", "new-high", "old-low", "new-low"]
 
 
 def test_consumer_nodes_take_no_sequence_number(zk_url: str, zk_client: KazooClient) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
+import socket
 import threading
 import time
 from collections import Counter
@@ -23,8 +25,9 @@ from celery_zk.broker.acks import Acking
 from celery_zk.broker.dispatcher import Dispatcher
 from celery_zk.broker.inbox import HOLD, IDLE
 from celery_zk.broker.queue import CLAIMS
+from celery_zk.ops.upgrade import upgrade
 from celery_zk.zk.config import ZKOptions
-from celery_zk.zk.layout import BODY_INSIDE, Layout, message_prefix, owned_name, parse_message_name
+from celery_zk.zk.layout import Layout, parse_message_name
 
 from .queues import owned, owners, waiting
 from .sessions import apart
@@ -498,17 +501,20 @@ def test_a_dead_consumers_deep_inbox_goes_back_a_batch_per_multi(
     assert rest == list(range(total))
 
 
-def test_messages_stored_by_the_previous_release_are_delivered(
-        zk_url: str, zk_client: KazooClient) -> None:
-    """Upgrading loses nothing: a waiting message of celery_zk before 0.2 (its
-    body in its node, in a bucket) and one owned by a consumer stopped for
-    the upgrade (flat in owned/) both run on the new release, in order."""
+def test_messages_stored_before_0_2_wait_for_the_upgrade_and_then_run_in_order(
+        zk_url: str, zk_client: KazooClient, caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing in the message path reads the forms of celery_zk before 0.2 (a
+    body in its node: waiting in a bucket or flat in unowned/, or claimed flat
+    in owned/): a dispatcher finding one says so once and leaves it. `celery
+    zk upgrade` stores them anew, each in its place, and they run; a claimed
+    one only once its owner's session has ended."""
     layout = layout_of(zk_url)
     queue = queue_of("upgrade")
-    with Connection(zk_url) as conn:
-        queue(conn.channel()).declare()
-        for directory in ("bodies", "consumers"):   # an earlier release had neither
+    with Connection(zk_url) as earlier:   # declared by an earlier release, which made
+        queue(earlier.channel()).declare()   # none of these
+        for directory in ("offers", "consumers", "chunks"):
             zk_client.delete(f"{layout.queue('upgrade')}/{directory}")
+    with Connection(zk_url) as conn:
         bucket = layout.bucket("upgrade", "p9-0000000000")
         zk_client.ensure_path(bucket)
 
@@ -526,23 +532,40 @@ def test_messages_stored_by_the_previous_release_are_delivered(
                 channel._put = original   # type: ignore[method-assign]
                 return captured[0]
 
-        zk_client.create(f"{bucket}/" + message_prefix(9, 0, "a" * 16, kind=BODY_INSIDE),
-                         stored("waiting-old"), sequence=True)
-        held = message_prefix(9, 0, "b" * 16, kind=BODY_INSIDE) + "0" * 9 + "0"
-        zk_client.create(layout.owned_message("upgrade", owned_name("c00dead", held)),
-                         stored("owned-old"))
-        recovery_leader(conn)   # puts the dead owner's message back
-        wait_until(lambda: owned(zk_client, layout, "upgrade") == [], 15,
-                   message="the message owned by the stopped worker was not recovered")
+        zk_client.create(f"{bucket}/m9-0000000000-{'a' * 16}-0000000005", stored("waiting-old"))
+        zk_client.create(f"{layout.unowned('upgrade')}/m9-{'c' * 16}-", stored("flat-old"),
+                         sequence=True)
+        held = f"m9-0000000000-{'b' * 16}-0000000000"
+        zk_client.create(f"{layout.owned('upgrade')}/c00dead~{held}", stored("owned-old"))
+        alive = f"m9-0000000000-{'d' * 16}-0000000001"
+        live_id, _ = conn.transport.session.ensure_registered()
+        zk_client.create(f"{layout.owned('upgrade')}/{live_id}~{alive}",
+                         stored("owned-by-a-live-one"))
         publish(conn, queue, ["new"])
         got: list[Any] = []
+        with caplog.at_level(logging.ERROR, logger="celery_zk.broker.dispatcher"), \
+                Consumer(conn, [queue], prefetch_count=1,
+                         callbacks=[lambda body, message: (got.append(body["v"]),
+                                                           message.ack())]):
+            drain_until(conn, got, 1, 30)
+            with pytest.raises(socket.timeout):
+                conn.drain_events(timeout=1)
+        assert got == ["new"]
+        assert caplog.text.count("celery -A proj zk upgrade") == 1, caplog.text
+
+        done = upgrade(conn.transport.store)
+        assert done.moved == {"upgrade": 3} and done.owned_by_live == {"upgrade": 1}
+        assert upgrade(conn.transport.store).moved == {}   # again: nothing to do
+        assert {"offers", "consumers", "chunks"} <= set(
+            zk_client.get_children(layout.queue("upgrade")))
         with Consumer(conn, [queue], prefetch_count=1,
-                      callbacks=[lambda body, message: (got.append(body["v"]), message.ack())]):
-            drain_until(conn, got, 3, 30)
-    # The owned one goes back ahead of the waiting one (an older sequence).
-    assert got == ["owned-old", "waiting-old", "new"]
-    assert owned(zk_client, layout, "upgrade") == [] and waiting(zk_client, layout,
-                                                                 "upgrade") == []
+                      callbacks=[lambda body, message: (got.append(body["v"]),
+                                                        message.ack())]):
+            drain_until(conn, got, 4, 30)
+    # Each in its place, by its first sequence: the owned one's 0, the flat
+    # one's (in bucket 0 now) 1 or 2, the waiting one's 5.
+    assert got == ["new", "owned-old", "flat-old", "waiting-old"]
+    assert waiting(zk_client, layout, "upgrade") == []
 
 
 def test_purge_deletes_names_and_bodies_a_few_hundred_per_multi(

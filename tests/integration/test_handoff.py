@@ -15,7 +15,7 @@ from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk.broker.handoff import Offer
-from celery_zk.zk.layout import Layout, inline_body, offer_name, parse_message_name
+from celery_zk.zk.layout import Layout, offer_name, parse_message_name
 
 from .queues import body_path, owned, stored_body, waiting
 from .queues import unowned_creations as creations
@@ -97,7 +97,6 @@ def consumer(conn: Connection, queue: Queue, got: list[Any], ack: bool = True,
     return Consumer(conn, [queue], callbacks=[on_message], **kwargs)
 
 
-@pytest.mark.usefixtures("quiet")
 def test_an_idle_consumer_is_handed_each_message_without_a_claim(
         conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
     queue = Queue("hand", Exchange("hand", "direct"), "hand")
@@ -136,12 +135,11 @@ def count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return paths
 
 
-def test_a_handed_message_brings_its_body_in_its_name(
+def test_a_handed_message_is_read_in_one_request(
         conn: Connection, zk_url: str, zk_client: KazooClient,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The inbox watch's event names the entry, and the name holds a copy of
-    the body: delivered without a read. The start gate's time of the server's
-    last answer is the offer's create, not nothing."""
+    """The inbox watch's event names the entry; its body is read in one
+    request. The start gate's time of the server's last answer is that read's."""
     from celery_zk.compat.celery import READ_AT
 
     reads = count_reads(monkeypatch)
@@ -158,92 +156,11 @@ def test_a_handed_message_brings_its_body_in_its_name(
     assert body == payload and message.headers == {"task": "proj.add"}
     name = message.delivery_tag.rpartition("/")[2]
     assert parse_message_name(name).seq == 0   # handed over
-    assert inline_body(name) is not None, "the handed name carries no body"
-    assert reads == [], f"read although its name carried the body: {reads}"
+    assert reads == [body_path(LAYOUT, "inline", name)]
     assert 0 < delivered_at - message.properties[READ_AT] < 5
     # Acked as any message: the entry and the one body node go.
     wait_until(lambda: owned(zk_client, LAYOUT, "inline") == [], 5, 0.02, "not acked")
     assert zk_client.exists(body_path(LAYOUT, "inline", name)) is None
-
-
-def test_the_longest_name_with_a_body_is_a_node_name(zk_client: KazooClient) -> None:
-    """ZooKeeper takes (and lists, and deletes) an inbox entry whose name
-    carries the longest body copy there may be."""
-    from celery_zk.zk.layout import INLINE_CHARS, handed_name
-
-    name = handed_name(0, 1, "ab" * 8, body="A" * INLINE_CHARS)
-    zk_client.ensure_path("/longest")
-    zk_client.create(f"/longest/{name}")
-    assert zk_client.get_children("/longest") == [name]
-    zk_client.delete(f"/longest/{name}")
-
-
-def test_a_body_too_big_for_a_name_is_handed_over_and_read(
-        conn: Connection, zk_url: str, zk_client: KazooClient,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import base64
-    import os
-
-    reads = count_reads(monkeypatch)
-    queue = Queue("thick", Exchange("thick", "direct"), "thick")
-    got: list[Any] = []
-    payload = base64.b64encode(os.urandom(6000)).decode()   # does not compress
-    with consumer(conn, queue, got):
-        expect_idle(conn)
-        wait_until(lambda: offers(zk_client, "thick"), 5, 0.02, "no offer was made")
-        publish(zk_url, queue, payload)
-        conn.drain_events(timeout=5)
-    body, message = got[0]
-    name = message.delivery_tag.rpartition("/")[2]
-    assert body == payload and parse_message_name(name).seq == 0
-    assert inline_body(name) is None and "~" not in name
-    assert len(reads) == 1
-
-
-def test_no_body_in_a_name_while_a_release_before_0_3_leads_recovery(
-        conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
-    """A rolling upgrade from 0.2: the oldest consumer process leads recovery,
-    and 0.2 could not requeue a name with a body (its pass would stop there).
-    While such a process leads, offers say so (no "~b", as 0.2's own offers)
-    and publishers hand over plain names; once it is gone, bodies ride again."""
-    import json
-
-    from celery_zk.zk.layout import BODY_IN_NAME
-
-    # A 0.2 worker's node, older than any real one: its data has no body_in_name.
-    old = LAYOUT.consumer("c" + "0" * 16 + "0a0b0c0d")
-    zk_client.create(old, json.dumps({"host": "old", "pid": 1, "queues": []}).encode(),
-                     ephemeral=True, makepath=True)
-    queue = Queue("older", Exchange("older", "direct"), "older")
-    got: list[Any] = []
-    try:
-        with consumer(conn, queue, got):
-            expect_idle(conn)
-            wait_until(lambda: offers(zk_client, "older"), 5, 0.02, "no offer was made")
-            mine = json.loads(zk_client.get(
-                LAYOUT.consumer(str(conn.transport.session.consumer_id)))[0])
-            assert mine[BODY_IN_NAME] is True
-            assert not offers(zk_client, "older")[0].endswith("~b")
-            publish(zk_url, queue, "plain")
-            conn.drain_events(timeout=5)
-            name = got[-1][1].delivery_tag.rpartition("/")[2]
-            assert got[-1][0] == "plain" and parse_message_name(name).seq == 0
-            assert "~" not in name
-            zk_client.delete(old)   # the last 0.2 worker stops
-            wait_until(lambda: conn.transport.session.bodies_in_names, 5, 0.02,
-                       "the new leader was not looked at")
-            publish(zk_url, queue, "bridge")   # takes the offer made before, plain
-            conn.drain_events(timeout=5)
-            expect_idle(conn)
-            wait_until(lambda: any(o.endswith("~b") for o in offers(zk_client, "older")), 5,
-                       0.02, "no offer with ~b was made")
-            publish(zk_url, queue, "with body")
-            conn.drain_events(timeout=5)
-            name = got[-1][1].delivery_tag.rpartition("/")[2]
-            assert got[-1][0] == "with body" and inline_body(name) is not None
-    finally:
-        if zk_client.exists(old):
-            zk_client.delete(old)
 
 
 def test_no_offers_with_handoff_off(zk_url: str, zk_client: KazooClient) -> None:
@@ -355,43 +272,6 @@ def test_an_offer_stands_for_every_message_until_it_is_withdrawn(
     assert {LAYOUT.split_owned_path(path)[1] for path in paths} == {consumer_id}
     assert sorted(stored_body(zk_client, LAYOUT, "race", path.rpartition("/")[2])[0]
                   for path in paths) == [b"first", b"second"]
-
-
-def test_an_offer_deleted_by_a_publisher_before_0_3_3_is_made_again(
-        conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
-    """A publisher of a release before 0.3.3 deletes the offer in the multi
-    that hands the message over: the consumer delivers it and, idle again,
-    offers again."""
-    from celery_zk.zk.layout import encode_body, handed_name
-
-    queue = Queue("old", Exchange("old", "direct"), "old")
-    got: list[Any] = []
-    with consumer(conn, queue, got):
-        expect_idle(conn)
-        wait_until(lambda: offers(zk_client, "old"), 5, 0.02, "no offer was made")
-        (first,) = offers(zk_client, "old")
-        consumer_id = conn.transport.session.consumer_id
-        with Connection(apart(zk_url, "old-publisher")) as old:
-            old.connect()
-            layout, client = old.transport.layout, old.transport.handle.client
-            data = json.dumps({"body": '"handed"', "content-type": "application/json",
-                               "content-encoding": "utf-8", "headers": {},
-                               "properties": {"delivery_info": {}, "body_encoding": "utf-8",
-                                              "delivery_mode": 2, "priority": 0}}).encode()
-            message = old.transport.store.new_message("old", data, 0)
-            name = handed_name(message.inverted_priority, message.generation, message.uid,
-                               message.kind, message.task, message.limit_key,
-                               encode_body(message.data))
-            txn = client.transaction()   # what 0.3.2's hand-off sent
-            txn.delete(layout.offer("old", first))
-            txn.create(message.body_path, message.data)
-            txn.create(layout.inbox_message("old", consumer_id, name))
-            assert not any(isinstance(result, Exception) for result in txn.commit())
-        conn.drain_events(timeout=5)
-        assert [body for body, _ in got] == ["handed"]
-        expect_idle(conn)   # idle again: it offers
-        wait_until(lambda: offers(zk_client, "old") not in ([], [first]), 5, 0.02,
-                   "no new offer")
 
 
 def test_a_message_after_one_that_waited_is_not_handed_over_ahead_of_it(
@@ -538,112 +418,6 @@ def event_loop(conn: Connection, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ru
         hub.close()
 
 
-def stand_until_a_change(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A look that found nothing stands until something it decided on changes
-    (``inbox.QUIET`` without end)."""
-    import celery_zk.broker.inbox as inbox_module
-
-    monkeypatch.setattr(inbox_module, "QUIET", 3600.0)
-
-
-@pytest.fixture(params=["as shipped", "standing until a change"])
-def quiet(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run a test also with looks standing until a change: offers and looks
-    again that a test waits for must come from a change or a timer, never
-    from QUIET running out."""
-    if request.param != "as shipped":
-        stand_until_a_change(monkeypatch)
-
-
-def test_a_look_that_found_nothing_stands_until_what_it_decided_on_changes(
-        conn: Connection, zk_url: str, zk_client: KazooClient,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A worker's event loop looks at every queue it consumes before each
-    delivery (its remote-control queue, empty, on every task of a drain).
-    Looked at again while nothing changed, an empty queue's inbox does not
-    decide again; a task taking its only slot, the watch's event of a message,
-    the message's ack and a look-again timer falling due each end that."""
-    from queue import Empty
-
-    import celery.worker.state as worker_state
-
-    from celery_zk.broker.inbox import Inbox
-
-    class Running:   # a task request in Celery's worker state (kept weakly)
-        pass
-
-    stand_until_a_change(monkeypatch)   # only a change ends it
-    fills: list[int] = []
-    real_fill = Inbox.fill
-
-    def fill(inbox: Inbox, *args: Any, **kwargs: Any) -> None:
-        fills.append(1)
-        real_fill(inbox, *args, **kwargs)
-    monkeypatch.setattr(Inbox, "fill", fill)
-    queue = Queue("quiet", Exchange("quiet", "direct"), "quiet")
-    got: list[Any] = []
-    with consumer(conn, queue, got):
-        channel = conn.default_channel
-        inbox = conn.transport.inbox("quiet")
-
-        def look() -> Any:
-            try:
-                return channel._get("quiet")
-            except Empty:
-                return None
-        wait_until(lambda: look() is None and offers(zk_client, "quiet"), 5, 0.02,
-                   "no offer was made")
-        looked = len(fills)
-        for _ in range(20):
-            assert look() is None
-        assert len(fills) == looked   # it stood
-
-        running = Running()
-        worker_state.reserved_requests.add(running)   # a task takes the only slot
-        try:
-            assert look() is None
-            assert len(fills) == looked + 1
-            assert look() is None
-            assert len(fills) == looked + 1   # and stands again
-        finally:
-            worker_state.reserved_requests.discard(running)
-        assert look() is None
-        assert len(fills) == looked + 2
-        wait_until(lambda: look() is None and offers(zk_client, "quiet"), 5, 0.02,
-                   "no offer once the slot was free")
-
-        publish(zk_url, queue, "handed")
-        wait_until(lambda: inbox.arrivals, 5, 0.01, "the watch reported nothing")
-        payload = look()
-        assert payload is not None, "the watch's event did not end the look's standing"
-        looked = len(fills)
-        assert look() is None   # delivered and not settled: decided again
-        assert len(fills) == looked + 1
-        assert look() is None
-        assert len(fills) == looked + 1
-        message = channel.Message(payload, channel=channel)
-        channel.basic_ack(message.delivery_tag)
-        assert look() is None   # settled: decided again
-        assert len(fills) == looked + 2
-
-        # A look-again timer (the offer's wait, BUSY_GRACE) ends it when due; one
-        # due already asked for the look just made and leaves it standing.
-        class Timer:
-            def cancel(self) -> None:
-                pass
-        try:
-            inbox._look_timer, inbox._look_at = Timer(), time.monotonic() - 1
-            inbox.found_nothing(0, 1)
-            assert inbox.quiet(0, 1)
-            inbox._look_at = time.monotonic() + 0.2
-            inbox.found_nothing(0, 1)
-            assert inbox.quiet(0, 1)
-            wait_until(lambda: not inbox.quiet(0, 1), 5, 0.01, "it stood past the timer")
-        finally:
-            inbox._look_timer, inbox._look_at = None, 0.0
-
-
-@pytest.mark.usefixtures("quiet")
 def test_an_idle_worker_offers_once_its_running_tasks_end(
         zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """In a Celery worker a task is acked as it starts and counts as in hand
@@ -678,7 +452,6 @@ def test_an_idle_worker_offers_once_its_running_tasks_end(
         run_until(lambda: offers(zk_client, "busy"), "no offer once the task ended")
 
 
-@pytest.mark.usefixtures("quiet")
 def test_a_blocking_consumer_offers_again_as_it_acks_not_when_it_next_waits(
         conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
     """A client that drains only while it waits for a reply (Celery's rpc://
@@ -728,7 +501,6 @@ def test_rpc_results_over_zk_are_handed_to_the_waiting_client(
         app.close()
 
 
-@pytest.mark.usefixtures("quiet")
 def test_offers_back_off_while_the_dispatcher_gives_the_work(
         zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """A consumer whose offer is withdrawn because the dispatcher gave it work
@@ -764,7 +536,6 @@ def test_offers_back_off_while_the_dispatcher_gives_the_work(
         assert inbox._offer_after == 0.0
 
 
-@pytest.mark.usefixtures("quiet")
 def test_work_that_leaves_a_pool_slot_free_keeps_the_offer(
         zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker that runs two tasks at once keeps its offer while the dispatcher
@@ -828,7 +599,6 @@ def test_work_that_leaves_a_pool_slot_free_keeps_the_offer(
                 worker_state.reserved_requests.discard(request)
 
 
-@pytest.mark.usefixtures("quiet")
 def test_handed_work_that_takes_every_slot_keeps_the_offer_for_a_moment(
         zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """A burst of a trickle takes every pool slot for a moment: the offer
@@ -925,21 +695,6 @@ def test_a_requeued_handed_message_goes_ahead_of_later_arrivals(
     assert [body for body, _ in got] == ["first", "first", "second", "third"]
 
 
-def test_a_queue_made_before_offers_existed_gets_its_directory(
-        conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
-    queue = Queue("old", Exchange("old", "direct"), "old")
-    queue(conn.channel()).declare()
-    zk_client.delete(LAYOUT.offers("old"))   # as an older version declared it
-    got: list[Any] = []
-    with consumer(conn, queue, got):
-        expect_idle(conn)
-        wait_until(lambda: zk_client.exists(LAYOUT.offers("old")) and offers(zk_client, "old"),
-                   5, 0.02, "no offer was made")
-        publish(zk_url, queue, "x")
-        conn.drain_events(timeout=5)
-    assert [body for body, _ in got] == ["x"]
-
-
 def test_a_handed_message_of_a_killed_consumer_is_requeued(
         zk_url: str, zk_client: KazooClient) -> None:
     """The owner's session ends before it delivers what it was handed: the
@@ -953,8 +708,6 @@ def test_a_handed_message_of_a_killed_consumer_is_requeued(
     wait_until(lambda: offers(zk_client, "dies"), 5, 0.02, "no offer was made")
     publish(zk_url, queue, "survives")   # handed over; doomed never drains again
     wait_until(lambda: owned(zk_client, LAYOUT, "dies"), 5, 0.02)
-    # With a copy of its body in its name; requeued, it waits under its plain name.
-    assert inline_body(owned(zk_client, LAYOUT, "dies")[0].rpartition("/")[2]) is not None
     # End its session without the transport's close: no withdrawal, no requeue
     # by the owner, as when a worker is killed.
     doomed.transport.handle.client.stop()
@@ -966,7 +719,6 @@ def test_a_handed_message_of_a_killed_consumer_is_requeued(
                            "the handed message was not requeued")
             assert [body for body, _ in again] == ["survives"]
             assert again[0][1].delivery_info.get("redelivered")
-            assert "~" not in again[0][1].delivery_tag.rpartition("/")[2]
     finally:
         try:
             doomed.release()

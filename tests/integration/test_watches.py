@@ -1,7 +1,6 @@
 """Persistent recursive watches: what they wake, when they go away, what replaces them."""
 from __future__ import annotations
 
-import logging
 import socket
 import threading
 import time
@@ -15,7 +14,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from celery_zk.zk.config import parse_url
 from celery_zk.zk.reads import MultiRead
 from celery_zk.zk.session import ClientHandle
-from celery_zk.zk.watches import NODE_CREATED, NODE_DELETED, AddWatch, TreeWatches
+from celery_zk.zk.watches import NODE_CREATED, NODE_DELETED, TreeWatches
 
 from .sessions import apart
 from .workers import wait_until
@@ -133,27 +132,6 @@ def test_tree_watch_is_added_again_after_the_connection_drops(handle: ClientHand
                "'seen' was not reported")
 
 
-def test_server_without_add_watch_turns_them_off(handle: ClientHandle,
-                                                caplog: pytest.LogCaptureFixture,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Asked on a client of its own: the shared session never sees the unknown
-    request (a server before 3.6 answers it out of turn, which kazoo cannot
-    survive; test_old_server.py runs a real one)."""
-    class Unknown(AddWatch):
-        type = 999   # what a ZooKeeper before 3.6 makes of addWatch: Unimplemented
-
-    monkeypatch.setattr("celery_zk.zk.watches._probed", {})   # the answer is per process
-    client = handle.client
-    watches = TreeWatches(handle)
-    watches.add_request = Unknown
-    with caplog.at_level(logging.WARNING, logger="celery_zk.zk.watches"):
-        assert not watches.watch(f"{handle.settings.root}/old", Recorder())
-    assert not watches.supported
-    assert "older than 3.6" in caplog.text
-    assert not watches.watch(f"{handle.settings.root}/old", Recorder())   # not tried again
-    assert handle.client is client and client.connected   # the shared session never dropped
-
-
 def _expect_idle(conn: Connection) -> None:
     """Nothing to deliver: the consumer waits out the timeout, idle and armed."""
     with pytest.raises(socket.timeout):
@@ -167,14 +145,12 @@ def _publish(zk_url: str, queue: Queue, *bodies: Any) -> None:
             producer.publish(body, exchange=queue.exchange, routing_key=queue.routing_key)
 
 
-@pytest.mark.parametrize("persistent", [True, False])
 def test_a_consumer_learns_of_a_message_from_its_inbox_alone(
-        zk_url: str, persistent: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        zk_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """It never lists the queue: with a persistent watch on its inbox it lists
-    nothing at all once watching; without, it lists its inbox (a few names)."""
+    nothing at all once watching."""
     queue = Queue("wake", Exchange("wake", "direct"), "wake")
-    flag = "true" if persistent else "false"
-    with Connection(f"{zk_url}?persistent_watches={flag}") as conn:
+    with Connection(zk_url) as conn:
         queue(conn.channel()).declare()
         transport = conn.transport
         listed: list[str] = []
@@ -197,11 +173,8 @@ def test_a_consumer_learns_of_a_message_from_its_inbox_alone(
                 assert got[-1] == {"n": expected}
                 unowned = transport.layout.unowned("wake")
                 assert not any(path.startswith(unowned) for path in listed), listed
-                inbox = transport.layout.owned("wake")
-                if persistent and expected > 1:   # the first look lists once, to start
+                if expected > 1:   # the first look lists once, to start
                     assert listed == [], listed
-                elif not persistent:
-                    assert listed and all(p.startswith(inbox) for p in listed), listed
 
 
 def test_consumer_gets_messages_published_across_a_connection_drop(zk_url: str) -> None:

@@ -24,7 +24,7 @@ FENCED = {
     "_socket",
     "_apply_tasks", "_regen", "sanitize_url", "maybe_sanitize_url",
     "_delivered", "_dirty", "_flush", "_quick_ack", "_on_collect", "_active_queues",
-    "_tag_to_queue", "_get_message_priority", "_raw", "_deliver",
+    "_tag_to_queue", "_get_message_priority", "_deliver",
 }
 
 

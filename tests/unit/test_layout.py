@@ -1,12 +1,10 @@
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 
 from celery_zk.zk.layout import (
-    INLINE_CHARS,
     Layout,
     binding_name,
     bucket_name,
@@ -14,20 +12,19 @@ from celery_zk.zk.layout import (
     escape,
     handed_name,
     inverted,
+    is_legacy,
     message_prefix,
     new_consumer_id,
     offer_name,
-    order_key,
-    owned_name,
     parse_binding_name,
     parse_bucket_name,
     parse_consumer_name,
+    parse_legacy_name,
     parse_message_name,
     parse_offer_name,
     requeued_name,
     result_shard,
     sort_messages,
-    split_owned_name,
     unescape,
 )
 
@@ -66,19 +63,22 @@ def test_requeued_name_keeps_its_bucket_and_first_sequence() -> None:
     assert requeued(name) == name   # requeued again: the same place
 
 
-def test_names_from_before_buckets_are_still_read() -> None:
+def test_names_from_before_0_2_are_told_apart_and_parsed_as_they_become() -> None:
+    """Read only by `celery zk upgrade`: a flat one goes to bucket 0, keeping its
+    first sequence; one in a bucket keeps its bucket; a claimed one loses its owner."""
     flat = "m6-abcdef-" + seq(12)
     flat_requeued = "m6-abcdef-r" + seq(4) + "-" + seq(30)
-    parsed = parse_message_name(flat)
-    assert parsed is not None and parsed.generation is None and parsed.bucket is None
-    assert Layout("/a").unowned_message("q", flat) == "/a/queues/q/unowned/" + flat
-    parsed = parse_message_name(flat_requeued)
-    assert parsed is not None and (parsed.order, parsed.requeued) == (4, True)
-    # Requeued again, it goes to the first bucket of its priority, keeping its order.
-    assert parse_message_name(requeued(flat_requeued)).bucket == bucket_name(6, 0)
-    # Older than any bucket: first within their priority.
-    assert sort_messages([new(3, "b", 0), flat, new(9, "c", 7)])[0] == [
-        new(9, "c", 7), flat, new(3, "b", 0)]
+    bucketed = "m6-" + seq(3) + "-abcdef.0a1b2c3d@key-" + seq(9)
+    assert all(map(is_legacy, [flat, flat_requeued, bucketed, "c0123~" + flat]))
+    assert not any(map(is_legacy, [new(3, "ab", 5), "not-ours", "c0123~not-ours"]))
+    assert all(parse_message_name(name) is None for name in (flat, flat_requeued, bucketed))
+    first, again, kept = map(parse_legacy_name, (flat, flat_requeued, bucketed))
+    assert first is not None and (first.bucket, first.order, first.requeued) == (
+        bucket_name(6, 0), 12, False)
+    assert again is not None and (again.order, again.requeued) == (4, True)
+    assert kept is not None and (kept.bucket, kept.task, kept.affinity, kept.order) == (
+        bucket_name(6, 3), "0a1b2c3d", "key", 9)
+    assert requeued_name(kept).startswith("n6-" + seq(3) + "-abcdef")
 
 
 @pytest.mark.parametrize("priority, expected", [(None, 0), (-3, 0), (0, 0), (5, 5), (9, 9),
@@ -105,16 +105,11 @@ def test_sort_orders_by_priority_desc_then_bucket_then_first_sequence() -> None:
 
 
 @pytest.mark.parametrize("name", ["", "m1-x-0000000001", "m1-abc-123", "mX-abc-0000000001",
-                                  "lock-0000000001", "m1-0000000001-abc-r123",
-                                  "m1-0000000001-abc--2147483648", "p1-0000000001"])
+                                  "lock-0000000001", "n1-0000000001-abc-r123",
+                                  "n1-0000000001-abc--2147483648", "p1-0000000001",
+                                  "m1-0000000001-abc-0000000001"])
 def test_foreign_names_are_not_messages(name: str) -> None:
     assert parse_message_name(name) is None
-
-
-def test_owned_name_round_trip() -> None:
-    message = new(1, "ff", 7)
-    assert split_owned_name(owned_name("c0123", message)) == ("c0123", message)
-    assert split_owned_name("garbage") is None
 
 
 def test_consumer_ids_sort_by_age_and_old_names_still_parse() -> None:
@@ -143,9 +138,8 @@ def test_paths_are_under_root_and_owned_path_inverts() -> None:
     path = layout.inbox_message("a/b", "c1", new(0, "ab", 1))
     assert path == "/app/queues/a%2Fb/owned/c1/" + new(0, "ab", 1)
     assert layout.split_owned_path(path) == ("a/b", "c1", new(0, "ab", 1))
-    # Flat, as celery_zk before 0.2 owned them.
-    path = layout.owned_message("a/b", owned_name("c1", new(0, "ab", 1)))
-    assert layout.split_owned_path(path) == ("a/b", "c1", new(0, "ab", 1))
+    with pytest.raises(ValueError):   # flat, as celery_zk before 0.2 owned them
+        layout.split_owned_path("/app/queues/a%2Fb/owned/c1~" + new(0, "ab", 1))
     with pytest.raises(ValueError):
         layout.split_owned_path("/app/queues/x/unowned/" + new(0, "ab", 1))
     with pytest.raises(ValueError):
@@ -153,17 +147,11 @@ def test_paths_are_under_root_and_owned_path_inverts() -> None:
 
 
 def test_a_message_names_where_its_body_is() -> None:
-    """``n`` names (celery_zk 0.2) keep their body in bodies/, by bucket and uid;
-    ``m`` names (before) in their own node. Both sort together."""
     layout = Layout("/app")
     apart = parse_message_name(new(2, "ab", 5, generation=3))
-    assert apart is not None and apart.body_apart
+    assert apart is not None and not apart.chunked
     assert layout.body("q", apart) == "/app/queues/q/bodies/p7-" + seq(3) + "/ab"
-    inside = parse_message_name("m7-" + seq(3) + "-cd-" + seq(4))
-    assert inside is not None and not inside.body_apart and layout.body("q", inside) is None
-    assert requeued_name(inside).startswith("m7-") and requeued_name(apart).startswith("n7-")
-    assert sort_messages([new(2, "ab", 5, 3), "m7-" + seq(3) + "-cd-" + seq(4)])[0] == [
-        "m7-" + seq(3) + "-cd-" + seq(4), new(2, "ab", 5, 3)]
+    assert requeued_name(apart).startswith("n7-")
 
 
 def test_result_shards_bound_directory_size() -> None:
@@ -180,50 +168,16 @@ def test_result_shards_bound_directory_size() -> None:
 
 
 def test_offer_and_handed_names() -> None:
-    from celery_zk.zk.layout import offer_token
-
-    offer = offer_name("c0123456789ab", offer_token("abcdef0123456789", True))
-    assert offer == "c0123456789ab~abcdef0123456789~b"
-    assert parse_offer_name(offer) == ("c0123456789ab", "abcdef0123456789~b", True)
-    # An offer of a release before 0.3 (or made while 0.2 leads recovery)
-    # takes no body in a name.
-    plain = offer_name("c0123456789ab", offer_token("abcdef0123456789", False))
-    assert plain == "c0123456789ab~abcdef0123456789"
-    assert parse_offer_name(plain) == ("c0123456789ab", "abcdef0123456789", False)
+    offer = offer_name("c0123456789ab", "abcdef0123456789")
+    assert offer == "c0123456789ab~abcdef0123456789"
+    assert parse_offer_name(offer) == ("c0123456789ab", "abcdef0123456789")
+    # An offer of 0.3, which said it took a body in a handed name.
+    assert parse_offer_name(offer + "~b") == ("c0123456789ab", "abcdef0123456789~b")
     assert parse_offer_name("x~y") is None and parse_offer_name("c01") is None
     handed = parse_message_name(handed_name(inverted(7), 3, "abcdef0123456789"))
     assert handed is not None
     assert (handed.priority, handed.uid, handed.generation, handed.requeued, handed.seq,
-            handed.body_apart) == (7, "abcdef0123456789", 3, False, 0, True)
-
-
-def test_a_handed_name_carries_its_body_and_says_what_the_thin_name_says() -> None:
-    from celery_zk.zk.layout import encode_body, inline_body, without_body
-
-    body = b'{"body": "W1tdLCB7fV0=", "headers": {"task": "proj.add"}}' * 8
-    thin = handed_name(inverted(3), 5, "abcdef0123456789", task="0a1b2c3d")
-    fat = handed_name(inverted(3), 5, "abcdef0123456789", task="0a1b2c3d",
-                      body=encode_body(body))
-    assert fat.startswith(thin + "~") and inline_body(fat) == body
-    assert without_body(fat) == thin and parse_message_name(fat) == parse_message_name(thin)
-    assert order_key(fat) == (order_key(thin)[0], fat)   # type: ignore[index]
-    # A requeue names it thin: the copy stays out of the queue's listings.
-    assert requeued_name(parse_message_name(fat)) == requeued(thin)  # type: ignore[arg-type]
-    layout = Layout("/r")
-    assert layout.split_owned_path(layout.inbox_message("q", "c0123456789ab", fat)) == (
-        "q", "c0123456789ab", fat)
-    # Names without a copy, and flat owned names (consumer~name), are left alone.
-    assert inline_body(thin) is None and without_body(thin) is thin
-    flat = f"c0123456789ab~{new(0, 'a' * 16, 4)}"
-    assert without_body(flat) is flat and parse_message_name(flat) is None
-    assert layout.split_owned_path(layout.owned_message("q", flat)) == (
-        "q", "c0123456789ab", new(0, "a" * 16, 4))
-    # A copy that does not decode is no body: the consumer reads the body node.
-    assert inline_body(thin + "~AAAA") is None and parse_message_name(thin + "~AAAA")
-    assert parse_message_name(thin + "~not/base64!") is None
-    # What does not fit stays out of the name.
-    assert encode_body(os.urandom(3000)) is None and encode_body(os.urandom(9000)) is None
-    assert len(encode_body(body) or "") < INLINE_CHARS
+            handed.chunked) == (7, "abcdef0123456789", 3, False, 0, False)
 
 
 def test_a_requeued_handed_message_sorts_ahead_of_the_first_arrival() -> None:

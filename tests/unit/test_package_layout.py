@@ -15,7 +15,7 @@ PACKAGE = ROOT / "celery_zk"
 #: Which subpackage may import which (besides itself and exceptions).
 ALLOWED = {
     "compat": set(),
-    "zk": {"compat"},
+    "zk": {"compat", "server"},   # server: the four-letter words, naming a version
     "features": {"zk", "compat"},
     "broker": {"zk", "features", "compat"},
     "backend": {"zk", "compat"},

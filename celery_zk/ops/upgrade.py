@@ -1,0 +1,122 @@
+"""``celery zk upgrade``: messages stored before 0.2, stored as every other one is.
+
+Before 0.2 a message kept its body inside its own node (an ``m`` name, flat
+in ``unowned/`` or, from 0.1.x, in a bucket), and a claimed one was flat in
+``owned/`` (``{consumer}~{name}``). Nothing in the message path reads them
+any more (a dispatcher that finds one says so, once, and leaves it). This
+moves each to today's form in one multi: the old node deleted (its version
+checked, so a concurrent change fails it), the body created in ``bodies/``
+and the name in the bucket the old name states, marked requeued with its
+first sequence, so it keeps its place among its priority. A claimed one is
+moved only once its owner's session has ended (live, it may still ack it:
+run the upgrade again once the old workers are stopped). Run it once, with
+the publishers and workers of the old release stopped; running it again
+finds nothing to do. It also gives each queue the directories later
+releases added.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from kazoo.client import KazooClient, TransactionRequest
+from kazoo.exceptions import NodeExistsError, NoNodeError
+
+from ..broker.store import StoreBase
+from ..zk.client import multi_failure
+from ..zk.layout import (
+    OWNER_SEP,
+    MessageName,
+    parse_bucket_name,
+    parse_consumer_name,
+    parse_legacy_name,
+    requeued_name,
+    unescape,
+)
+
+__all__ = ["Upgrade", "upgrade"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Upgrade:
+    """What :func:`upgrade` found and did."""
+
+    moved: dict[str, int] = field(default_factory=dict)     # queue -> messages stored anew
+    owned_by_live: dict[str, int] = field(default_factory=dict)   # queue -> left: owner lives
+
+
+def upgrade(store: StoreBase) -> Upgrade:
+    """Store every message of ``store``'s root kept in a form before 0.2 anew."""
+    client, layout = store.client, store.layout
+    done = Upgrade()
+    try:
+        queues = client.retry(client.get_children, layout.queues)
+    except NoNodeError:
+        return done
+    live = {p for p in map(parse_consumer_name, _children(client, layout.consumers)) if p}
+    for escaped in queues:
+        queue = unescape(escaped)
+        store.declare(queue)   # the directories later releases added
+        unowned = layout.unowned(queue)
+        waiting = []
+        for name in _children(client, unowned):
+            if parse_bucket_name(name) is None:
+                waiting.append(f"{unowned}/{name}")
+            else:
+                bucket = layout.bucket(queue, name)
+                waiting += [f"{bucket}/{child}" for child in _children(client, bucket)]
+        for path in waiting:
+            message = parse_legacy_name(path.rpartition("/")[2])
+            if message is not None and _store_anew(store, queue, path, message):
+                done.moved[queue] = done.moved.get(queue, 0) + 1
+        owned = layout.owned(queue)
+        for name in _children(client, owned):
+            owner, sep, rest = name.partition(OWNER_SEP)
+            message = parse_legacy_name(rest) if sep else None
+            if message is None:
+                continue
+            if owner in live:
+                done.owned_by_live[queue] = done.owned_by_live.get(queue, 0) + 1
+            elif _store_anew(store, queue, f"{owned}/{name}", message):
+                done.moved[queue] = done.moved.get(queue, 0) + 1
+    return done
+
+
+def _store_anew(store: StoreBase, queue: str, old: str, message: MessageName) -> bool:
+    """One multi: ``old`` goes, its body and its name (requeued, in its place)
+    come; False when it was gone or changed meanwhile (then nothing was done)."""
+    client, layout = store.client, store.layout
+    try:
+        data, stat = client.retry(client.get, old)
+    except NoNodeError:
+        return False
+    bucket = layout.bucket(queue, message.bucket)
+    missing = [path for path in (bucket, layout.body_bucket(queue, message.bucket))
+               if client.retry(client.exists, path) is None]
+
+    def build(txn: TransactionRequest) -> None:
+        # Without one multi a crash between the steps would lose the message or
+        # store it twice.
+        txn.delete(old, version=stat.version)
+        for path in missing:
+            txn.create(path)
+        txn.create(layout.body(queue, message), data)
+        txn.create(f"{bucket}/{requeued_name(message)}")
+
+    failure = multi_failure(store.commit(build))
+    if failure is None:
+        return True
+    if failure[0] > 0 and isinstance(failure[1], NodeExistsError):
+        return _store_anew(store, queue, old, message)   # a directory made meanwhile
+    logger.warning("celery_zk: %s was not upgraded (%s); run the upgrade again",
+                   old, type(failure[1]).__name__)
+    return False
+
+
+def _children(client: KazooClient, path: str) -> list[str]:
+    try:
+        return list(client.retry(client.get_children, path))
+    except NoNodeError:
+        return []

@@ -43,7 +43,8 @@ from kazoo.exceptions import (
 from kazoo.retry import ForceRetryError
 
 from ..zk.client import FAILOVER_PATIENCE, connected_retry, multi_failure
-from ..zk.layout import OWNER_SEP, Layout, unescape
+from ..zk.layout import Layout
+from ..zk.names import OWNER_SEP, unescape
 
 __all__ = ["ChordCounter", "Count"]
 

@@ -53,7 +53,8 @@ from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import NoNodeError
 
 from ..zk.client import FAILOVER_PATIENCE, connected_retry
-from ..zk.layout import ONCE_PROPERTY, Layout
+from ..zk.layout import Layout
+from ..zk.names import ONCE_PROPERTY
 from ..zk.payload import is_manifest
 from .chord import ChordCounter
 

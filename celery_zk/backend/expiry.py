@@ -25,7 +25,8 @@ from kazoo.protocol.paths import join
 
 from ..exceptions import PayloadError
 from ..zk.client import CONNECTION_ERRORS, multi_failure, reply_or_retry
-from ..zk.layout import Layout, PayloadName
+from ..zk.layout import Layout
+from ..zk.names import PayloadName
 from ..zk.payload import (
     Manifest,
     chunk_paths,

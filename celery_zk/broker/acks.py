@@ -30,12 +30,8 @@ from ..zk.client import (
     synced,
 )
 from ..zk.config import ZKOptions
-from ..zk.layout import (
-    Layout,
-    MessageName,
-    parse_message_name,
-    requeued_name,
-)
+from ..zk.layout import Layout
+from ..zk.names import MessageName, parse_message_name, requeued_name
 from ..zk.payload import commit_deleting
 from . import big
 from .dead import wrap

@@ -29,7 +29,8 @@ from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from ..zk.client import log_failure
-from ..zk.layout import Layout, MessageName
+from ..zk.layout import Layout
+from ..zk.names import MessageName
 from ..zk.payload import (
     delete_container,
     is_manifest,

@@ -27,7 +27,8 @@ from typing import Any, Callable
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoNodeError
 
-from ..zk.layout import Layout, parse_binding_name, unescape
+from ..zk.layout import Layout
+from ..zk.names import parse_binding_name, unescape
 from ..zk.session import AfterExpiry, ClientHandle, weak_callback
 from ..zk.tree import delete_tree
 

@@ -25,7 +25,7 @@ from ..features.limit_gate import RATE_LIMITED, rate_limited
 from ..features.limits import limit_tokens
 from ..features.revokes import RevokeStore, control_command
 from ..zk.client import CONNECTION_ERRORS
-from ..zk.layout import ONCE_PROPERTY, parse_message_name
+from ..zk.names import ONCE_PROPERTY, parse_message_name
 from .connection import ZKConnection
 from .liveness import consumer_count
 from .queue import Claimed

@@ -45,14 +45,8 @@ from ..features.limits import LimitStore, book_for
 from ..features.locality import Waiting, choose
 from ..zk.client import CONNECTION_ERRORS, log_failure
 from ..zk.config import ZKOptions
-from ..zk.layout import (
-    Layout,
-    MessageName,
-    is_legacy,
-    order_key,
-    parse_message_name,
-    parse_queue_consumer,
-)
+from ..zk.layout import Layout
+from ..zk.names import MessageName, is_legacy, order_key, parse_message_name, parse_queue_consumer
 from ..zk.session import SharedSession, weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED, watches_of
 from . import big

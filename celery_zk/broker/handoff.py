@@ -44,7 +44,8 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
 
 from ..zk.client import RedoThread, connected_retry, log_failure, multi_failure, synced
-from ..zk.layout import Layout, handed_name, offer_name, parse_offer_name
+from ..zk.layout import Layout
+from ..zk.names import handed_name, offer_name, parse_offer_name
 from ..zk.session import ClientHandle
 from .queue import NewMessage, QueueStore, new_uid
 

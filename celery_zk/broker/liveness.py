@@ -31,7 +31,8 @@ from kazoo.recipe.watchers import ChildrenWatch
 
 from ..zk.client import create_once, log_failure
 from ..zk.config import ZKOptions
-from ..zk.layout import Layout, new_consumer_id, parse_consumer_name
+from ..zk.layout import Layout
+from ..zk.names import new_consumer_id, parse_consumer_name
 from ..zk.process import current_pid
 from ..zk.session import ClientHandle, SharedSession, weak_callback
 from .autodelete import Sweeper

@@ -22,10 +22,10 @@ from ..zk.client import (
     synced,
 )
 from ..zk.config import ZKOptions
-from ..zk.layout import (
+from ..zk.layout import Layout
+from ..zk.names import (
     BODY_APART,
     BODY_CHUNKED,
-    Layout,
     bucket_name,
     inverted,
     parse_bucket_name,

@@ -20,7 +20,7 @@ from ..zk.client import (
     multi_failure,
     reply_or_retry,
 )
-from ..zk.layout import (
+from ..zk.names import (
     MessageName,
     parse_bucket_name,
     parse_message_name,

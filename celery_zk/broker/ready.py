@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection, Iterator
 
-from ..zk.layout import MessageName
+from ..zk.names import MessageName
 from .claims import Claimed
 
 __all__ = ["DeliveryOrder", "Key", "Ready"]

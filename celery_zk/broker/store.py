@@ -26,11 +26,8 @@ from ..zk.client import (
     multi_failure,
 )
 from ..zk.config import ZKOptions
-from ..zk.layout import (
-    Layout,
-    parse_bucket_name,
-    parse_message_name,
-)
+from ..zk.layout import Layout
+from ..zk.names import parse_bucket_name, parse_message_name
 
 logger = logging.getLogger(__name__)
 

@@ -90,7 +90,6 @@ from time import monotonic
 from typing import Any
 
 import kazoo
-from celery.signals import worker_init, worker_shutting_down
 from kazoo.client import KazooState
 from kazoo.exceptions import SessionExpiredError
 from kombu.transport import virtual
@@ -100,7 +99,6 @@ from ..compat import kazoo as kazoo_compat
 from ..compat import kombu as kombu_compat
 from ..features.affinity import Board, board_for
 from ..features.limits import book_for
-from ..features.revokes import load_into_worker
 from ..zk.client import CONNECTION_ERRORS
 from ..zk.config import (
     DEFAULT_PORT,
@@ -112,10 +110,8 @@ from ..zk.config import (
     reveal_secrets,
 )
 from ..zk.layout import Layout
-from ..zk.process import current_pid
-from ..zk.session import ClientHandle, give_up_when_cut_off
+from ..zk.session import ClientHandle
 from ..zk.watches import TreeWatches, watches_of
-from . import child_gate, start_gate
 from .autodelete import AutoDeleteQueues
 from .bindings import Bindings
 from .channel import Channel
@@ -141,68 +137,17 @@ EVENT_LOOP_POKE = 1.0
 #: then stop waiting in drain_events; ones made later are not affected.
 _shutdowns = 0
 
-#: The pid and session that loaded the revokes kept in ZooKeeper (see
-#: prepare_worker).
-_revokes_loaded_by: tuple[int, int] = (0, 0)
+#: What a Celery worker of this process adds (``celery_zk.worker.hooks``; set
+#: at ``worker_init``): None in every other process.
+worker: Any = None
 
 install_when_imported()   # a no-op if ``import celery_zk`` already did it
 
 
-@worker_shutting_down.connect(weak=False)
-def _on_worker_shutting_down(**_: Any) -> None:
-    # Celery runs this inside its SIGTERM/SIGINT handler, which may have
-    # interrupted drain_events with a lock held: flag it, take no lock.
+def shutdown_started() -> None:
+    """A Celery worker of this process begins its shutdown (a signal handler)."""
     global _shutdowns
     _shutdowns += 1
-    start_gate.close_all()   # a pool's stop waits for starts that wait for a server
-    # Else the shutdown's tidying waits for the outage to end; not while a task
-    # still runs (its result and ack may need the session).
-    give_up_when_cut_off(_tasks_running)
-
-
-def _tasks_running() -> bool:
-    """A task of this worker runs on a thread of this process: it stores its
-    result through this process's session, and ends (``task_ready``) on its
-    own thread. A prefork pool's tasks end on the event loop's thread, the one
-    waiting in the shutdown's tidying, so they cannot count: their children
-    have sessions of their own."""
-    if not _thread_pool:
-        return False
-    from celery.worker import state as worker_state
-
-    return bool(worker_state.active_requests)
-
-
-#: This process runs a Celery worker (set by ``worker_init``; a prefork pool
-#: process inherits it).
-_worker = False
-#: Its pool runs tasks on threads of this process, which end them there too.
-_thread_pool = False
-
-
-@worker_init.connect(weak=False)
-def _on_worker_init(sender: Any = None, **_: Any) -> None:
-    # Sent once the worker's broker URL is parsed (which imports this module),
-    # before its consumer makes its first connection.
-    global _worker, _thread_pool
-    _worker = True
-    celery_compat.record_worker(sender)
-    pool = getattr(sender, "pool_cls", None)   # a class, or still its name
-    if isinstance(pool, str):
-        from celery import concurrency
-        try:
-            pool = concurrency.get_implementation(pool)
-        except Exception:   # Celery's own start says what is wrong with it
-            pool = None
-    _thread_pool = getattr(pool, "__module__", "") == "celery.concurrency.thread"
-
-
-def _in_a_worker() -> bool:
-    """Whether this process runs a Celery worker (whose revoked set to fill).
-    Not whether ``celery.worker.state`` is imported: Celery's Django fix-up
-    imports it in every process that makes an app, so clients (Flower, a web
-    app calling ``inspect``) read the kept revokes and patched the pools too."""
-    return _worker
 
 
 class Transport(virtual.Transport):
@@ -253,31 +198,8 @@ class Transport(virtual.Transport):
         self._session_lost = False
         self.handle.add_listener(self._on_state)
         self._stamps = False   # this connection stamps prefork hand-overs (it consumes)
-        if _in_a_worker():
-            self._gate_prefork_children(replace=False)
-
-    def _gate_prefork_children(self, replace: bool) -> None:
-        """A prefork child asks whether a task handed to it before a cut-off or
-        pause was revoked meanwhile (:mod:`.child_gate`). Installed when the
-        worker's first connection is made: Celery binds its pool's
-        ``apply_async`` into each task's request class when its consumer starts.
-        The stamp is then the consuming connection's (``replace``, at its
-        first consume: :meth:`prepare_worker`), not that of a later one that
-        only publishes or asks: ``inspect report`` makes one and closes it, and
-        a stamp on its closed handle took a lease of its own on the session
-        (another root's would read the wrong revokes)."""
-        from celery import current_app
-
-        if child_gate.backend_handle(current_app, self.settings.hosts) is None:
-            return
-        handle, root = self.handle, self.layout.root
-
-        def stamp(read_at: float | None) -> tuple[Any, ...]:
-            # The parent's gate (and its pause monitor's thread) made at the first
-            # hand-over: after the pool forked its children, not before.
-            return child_gate.stamp(start_gate.start_gate(handle.session), root, read_at)
-
-        celery_compat.hand_prefork_tasks_through(child_gate.start_in_child, stamp, replace)
+        if worker is not None:
+            worker.connection_made(self)
 
     @staticmethod
     def _settings(client: Any) -> ZKSettings:
@@ -324,29 +246,9 @@ class Transport(virtual.Transport):
         return book_for(self.handle.session, self.layout).holds(queue, task)
 
     def prepare_worker(self) -> None:
-        """In a Celery worker, before any task is delivered: the revokes kept in
-        ZooKeeper join its revoked set (celery_zk.features.revokes), once per
-        process and session, and its thread pool drops what it has not started
-        when the connection is lost (:func:`celery_compat.flush_unstarted_thread_tasks`)
-        and starts a task only while its session is known live (:mod:`.start_gate`)."""
-        global _revokes_loaded_by
-        if not _in_a_worker():
-            return
-        if not self._stamps:
-            self._stamps = True
-            self._gate_prefork_children(replace=True)
-        if celery_compat.flush_unstarted_thread_tasks():
-            # A pool thread asks before each start whether the session it was
-            # delivered under lives (cut off, or back from a pause: start_gate).
-            celery_compat.gate_thread_task_starts(start_gate.start_gate(self.handle.session))
-        client = self.handle.client
-        # Again after a session expiry: the worker may have missed a broadcast
-        # revoke meanwhile (its pidbox queue was swept with its holders).
-        loaded = (current_pid(), client.client_id[0] if client.client_id else 0)
-        if _revokes_loaded_by == loaded:
-            return
-        _revokes_loaded_by = loaded
-        load_into_worker(client, self.layout)
+        """Before any task is delivered, in a Celery worker (``celery_zk.worker``)."""
+        if worker is not None:
+            worker.consuming(self)
 
     def consuming_changed(self) -> None:
         """The queues this connection consumes changed: its consumer node says
@@ -465,11 +367,8 @@ class Transport(virtual.Transport):
         # After a session expiry (else no-ops): queues first, then what routes to them
         # (and bindings another session had made, gone with it).
         self.auto_delete.restore()
-        if self.bindings.reclaim() and _in_a_worker():
-            # Broadcasts sent while the binding was gone reached nobody here;
-            # the revokes among them are kept in ZooKeeper (the nemesis saw a
-            # worker cut off at that moment run 7 revoked tasks).
-            load_into_worker(self.handle.client, self.layout)
+        if self.bindings.reclaim() and worker is not None:
+            worker.bindings_restored(self)
         try:
             assert self.cycle is not None
             self.cycle.get(kombu_compat.deliver_callback(self))

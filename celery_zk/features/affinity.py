@@ -42,7 +42,8 @@ from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 
 from ..exceptions import CeleryZKError
 from ..zk.client import log_failure, multi_failure
-from ..zk.layout import Layout, affinity_token, parse_holding_name
+from ..zk.layout import Layout
+from ..zk.names import affinity_token, parse_holding_name
 from ..zk.process import current_pid
 from ..zk.session import SharedSession, weak_callback
 from ..zk.watches import NODE_CREATED, watches_of

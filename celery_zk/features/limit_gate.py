@@ -25,7 +25,8 @@ from typing import Any
 from celery.signals import task_prerun
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
-from ..zk.layout import Layout, MessageName
+from ..zk.layout import Layout
+from ..zk.names import MessageName
 from ..zk.process import current_pid
 from .limits import QUEUE, TASK, Book, Limit, book_for, parse_rate
 

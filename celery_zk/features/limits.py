@@ -43,7 +43,8 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from ..exceptions import ZKConfigurationError
-from ..zk.layout import Layout, limit_key_token, task_token
+from ..zk.layout import Layout
+from ..zk.names import limit_key_token, task_token
 from ..zk.tree import delete_tree
 
 __all__ = ["HEADER", "QUEUE", "TASK", "Book", "Limit", "LimitStore", "book_for", "configured",

@@ -22,7 +22,8 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
 from ..features.limits import QUEUE, Limit, LimitStore, parse_rate
-from ..zk.layout import Layout, parse_bucket_name, parse_consumer_name, parse_message_name
+from ..zk.layout import Layout
+from ..zk.names import parse_bucket_name, parse_consumer_name, parse_message_name
 
 __all__ = ["LimitStatus", "limit_statuses"]
 

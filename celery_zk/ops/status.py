@@ -42,9 +42,9 @@ from ..broker import big
 from ..broker.liveness import consumer_nodes
 from ..server.launcher import four_letter_word
 from ..zk.client import reply_or_retry
-from ..zk.layout import (
+from ..zk.layout import Layout
+from ..zk.names import (
     MAX_PRIORITY,
-    Layout,
     parse_bucket_name,
     parse_consumer_name,
     parse_offer_name,

@@ -24,7 +24,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from ..broker.store import StoreBase
 from ..zk.client import multi_failure
-from ..zk.layout import (
+from ..zk.names import (
     OWNER_SEP,
     MessageName,
     parse_bucket_name,

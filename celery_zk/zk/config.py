@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ..exceptions import ZKConfigurationError
-from .layout import MAX_CHUNKS
+from .names import MAX_CHUNKS
 
 logger = logging.getLogger(__name__)
 

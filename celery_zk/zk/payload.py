@@ -56,7 +56,8 @@ from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 from ..exceptions import ChunkMissing, PayloadError
 from .client import connected_retry, multi_failure, reply_or_retry
 from .config import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
-from .layout import MAX_CHUNKS, Layout
+from .layout import Layout
+from .names import MAX_CHUNKS
 
 __all__ = ["IN_FLIGHT_BYTES", "MAGIC", "MAX_CHUNK_SIZE", "MIN_CHUNK_SIZE", "MULTI_DELETES",
            "Manifest", "check_chunk_size", "chunk_paths", "commit_deleting", "delete_container",

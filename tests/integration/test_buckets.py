@@ -18,13 +18,8 @@ from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk.broker.queue import CLAIMS, creates
-from celery_zk.zk.layout import (
-    Layout,
-    bucket_name,
-    inverted,
-    parse_bucket_name,
-    parse_message_name,
-)
+from celery_zk.zk.layout import Layout
+from celery_zk.zk.names import bucket_name, inverted, parse_bucket_name, parse_message_name
 
 from .queues import buckets, waiting
 from .workers import wait_until

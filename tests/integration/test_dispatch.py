@@ -27,7 +27,8 @@ from celery_zk.broker.inbox import HOLD, IDLE
 from celery_zk.broker.queue import CLAIMS
 from celery_zk.ops.upgrade import upgrade
 from celery_zk.zk.config import ZKOptions
-from celery_zk.zk.layout import Layout, parse_message_name
+from celery_zk.zk.layout import Layout
+from celery_zk.zk.names import parse_message_name
 
 from .queues import owned, owners, waiting
 from .sessions import apart

@@ -15,7 +15,8 @@ from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk.broker.handoff import Offer
-from celery_zk.zk.layout import Layout, offer_name, parse_message_name
+from celery_zk.zk.layout import Layout
+from celery_zk.zk.names import offer_name, parse_message_name
 
 from .queues import body_path, owned, stored_body, waiting
 from .queues import unowned_creations as creations

@@ -1,4 +1,4 @@
-"""The start gate (celery_zk.broker.start_gate) on a real server, cut off by a
+"""The start gate (celery_zk.worker.start_gate) on a real server, cut off by a
 proxy: a start waits while the client cannot know whether its session lives,
 goes ahead when the same session comes back, and is refused once it expired."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from kazoo.client import KazooState
 from kombu import Connection
 
-from celery_zk.broker.start_gate import StartGate, close_all, start_gate
+from celery_zk.worker.start_gate import StartGate, close_all, start_gate
 from celery_zk.zk.config import parse_url
 from celery_zk.zk.session import ClientHandle
 

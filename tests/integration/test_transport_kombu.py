@@ -17,7 +17,8 @@ from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk.exceptions import MessageTooLarge, ZKConfigurationError, ZKConnectionError
-from celery_zk.zk.layout import Layout, parse_bucket_name, parse_message_name
+from celery_zk.zk.layout import Layout
+from celery_zk.zk.names import parse_bucket_name, parse_message_name
 
 from .queues import first_bucket_path, owned, waiting
 from .sessions import apart
@@ -806,7 +807,7 @@ def test_a_message_published_once_is_stored_once(zk_url: str) -> None:
     own multi, and a second publish with the same marker stores nothing. A
     marker for another ensemble, or another user, is ignored; none is stored
     with the message."""
-    from celery_zk.zk.layout import ONCE_PROPERTY
+    from celery_zk.zk.names import ONCE_PROPERTY
 
     queue = Queue("once", Exchange("once", type="direct"), routing_key="once")
     with Connection(zk_url) as conn:

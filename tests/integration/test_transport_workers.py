@@ -15,7 +15,8 @@ import pytest
 from celery import Celery
 from kazoo.client import KazooClient
 
-from celery_zk.zk.layout import Layout, parse_consumer_name, parse_queue_consumer, unescape
+from celery_zk.zk.layout import Layout
+from celery_zk.zk.names import parse_consumer_name, parse_queue_consumer, unescape
 
 from .queues import owned, owners, waiting
 from .workers import HERE, celery_cli, executed_values, read_log, wait_until

@@ -11,7 +11,8 @@ from kombu.exceptions import EncodeError
 from celery_zk.backend import ZooKeeperBackend
 from celery_zk.backend.expiry import HOUR, RESULT, Key, bucket_expired, expiry_hour
 from celery_zk.exceptions import MessageTooLarge, ResultTooLarge
-from celery_zk.zk.layout import Layout, result_shard
+from celery_zk.zk.layout import Layout
+from celery_zk.zk.names import result_shard
 
 
 def make_backend(url: str = "zk://h1:2181,h2:2182/myapp", **conf: object) -> ZooKeeperBackend:

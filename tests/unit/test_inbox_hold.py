@@ -5,7 +5,7 @@ from __future__ import annotations
 from celery_zk.broker.claims import Claimed
 from celery_zk.broker.inbox import HOLD, held_back
 from celery_zk.broker.ready import DeliveryOrder, Ready
-from celery_zk.zk.layout import message_prefix, order_key, parse_message_name
+from celery_zk.zk.names import message_prefix, order_key, parse_message_name
 
 
 def test_a_quick_pace_holds_nothing_back_however_deep_the_inbox() -> None:

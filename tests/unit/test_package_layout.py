@@ -16,6 +16,7 @@ PACKAGE = ROOT / "celery_zk"
 ALLOWED = {
     "compat": set(),
     "zk": {"compat", "server"},   # server: the four-letter words, naming a version
+    "worker": {"zk", "features", "broker", "compat"},
     "features": {"zk", "compat"},
     "broker": {"zk", "features", "compat"},
     "backend": {"zk", "compat"},

@@ -14,7 +14,8 @@ from kombu.serialization import dumps
 
 from celery_zk.exceptions import PayloadError, ZKConfigurationError
 from celery_zk.zk.config import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, parse_url
-from celery_zk.zk.layout import Layout, chunk_name, parse_payload_name, payload_name
+from celery_zk.zk.layout import Layout
+from celery_zk.zk.names import chunk_name, parse_payload_name, payload_name
 from celery_zk.zk.payload import (
     MAGIC,
     Manifest,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery_zk.broker.claims import Claimed
 from celery_zk.broker.ready import DeliveryOrder, Ready
-from celery_zk.zk.layout import (
+from celery_zk.zk.names import (
     handed_name,
     inverted,
     message_prefix,

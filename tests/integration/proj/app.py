@@ -252,7 +252,7 @@ if os.environ.get("CELERY_ZK_TEST_DIE_AT_CHUNK"):
 
     from kazoo.client import KazooClient
 
-    from celery_zk.zk.layout import chunk_name
+    from celery_zk.zk.names import chunk_name
 
     _fatal_chunk = "/" + chunk_name(int(os.environ["CELERY_ZK_TEST_DIE_AT_CHUNK"]))
     _create_async = KazooClient.create_async

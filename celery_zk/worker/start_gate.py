@@ -42,8 +42,8 @@ from typing import Any
 
 from kazoo.client import KazooState
 
+from ..broker.liveness import delivered_under
 from ..zk.session import SharedSession
-from .liveness import delivered_under
 
 __all__ = ["PauseMonitor", "StartGate", "close_all", "start_gate"]
 

@@ -1,0 +1,411 @@
+"""Every node name celery_zk writes and parses: the grammar of names.
+
+Names carry what a reader needs, so a consumer orders a queue from
+``get_children`` alone: priority first (inverted so a plain sort puts the
+highest first), then the bucket's generation, then the first sequence number
+ZooKeeper gave the message, so a requeued message keeps its original place
+among its priority. The uid lets a create retried after ConnectionLoss find
+the node it already made.
+
+Buckets keep every directory small and every sequence counter far from its
+end (a signed 32-bit count of creates per parent): a publisher moves on to
+generation ``gen + 1`` once a create's sequence reaches ``bucket_size``, and
+a consumer deletes an empty bucket once a later one of its priority exists.
+A requeue is not sequential (the uid makes its name unique), so it never
+advances a counter either.
+
+Messages stored by celery_zk before 0.2 (an ``m`` name with its body inside,
+flat in ``unowned/`` or in a bucket, or claimed as ``owned/{consumer}~{name}``)
+are read by nothing but ``celery zk upgrade`` (:mod:`celery_zk.ops.upgrade`),
+which stores them as every other message is; :func:`is_legacy` tells them apart.
+
+Where each name lives is built in :mod:`celery_zk.zk.layout`; the tree is
+drawn in ``docs/design.md``.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+import time
+import uuid
+from typing import NamedTuple
+
+MAX_PRIORITY = 9
+SEQ_DIGITS = 10
+OWNER_SEP = "~"
+BINDING_SEP = ","
+RESULT_SHARDS_HEX = 2  # 256 shards: a million results is ~4,000 per directory
+CHORD_SIZE = OWNER_SEP + "size"   # beside a chord's counted parts, which are escaped ids
+CHORD_DONE = OWNER_SEP + "done"
+CHORD_ADDED = OWNER_SEP + "added"
+CHORD_LAZY = OWNER_SEP + "lazy"
+CHORD_SENT = OWNER_SEP + "sent"
+#: The message property that asks a zk:// transport to make a node in the
+#: multi that publishes the message, and to publish nothing if it exists:
+#: ``{"hosts": ..., "username": ..., "path": ...}`` (a chord's body is sent once).
+ONCE_PROPERTY = "celery_zk_once"
+#: A chunk node's name: its index, zero-padded so a listing sorts in order
+#: (a payload of max_result_size / chunk_size chunks; at most 10**6).
+CHUNK_NAME = "c{index:06d}"
+MAX_CHUNKS = 10 ** 6
+PAYLOAD_ENTRY = "p" + OWNER_SEP   # an expiry index entry naming a payload container
+REVOKED_TASK, REVOKED_STAMP = "t" + OWNER_SEP, "s" + OWNER_SEP   # kinds under revoked/
+
+#: The first letter of a message name: how its body is stored in bodies/.
+BODY_APART = "n"    # whole, written once; the name alone moves
+BODY_CHUNKED = "c"  # as "n", and bigger than chunk_size: its body node holds a
+                    # manifest, the bytes are chunks under chunks/{uid}
+_MESSAGE_RE = re.compile(
+    r"^([nc])(\d)-(\d{10})-([0-9a-f]{1,32})(?:\.([0-9a-f]{8}))?(?:!([0-9a-f]{8}))?"
+    r"(?:@([^/~]+?))?-(r?)(\d{10})$")
+#: Names celery_zk stored before 0.2, the body inside the node: in a bucket as
+#: today's but for their "m", or flat in unowned/ (the requeue sequential too).
+_LEGACY_FLAT_RE = re.compile(r"^m(\d)-([0-9a-f]{1,32})-(?:r(\d{10})-)?(\d{10})$")
+_BUCKET_RE = re.compile(r"^p(\d)-(\d{10})$")
+# The sequential "-{seq}" suffix is from before consumer ids carried their time.
+_CONSUMER_RE = re.compile(r"^(c[0-9a-f]{1,32})(?:-\d{10})?$")
+_PAYLOAD_RE = re.compile(r"^([a-z])~([^/~]+)~([0-9a-f]{1,32})~(\d{1,12})$")
+_HOLDING_RE = re.compile(r"^([^/~]+)~([0-9a-f]{1,32})-(\d{1,10})$")
+# An offer's token of a release before 0.4 may end in "~b".
+_OFFER_RE = re.compile(r"^(c[0-9a-f]{1,32})~([0-9a-f]{1,32}(?:~b)?)$")
+# Characters that cannot appear raw in a node name, or that we use as separators.
+_ESCAPE_RE = re.compile(r"[%/,~\x00-\x1f\x7f]")
+#: Longest affinity key kept readable in a message name; a longer one is named
+#: by its hash. A bucket is listed whole (up to 10,000 names), and the listing
+#: must stay within jute.maxbuffer: (45 + 1 + 40) bytes x 10,000 = 860 KB.
+AFFINITY_KEY_CHARS = 40
+AFFINITY_HASH = "#"
+#: Characters an affinity key keeps as they are: printable ASCII but the
+#: escape, the separators and the markers of a hash and of a key.
+_AFFINITY_PLAIN = frozenset(map(chr, range(0x20, 0x7F))) - set("%/,~#@")
+AFFINITY_SHARDS_HEX = 1   # 16 directories under affinity/
+
+
+@functools.lru_cache(maxsize=4096)
+def escape(name: str) -> str:
+    """Make a queue/exchange/routing-key string safe as one znode name (cached:
+    every path of a message is built from its queue's name, a few per message)."""
+    escaped = _ESCAPE_RE.sub(lambda m: f"%{ord(m.group()):02X}", name)
+    if escaped in ("", ".", "..", "zookeeper"):
+        escaped = "%" + escaped.encode().hex() + "%"  # reserved names stay distinct
+    return escaped
+
+
+@functools.lru_cache(maxsize=4096)
+def unescape(name: str) -> str:
+    if name.startswith("%") and name.endswith("%") and len(name) > 1 and "%" not in name[1:-1]:
+        return bytes.fromhex(name[1:-1]).decode()
+    return re.sub(r"%([0-9A-F]{2})", lambda m: chr(int(m.group(1), 16)), name)
+
+
+class MessageName(NamedTuple):
+    """A parsed waiting-message name."""
+
+    inverted_priority: int
+    generation: int     # its bucket's
+    uid: str
+    order: int          # the sequence it was first published with
+    requeued: bool      # back from owned/ (a reject, a shutdown or a dead owner)
+    seq: int            # this node's own sequence (a requeue's is its order)
+    affinity: str | None = None   # its affinity key as named (affinity_token)
+    chunked: bool = False      # its body is chunked (a "c" name): see Layout.chunks
+    task: str | None = None    # its task's token (task_token), for limits
+    limit_key: str | None = None   # its concurrency key's token (limit_key_token)
+
+    @property
+    def kind(self) -> str:
+        """The letter its name starts with."""
+        return BODY_CHUNKED if self.chunked else BODY_APART
+
+    @property
+    def priority(self) -> int:
+        return MAX_PRIORITY - self.inverted_priority
+
+    @property
+    def bucket(self) -> str:
+        return bucket_name(self.inverted_priority, self.generation)
+
+    @property
+    def sort_key(self) -> tuple[int, int, int, bool, int]:
+        # On equal order a requeued message goes first: the tie is a handed
+        # message (order 0, see handed_name) against a bucket's very first one.
+        return (self.inverted_priority, self.generation, self.order, not self.requeued,
+                self.seq)
+
+
+def clamp_priority(priority: int | None) -> int:
+    """AMQP semantics: higher first, 0..9, missing counts as 0."""
+    if priority is None:
+        return 0
+    return max(0, min(MAX_PRIORITY, int(priority)))
+
+
+def inverted(priority: int | None) -> int:
+    return MAX_PRIORITY - clamp_priority(priority)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def bucket_name(inverted_priority: int, generation: int) -> str:
+    # Cached: a message's bucket is named wherever its body's path is built.
+    return f"p{inverted_priority}-{generation:0{SEQ_DIGITS}d}"
+
+
+def parse_bucket_name(name: str) -> tuple[int, int] | None:
+    """``(inverted priority, generation)`` of a bucket, or ``None``."""
+    match = _BUCKET_RE.match(name)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def same_priority(bucket: str, other: str) -> bool:
+    """Two bucket names of one priority (the later one takes its new messages)."""
+    first, second = parse_bucket_name(bucket), parse_bucket_name(other)
+    return first is not None and second is not None and first[0] == second[0]
+
+
+def message_prefix(inverted_priority: int, generation: int, uid: str,
+                   affinity: str | None = None, kind: str = BODY_APART,
+                   task: str | None = None, limit_key: str | None = None) -> str:
+    """Name prefix of a new message; ZooKeeper appends the sequence.
+    ``affinity``: an :func:`affinity_token`. ``kind``: where the body is
+    (:data:`BODY_APART` or :data:`BODY_CHUNKED`).
+    ``task``/``limit_key``: a :func:`task_token` and a :func:`limit_key_token`,
+    which a dispatcher applies limits by (celery_zk.features.limits)."""
+    tokens = (f".{task}" if task else "") + (f"!{limit_key}" if limit_key else "")
+    key = f"@{affinity}" if affinity else ""
+    return f"{kind}{inverted_priority}-{generation:0{SEQ_DIGITS}d}-{uid}{tokens}{key}-"
+
+
+@functools.lru_cache(maxsize=1024)
+def task_token(task_name: str) -> str:
+    """How a task's name appears in its messages' names: 8 hex digits of a hash
+    (names must stay short; limits are looked up by it)."""
+    return hashlib.sha1(task_name.encode()).hexdigest()[:8]
+
+
+def limit_key_token(key: str) -> str:
+    """How a concurrency limit's key (one customer id, say) appears in names."""
+    return hashlib.sha1(key.encode()).hexdigest()[:8]
+
+
+def affinity_token(key: object) -> str:
+    """How an affinity key appears in node names: printable ASCII, the rest
+    %-escaped (``#`` too, which marks a hash), or ``#`` and a hash when that is
+    longer than :data:`AFFINITY_KEY_CHARS` bytes.
+
+    Raises ValueError for what cannot be a key (not a str or int, or empty).
+    """
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise ValueError(
+            f"a celery_zk affinity key must be a string (or an int), not "
+            f"{type(key).__name__} {key!r}: pass the dataset's name, e.g. "
+            "headers={'zk_affinity': 'dataset-42'}")
+    text = str(key)
+    if not text:
+        raise ValueError("a celery_zk affinity key must not be empty: leave the "
+                         "'zk_affinity' header out for a message without affinity")
+    # Anything but printable ASCII goes in as the %-escaped bytes of its UTF-8:
+    # ZooKeeper refuses some code points in names (U+0080-U+009F, surrogates,
+    # U+F000-U+F8FF, U+FFF0-U+FFFF), and the length limit is then one of bytes.
+    # (A byte below 0x80 is its ASCII character; every byte of a longer
+    # sequence is 0x80 or above, so escaped.)
+    raw = text.encode("utf-8", "surrogatepass")
+    escaped = "".join(chr(byte) if chr(byte) in _AFFINITY_PLAIN else f"%{byte:02X}"
+                      for byte in raw)
+    if len(escaped) <= AFFINITY_KEY_CHARS:
+        return escaped
+    return AFFINITY_HASH + hashlib.sha1(raw).hexdigest()[:24]
+
+
+def requeued_name(message: MessageName) -> str:
+    """The name a message gets when it goes back to wait: in the bucket of its
+    first publication, marked requeued, with the sequence that keeps its place."""
+    return (message_prefix(message.inverted_priority, message.generation, message.uid,
+                           message.affinity, message.kind, message.task, message.limit_key)
+            + f"r{message.order:0{SEQ_DIGITS}d}")
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def parse_message_name(name: str) -> MessageName | None:
+    """Parse a waiting-message name; ``None`` for nodes celery_zk did not write.
+    Cached: a message's name is parsed where it is listed, sorted, given,
+    read, delivered and acked, a dozen times between publish and ack; the
+    result is immutable. The cache holds about a listing's worth (~4 MB)."""
+    match = _MESSAGE_RE.match(name)
+    if not match:
+        return None
+    kind, inv, generation, uid, task, limit, affinity, requeued, seq = match.groups()
+    return MessageName(int(inv), int(generation), uid, int(seq), bool(requeued), int(seq),
+                       affinity, kind == BODY_CHUNKED, task, limit)
+
+
+def parse_legacy_name(name: str) -> MessageName | None:
+    """A message name stored before 0.2 (see the module docstring; claimed
+    ones without their ``{consumer}~``), parsed as the message it becomes
+    once upgraded: its body in bodies/, a flat one in bucket 0."""
+    if not name.startswith("m"):
+        return None
+    message = parse_message_name("n" + name[1:])
+    if message is not None:
+        return message
+    match = _LEGACY_FLAT_RE.match(name)
+    if not match:
+        return None
+    inv, uid, first, seq = match.groups()
+    return MessageName(int(inv), 0, uid, int(first or seq), first is not None, int(seq))
+
+
+def is_legacy(name: str) -> bool:
+    """Whether ``name`` (as listed in unowned/ or owned/) is a message stored before 0.2."""
+    return parse_legacy_name(name.rpartition(OWNER_SEP)[2]) is not None
+
+
+#: A message's place in delivery order: its sort key, then its name (ties).
+OrderKey = tuple[tuple[int, int, int, bool, int], str]
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def order_key(name: str) -> OrderKey | None:
+    """``(sort_key, name)`` of a message name; ``None`` for nodes celery_zk did not
+    write. Cached like the parse: a dispatcher orders a bucket's thousands of
+    names at each listing, then looks each one up again as it is given."""
+    message = parse_message_name(name)
+    return None if message is None else (message.sort_key, name)
+
+
+def sort_messages(names: list[str]) -> tuple[list[str], list[str]]:
+    """Split a listing into (ours in delivery order, foreign names)."""
+    keyed: list[OrderKey] = []
+    foreign = []
+    for name in names:
+        key = order_key(name)
+        if key is None:
+            foreign.append(name)
+        else:
+            keyed.append(key)
+    keyed.sort()
+    return [name for _, name in keyed], foreign
+
+
+def handed_name(inverted_priority: int, generation: int, uid: str,
+                kind: str = BODY_APART, task: str | None = None,
+                limit_key: str | None = None) -> str:
+    """The name a message handed straight to an idle consumer gets.
+
+    It never waited in a bucket, so it has no sequence: zero. Its body is in
+    the bucket of ``generation`` like any other's, and a requeue puts it at
+    the front of that bucket: it was handed over while the queue was empty,
+    ahead of its priority's later arrivals, where it belongs.
+    """
+    return (message_prefix(inverted_priority, generation, uid, kind=kind, task=task,
+                           limit_key=limit_key) + "0" * SEQ_DIGITS)
+
+
+def offer_name(consumer_id: str, token: str) -> str:
+    return f"{consumer_id}{OWNER_SEP}{token}"
+
+
+@functools.lru_cache(maxsize=1024)
+def parse_offer_name(name: str) -> tuple[str, str] | None:
+    """``(consumer id, token)`` of an offer node's name, or ``None`` if foreign."""
+    match = _OFFER_RE.match(name)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def holding_name(token: str, worker: str, pid: int) -> str:
+    """A worker process's affinity holding: key token, worker id, pid."""
+    return f"{token}{OWNER_SEP}{worker}-{pid}"
+
+
+def parse_holding_name(name: str) -> tuple[str, str, int] | None:
+    """``(key token, worker id, pid)`` of a holding node, or ``None`` if foreign."""
+    match = _HOLDING_RE.match(name)
+    return (match.group(1), match.group(2), int(match.group(3))) if match else None
+
+
+def quick_affinity(name: str) -> str | None:
+    """The affinity token of a message name known to be ours (a sorted
+    listing's), without a full parse: a consumer looks at a thousand names
+    per choice. The token runs from the ``@`` after the uid to the ``-``
+    before the sequence, which has none."""
+    at = name.find("@")
+    return None if at < 0 else name[at + 1:name.rindex("-")]
+
+
+def new_consumer_id() -> str:
+    """A consumer id that sorts by creation time: its node needs no sequence
+    number (whose counter would run out), and the oldest live one leads."""
+    return f"c{time.time_ns():016x}{uuid.uuid4().hex[:8]}"
+
+
+def parse_consumer_name(name: str) -> str | None:
+    """The consumer id of a live-consumer node, or ``None`` if foreign."""
+    match = _CONSUMER_RE.match(name)
+    return match.group(1) if match else None
+
+
+def queue_consumer_prefix(consumer_id: str) -> str:
+    """The name of a queue's consumer node before ZooKeeper appends its sequence:
+    the first to join leads (a newcomer never takes over from a live one)."""
+    return f"{consumer_id}-"
+
+
+def parse_queue_consumer(name: str) -> tuple[int, str] | None:
+    """``(sequence, consumer id)`` of a queue's consumer node, or ``None``."""
+    consumer_id, _, seq = name.rpartition("-")
+    if not seq.isdigit() or parse_consumer_name(consumer_id) != consumer_id:
+        return None
+    return int(seq), consumer_id
+
+
+def holder_name(session_id: int, lease: str) -> str:
+    """An auto-delete queue's holder: named by the session, whose end removes it,
+    and by the lease (one connection) on it, whose end deletes it."""
+    return f"s{session_id:016x}-{lease}"
+
+
+def binding_name(queue: str, routing_key: str) -> str:
+    return f"{escape(queue)}{BINDING_SEP}{escape(routing_key)}"
+
+
+def parse_binding_name(name: str) -> tuple[str, str] | None:
+    queue, sep, routing_key = name.partition(BINDING_SEP)
+    if not sep:
+        return None
+    return unescape(queue), unescape(routing_key)
+
+
+def result_shard(key: str) -> str:
+    return hashlib.sha1(key.encode()).hexdigest()[:RESULT_SHARDS_HEX]
+
+
+def chunk_name(index: int) -> str:
+    """The name of a payload's chunk ``index`` (celery_zk.zk.payload)."""
+    if not 0 <= index < MAX_CHUNKS:
+        raise ValueError(f"chunk index {index} is out of range (0 to {MAX_CHUNKS - 1})")
+    return CHUNK_NAME.format(index=index)
+
+
+class PayloadName(NamedTuple):
+    """What a payload container's name says: whose it is, which write, how big."""
+
+    kind: str      # the kind of node it belongs to (an expiry kind: r, g)
+    id: str        # that node's id (a task or group id)
+    token: str     # one per write: a rewrite never mixes its chunks with older ones
+    size: int      # the payload's bytes (status sums them without reading anything)
+
+
+def payload_name(kind: str, key: str, token: str, size: int) -> str:
+    """``{kind}~{escaped id}~{token}~{size}``: a payload container's name."""
+    return f"{kind}{OWNER_SEP}{escape(key)}{OWNER_SEP}{token}{OWNER_SEP}{size}"
+
+
+def parse_payload_name(name: str) -> PayloadName | None:
+    match = _PAYLOAD_RE.match(name)
+    if not match:
+        return None
+    kind, key, token, size = match.groups()
+    return PayloadName(kind, unescape(key), token, int(size))
+
+
+#: Every name result_shard() can return.

@@ -245,7 +245,7 @@ def _dead_letters(ctx: click.Context, queue: str, timeout: float,
                   what: str) -> Iterator[DeadLetters]:
     """QUEUE's dead letters, on a connected broker; an unknown queue is an error."""
     with _zk_broker(ctx, timeout) as transport, _clear_errors(what):
-        letters = DeadLetters(transport.store, queue)
+        letters = DeadLetters(transport.queues, queue)
         letters.check_queue()
         yield letters
 
@@ -379,7 +379,7 @@ def upgrade(ctx: click.Context, timeout: float) -> None:
     from .ops.upgrade import upgrade as run_upgrade
 
     with _zk_broker(ctx, timeout) as transport, _clear_errors("upgrade"):
-        done = run_upgrade(transport.store)
+        done = run_upgrade(transport.queues)
     for queue, count in sorted(done.moved.items()):
         click.echo(f"{queue}: {count} message(s) stored anew")
     for queue, count in sorted(done.owned_by_live.items()):

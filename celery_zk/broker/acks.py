@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any
 
-from kazoo.client import KazooState, TransactionRequest
+from kazoo.client import KazooClient, KazooState, TransactionRequest
 from kazoo.exceptions import (
     BadVersionError,
     ConnectionClosedError,
@@ -29,13 +29,11 @@ from ..zk.client import (
     multi_failure,
     synced,
 )
-from ..zk.config import ZKOptions
-from ..zk.layout import Layout
 from ..zk.names import MessageName, parse_message_name, requeued_name
 from ..zk.payload import commit_deleting
 from . import big
 from .dead import wrap
-from .store import ANY_VERSION, ClientSource, StoreBase
+from .queues import ANY_VERSION, Queues
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +49,12 @@ REQUEUE_BATCH = 128
 REDO_PAUSE = 1.0
 
 
-class Acking(StoreBase):
-    """ack, requeue, remove: how an owned message leaves :class:`QueueStore`."""
+class Acks:
+    """ack, requeue, remove: how an owned message leaves its consumer's inbox."""
 
-    def __init__(self, source: ClientSource, layout: Layout, options: ZKOptions) -> None:
-        super().__init__(source, layout, options)
+    def __init__(self, queues: Queues) -> None:
+        self.queues = queues
+        self.layout = queues.layout
         self._ack_retries: RedoThread[tuple[str, str]] = RedoThread(
             "celery_zk-ack-retry", self._ack_again)
         self._acks: list[tuple[str, str]] = []   # (owned path, consumer node) held back
@@ -64,6 +63,10 @@ class Acking(StoreBase):
         # Held from taking the acks until their multis are queued: see send_held_acks.
         self._send_lock = threading.Lock()
         self._drops: RedoThread[str] = RedoThread("celery_zk-drop", self._drop_again)
+
+    @property
+    def client(self) -> KazooClient:
+        return self.queues.client
 
     def body_of(self, owned_path: str) -> str | None:
         """Where an owned message's body lives; None when it is in the owned node."""
@@ -140,7 +143,7 @@ class Acking(StoreBase):
             self._delete_ops(txn, owned_path)
 
         try:
-            results = self.commit(build)
+            results = self.queues.commit(build)
         except NoNodeError:
             return False
         return self._ack_outcome(owned_path, consumer_node, results)
@@ -162,7 +165,7 @@ class Acking(StoreBase):
             inbox = owned_path.rpartition("/")[0]
             self._held_in[inbox] = self._held_in.get(inbox, 0) + 1
         if first:
-            self.deferred.later(self._send_acks, ACK_HOLD)
+            self.queues.deferred.later(self._send_acks, ACK_HOLD)
 
     def holds_acks(self, inbox: str) -> int:
         """How many acks of messages in ``inbox`` (a path) are held back."""
@@ -362,7 +365,8 @@ class Acking(StoreBase):
         if not dead_letter and self._big(owned_path):
             return self._end_big(owned_path)
         if not dead_letter:
-            failure = multi_failure(self.commit(lambda txn: self._delete_ops(txn, owned_path)))
+            failure = multi_failure(
+                self.queues.commit(lambda txn: self._delete_ops(txn, owned_path)))
             if failure is None:
                 return True
             if isinstance(failure[1], NoNodeError):
@@ -423,7 +427,7 @@ class Acking(StoreBase):
             if chunks_of is not None:
                 big.mark(txn, self.layout, chunks_of[0], chunks_of[1], big.State.DEAD, data)
 
-        failure = multi_failure(self.commit(build))
+        failure = multi_failure(self.queues.commit(build))
         if failure is None:
             logger.error("celery_zk: moved %s to %s: %s", source, target, reason)
             return True

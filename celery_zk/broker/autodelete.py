@@ -30,7 +30,7 @@ from ..zk.client import CONNECTION_ERRORS, log_failure, multi_failure, not_conne
 from ..zk.layout import Layout
 from ..zk.session import AfterExpiry, ClientHandle
 from ..zk.tree import DELETE_BATCH, list_tree
-from .queue import ClientSource, QueueStore
+from .queues import Queues
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +51,13 @@ class Sweeper:
     """Deletes auto-delete queues nobody holds: the recovery leader's sweep, and a
     connection's own deletes at close."""
 
-    def __init__(self, source: ClientSource, layout: Layout, store: QueueStore) -> None:
-        self.source = source
+    def __init__(self, layout: Layout, queues: Queues) -> None:
         self.layout = layout
-        self.store = store
+        self.queues = queues
 
     @property
     def client(self) -> KazooClient:
-        return self.source.client
+        return self.queues.client
 
     def sweep(self) -> int:
         """Delete every auto-delete queue without a holder. Returns how many.
@@ -68,7 +67,7 @@ class Sweeper:
         """
         client = self.client
         pending = [(queue, client.get_children_async(self.layout.holders(queue)))
-                   for queue in self.store.queue_names()]
+                   for queue in self.queues.queue_names()]
         deleted = 0
         for queue, result in pending:
             try:
@@ -152,8 +151,8 @@ class _Held(Exception):
 class AutoDeleteQueues(Sweeper):
     """The auto-delete queues one connection holds."""
 
-    def __init__(self, handle: ClientHandle, layout: Layout, store: QueueStore) -> None:
-        super().__init__(handle, layout, store)
+    def __init__(self, handle: ClientHandle, layout: Layout, queues: Queues) -> None:
+        super().__init__(layout, queues)
         self.handle = handle
         self.held: set[str] = set()
         #: Call from any thread but kazoo's: holds every queue again after an expiry.
@@ -168,7 +167,7 @@ class AutoDeleteQueues(Sweeper):
         for _ in range(DELETE_ATTEMPTS):
             holder = self._holder(client, queue)
             self.handle.own(holder)   # a connection dropped without close() deletes it too
-            if self.store.declare(queue, META, holder=holder):
+            if self.queues.declare(queue, META, holder=holder):
                 break
             try:  # it existed: add our holder to it
                 client.retry(client.create, holder, ephemeral=True)

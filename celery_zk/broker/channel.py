@@ -1,5 +1,5 @@
 """The kombu channel of ``zk://``: consuming, publishing, declaring and
-routing, each a ZooKeeper operation (:mod:`celery_zk.broker.queue`), and the
+routing, each a ZooKeeper operation (:mod:`celery_zk.broker.queues`), and the
 QoS whose acks and rejects are transactions on the owned node.
 
 The transport (:mod:`celery_zk.broker.transport`) owns the connection: the
@@ -28,7 +28,7 @@ from ..zk.client import CONNECTION_ERRORS
 from ..zk.names import ONCE_PROPERTY, parse_message_name
 from .connection import ZKConnection
 from .liveness import consumer_count
-from .queue import Claimed
+from .ready import Claimed
 
 __all__ = ["Channel", "QoS", "encode_message"]
 
@@ -109,7 +109,7 @@ class QoS(virtual.QoS):
             return
         transport = self.channel.connection
         owner = transport.session.node_of(transport.layout.split_owned_path(delivery_tag)[1])
-        transport.store.ack_async(delivery_tag, owner)
+        transport.acks.ack_async(delivery_tag, owner)
         transport.settled(delivery_tag)
         super().ack(delivery_tag)
         transport.wake()  # a prefetch slot is free
@@ -118,9 +118,9 @@ class QoS(virtual.QoS):
         if self._closed(delivery_tag, "rejecting"):
             return
         if requeue:
-            self.channel.connection.store.requeue(delivery_tag)
+            self.channel.connection.acks.requeue(delivery_tag)
         else:
-            self.channel.connection.store.remove(
+            self.channel.connection.acks.remove(
                 delivery_tag, dead_letter=self.channel.options.dead_letter_rejected,
                 reason="rejected with requeue=False")
         kombu_compat.settle(self, delivery_tag)
@@ -132,7 +132,7 @@ class QoS(virtual.QoS):
         errors: list[tuple[BaseException, Any]] = []
         for tag, message, settled in kombu_compat.drain_delivered(self):
             try:
-                self.channel.connection.store.requeue(tag)
+                self.channel.connection.acks.requeue(tag)
             except BaseException as exc:
                 if not settled:
                     errors.append((exc, message))
@@ -222,7 +222,7 @@ class Channel(virtual.Channel):
             if payload is not None:
                 if queue in self._no_ack_queues:
                     # No ack will come (event monitors): delivered means done.
-                    transport.store.discard(claimed.owned_path)
+                    transport.acks.discard(claimed.owned_path)
                     transport.settled(claimed.owned_path)
                 return payload
 
@@ -237,7 +237,7 @@ class Channel(virtual.Channel):
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         message = super().basic_get(queue, no_ack, **kwargs)
         if message is not None and no_ack:
-            self.connection.store.discard(message.delivery_tag)
+            self.connection.acks.discard(message.delivery_tag)
             self.connection.settled(message.delivery_tag)
         return message
 
@@ -257,7 +257,7 @@ class Channel(virtual.Channel):
                 properties.setdefault("delivery_info", {})["redelivered"] = True
             return payload
         except (ValueError, KeyError, TypeError) as exc:
-            self.connection.store.remove(
+            self.connection.acks.remove(
                 claimed.owned_path, dead_letter=True,
                 reason=f"cannot decode message: {exc!r}; it is kept for inspection")
             self.connection.settled(claimed.owned_path)
@@ -288,43 +288,44 @@ class Channel(virtual.Channel):
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         affinity = affinity_of(message)   # first: a bad key must fail before any write
         transport = self.connection
-        store = transport.store
+        publisher = transport.publisher
         marker = self._once_marker(message)
         size = body_size(message)
         task, limit_key = limit_tokens(message, transport.limits(), self._arguments)
         data = encode_message(message)
         priority = kombu_compat.priority_of(self, message)
         if marker is not None:   # one multi with its marker, stored now
-            new = store.new_message(queue, data, priority, affinity, size, task, limit_key)
-            if store.put_once(new, marker) is None:
+            new = publisher.new_message(queue, data, priority, affinity, size, task,
+                                        limit_key)
+            if publisher.put_once(new, marker) is None:
                 logger.info("celery_zk: not publishing to %r again: %s exists (a chord's "
                             "body, sent by a worker that stopped before it finished the "
                             "chord, or by an attempt of this one whose reply was lost)",
                             queue, marker)
-            transport.store.deferred.flush()
+            transport.queues.deferred.flush()
             return
         together = transport.publishing_together()
         if together is not None:   # stored when the group is (see publish_together)
-            together.append(store.new_message(queue, data, priority, affinity, size, task,
-                                              limit_key))
+            together.append(publisher.new_message(queue, data, priority, affinity, size, task,
+                                                  limit_key))
             return
         if transport.unconfirmed is not None:
             transport.unconfirmed.put(queue, data, priority, affinity, size, task, limit_key)
             return
-        new = store.new_message(queue, data, priority, affinity, size, task,
-                                limit_key)   # checks the size
+        new = publisher.new_message(queue, data, priority, affinity, size, task,
+                                    limit_key)   # checks the size
         # A message with an affinity key waits where the dispatcher chooses a
         # consumer by its key: it is never handed to whichever consumer is idle.
         # Nor is a big one, whose chunks' state its publish multi sets, nor one
         # a limit may hold back (the dispatcher applies limits).
         handoff = transport.handoff
         if affinity is not None or transport.limited(queue, task):
-            store.put_new(new)   # the dispatcher orders these itself
+            publisher.put_new(new)   # the dispatcher orders these itself
         elif new.big or handoff is None or not handoff.give(new):
-            name = store.put_new(new)
+            name = publisher.put_new(new)
             if handoff is not None:
                 handoff.in_line(queue, name)
-        transport.store.deferred.flush()   # the write they waited for has been made
+        transport.queues.deferred.flush()   # the write they waited for has been made
 
     def _once_marker(self, message: dict[str, Any]) -> str | None:
         """The node a message asks to make with its publish (``ONCE_PROPERTY``),
@@ -372,7 +373,7 @@ class Channel(virtual.Channel):
         if kwargs.get("auto_delete") or kwargs.get("exclusive"):
             transport.auto_delete.declare(queue)  # held while this session lives
         else:
-            transport.store.declare(queue, json.dumps({"auto_delete": False}).encode())
+            transport.queues.declare(queue, json.dumps({"auto_delete": False}).encode())
         transport.declared_queues.add(queue)
 
     def queue_declare(self, queue: str | None = None, passive: bool = False,
@@ -387,13 +388,13 @@ class Channel(virtual.Channel):
         return queue_declare_ok_t(ok.queue, ok.message_count, consumers)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
-        return self.connection.store.exists(queue)
+        return self.connection.queues.exists(queue)
 
     def _size(self, queue: str) -> int:
-        return self.connection.store.size(queue)
+        return self.connection.queues.size(queue)
 
     def _purge(self, queue: str) -> int:
-        return self.connection.store.purge(queue)
+        return self.connection.queues.purge(queue)
 
     def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
                      **kwargs: Any) -> None:
@@ -403,7 +404,7 @@ class Channel(virtual.Channel):
         for exchange, routing_key in transport.bindings.bindings_of_queue(queue):
             transport.bindings.unbind(exchange, queue, routing_key)
         self.state.queue_bindings_delete(queue)
-        transport.store.delete(queue)
+        transport.queues.delete(queue)
         transport.declared_queues.discard(queue)
         transport.auto_delete.held.discard(queue)
         self._stop_consuming(queue)

@@ -13,23 +13,27 @@ from ..zk.config import ZKSettings
 from ..zk.layout import Layout
 from ..zk.session import ClientHandle
 from ..zk.watches import TreeWatches
+from .acks import Acks
 from .autodelete import AutoDeleteQueues
 from .bindings import Bindings
 from .handoff import HandOff
 from .liveness import ConsumerSession
-from .queue import NewMessage, QueueStore
+from .publish import NewMessage, Publisher
+from .queues import Queues
 from .unconfirmed import UnconfirmedPublisher
 
 __all__ = ["ZKConnection"]
 
 
 class ZKConnection(Protocol):
-    """One ``zk://`` connection: its session, stores and wake-up."""
+    """One ``zk://`` connection: its session, queues and wake-up."""
 
     settings: ZKSettings
     layout: Layout
     handle: ClientHandle
-    store: QueueStore
+    queues: Queues
+    publisher: Publisher
+    acks: Acks
     session: ConsumerSession
     bindings: Bindings
     auto_delete: AutoDeleteQueues

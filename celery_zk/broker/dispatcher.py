@@ -11,7 +11,7 @@ next oldest takes over.
 
 The dispatcher alone lists ``unowned/``, in priority-then-FIFO order, and
 moves names into the inboxes of consumers with free credit, many names for
-many consumers in one multi (:mod:`celery_zk.broker.claims`). It learns of
+many consumers in one multi (:mod:`celery_zk.broker.assignment`). It learns of
 new messages and of acks from persistent recursive watches on ``unowned/``
 and ``owned/`` (:mod:`celery_zk.zk.watches`), so it lists only when it
 starts, after a reconnect, or when the head it knows runs out. Consumers watch only
@@ -27,30 +27,26 @@ holds keys.
 """
 from __future__ import annotations
 
-import bisect
 import json
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from time import monotonic
 from typing import Any
 
-from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
+from kazoo.exceptions import ConnectionLoss, NoNodeError
 
-from ..features.affinity import Board, board_for
-from ..features.limit_gate import Gate
-from ..features.limits import LimitStore, book_for
-from ..features.locality import Waiting, choose
 from ..zk.client import CONNECTION_ERRORS, log_failure
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
-from ..zk.names import MessageName, is_legacy, order_key, parse_message_name, parse_queue_consumer
+from ..zk.names import is_legacy, parse_message_name, parse_queue_consumer
 from ..zk.session import SharedSession, weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED, watches_of
 from . import big
-from .queue import QueueStore
+from .acks import Acks
+from .assignment import Consumer, Head, Planner, assignment, settle
+from .queues import Queues
 
 __all__ = ["Dispatcher"]
 
@@ -58,81 +54,6 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between sweeps of empty bodies' buckets and orphaned chunks.
 SWEEP_EVERY = 60.0
-
-
-@dataclass
-class _Consumer:
-    """What the dispatcher knows of one consumer of its queue."""
-
-    id: str
-    node: str = ""   # its node's name under the queue's consumers/ (the multi checks it)
-    credit: int = 0
-    worker: str | None = None
-    entries: set[str] = field(default_factory=set)   # names in its inbox
-    given: set[str] = field(default_factory=set)     # given by us, not yet seen there
-    listed: bool = False    # its inbox was listed since we (re)started watching
-    waiting: Waiting = field(default_factory=Waiting)   # its affinity memory
-
-    @property
-    def free(self) -> int:
-        return self.credit - len(self.entries | self.given)
-
-
-class _Head:
-    """The first waiting messages of the queue in delivery order, as listed and
-    then kept up to date by the watch on ``unowned/``. Sorted lists with
-    binary search: a busy queue's head changes on every publish and give."""
-
-    def __init__(self) -> None:
-        self.keys: list[tuple[Any, ...]] = []
-        self.names: list[str] = []
-        self.complete = False   # every waiting message is here (the listing ended)
-        self.keyed = 0          # how many carry an affinity key
-
-    def reset(self, names: list[str], complete: bool) -> None:
-        keys = []
-        keyed = 0
-        for name in names:
-            key = order_key(name)
-            if key is not None:
-                keys.append(key)
-                keyed += bool(parse_message_name(name).affinity)  # type: ignore[union-attr]
-        self.keys = keys
-        self.names = [name for _, name in keys]
-        self.complete = complete
-        self.keyed = keyed
-
-    def add(self, name: str, message: MessageName) -> None:
-        key = order_key(name)   # the name breaks ties (requeued hand-offs)
-        assert key is not None
-        if not self.complete and (not self.keys or key > self.keys[-1]):
-            return   # beyond what we listed: the next listing finds it
-        index = bisect.bisect_left(self.keys, key)
-        if index < len(self.names) and self.names[index] == name:
-            return
-        self.keys.insert(index, key)
-        self.names.insert(index, name)
-        self.keyed += bool(message.affinity)
-
-    def discard(self, names: Iterable[str]) -> None:
-        names = list(names)
-        count = len(names)
-        if count > 1 and set(self.names[:count]) == set(names):
-            # What a plan gives from a backlog: the head's first names, cut off
-            # at once (one by one, each cut moved the rest of a bucket's names).
-            for name in self.names[:count]:
-                self.keyed -= bool(parse_message_name(name).affinity)  # type: ignore[union-attr]
-            del self.keys[:count], self.names[:count]
-            return
-        for name in names:
-            key = order_key(name)
-            if key is None:
-                continue
-            index = bisect.bisect_left(self.keys, key)
-            if index < len(self.names) and self.names[index] == name:
-                del self.keys[index]
-                del self.names[index]
-                self.keyed -= bool(parse_message_name(name).affinity)  # type: ignore[union-attr]
 
 
 class Dispatcher:
@@ -144,7 +65,8 @@ class Dispatcher:
         self.layout = layout
         self.options = options
         self.queue = queue
-        self.store = QueueStore(session, layout, options)
+        self.queues = Queues(session, layout, options)
+        self.acks = Acks(self.queues)
         # Consumer ids of this process on the queue, and how to wake each one's thread.
         self.members: dict[str, Callable[[], None]] = {}
         self.live: list[str] = []        # every consumer id on the queue, first joined first
@@ -160,19 +82,16 @@ class Dispatcher:
         self._stale_listing = True
         self._stale_consumers = True
         # Our thread's alone.
-        self.consumers: dict[str, _Consumer] = {}
-        self.head = _Head()
+        self.consumers: dict[str, Consumer] = {}
+        self.head = Head()
         self._listed_at = 0.0
         self._swept_at = 0.0
         self._watching = False   # our watches on unowned/ and owned/ were added
         self._told_legacy = False   # names stored before 0.2 were found and said so
-        self._rotation = 0
-        self._gate: Gate | None = None
-        self._given: dict[tuple[str, str], list[float]] = {}   # rate limits' give times
         self._unowned_cb = weak_callback(self._on_unowned)
         self._owned_cb = weak_callback(self._on_owned)
         self._election_cb = weak_callback(self._on_election_event)
-        self._wake_cb = weak_callback(self.wake)
+        self.planner = Planner(session, layout, options, queue, weak_callback(self.wake))
         session.add_listener(self._election_cb)   # a new connection: look again
         session.on_close(self.stop)
 
@@ -333,7 +252,7 @@ class Dispatcher:
 
     def _restart(self) -> None:
         """Forget what the watches told: list everything again next round."""
-        self._given.clear()   # read again: another dispatcher may have given meanwhile
+        self.planner.forget()
         self._stale_listing = self._stale_consumers = True
         for consumer in self.consumers.values():
             consumer.listed = False
@@ -360,7 +279,7 @@ class Dispatcher:
                 # requests per message in a trickle, whose head runs out at
                 # every give.)
                 break
-            plan, retry_in = self._plan(hungry)
+            plan, retry_in = self.planner.plan(self.head, self.consumers, hungry, self.live)
             if not plan:
                 break
             self._give(plan)
@@ -417,13 +336,13 @@ class Dispatcher:
         reads = [(cid, client.get_async(self.layout.queue_consumer(self.queue, nodes[cid]),
                                         watch=self._child_cb_for_consumers))
                  for cid in live]
-        found: dict[str, _Consumer] = {}
+        found: dict[str, Consumer] = {}
         for cid, read in reads:
             try:
                 data, _ = read.get()
             except NoNodeError:
                 continue
-            consumer = self.consumers.get(cid) or _Consumer(cid, nodes[cid])
+            consumer = self.consumers.get(cid) or Consumer(cid, nodes[cid])
             consumer.node = nodes[cid]
             meta = _meta(data)
             credit = meta.get("credit")
@@ -459,10 +378,10 @@ class Dispatcher:
         self._stale_listing = False
         want = max(self.options.claim_batch,
                    2 * sum(max(0, c.free) for c in self.consumers.values()))
-        found = self.store.listing(self.queue, want)
+        found = self.queues.listing(self.queue, want)
         for name in found.foreign:
             if not is_legacy(name.rpartition("/")[2]):
-                self.store.dead_letter_unowned(self.queue, name,
+                self.acks.dead_letter_unowned(self.queue, name,
                                                "node name was not written by celery_zk")
             elif not self._told_legacy:   # left for `celery zk upgrade`, said once
                 self._told_legacy = True
@@ -480,125 +399,30 @@ class Dispatcher:
         if now - self._swept_at < SWEEP_EVERY:
             return
         self._swept_at = now
-        buckets, _ = self.store.buckets(self.queue)
-        self.store.sweep_bodies(self.queue, buckets)
+        buckets, _ = self.queues.buckets(self.queue)
+        self.queues.sweep_bodies(self.queue, buckets)
         big.sweep(self.session.client, self.layout, self.queue)
-
-    def _plan(self, hungry: list[_Consumer]) -> tuple[dict[str, list[str]], float | None]:
-        """Which names go to which consumer, in delivery order."""
-        self._gate = self._limits()
-        if self.head.keyed:
-            return self._plan_keyed(hungry)
-        names: Iterable[str] = self.head.names
-        if self._gate is not None:
-            names = self._admitted(self._gate)
-        # One at a time, round the consumers: the first messages go to as many
-        # consumers as there are, not all to the first.
-        self._rotation = (self._rotation + 1) % len(hungry)
-        order = hungry[self._rotation:] + hungry[:self._rotation]
-        room = {c.id: c.free for c in order}
-        plan: dict[str, list[str]] = {}
-        waiting = iter(names)
-        while any(room.values()):
-            for consumer in order:
-                if room[consumer.id] <= 0:
-                    continue
-                name = next(waiting, None)
-                if name is None:
-                    return plan, self._retry_in()
-                plan.setdefault(consumer.id, []).append(name)
-                room[consumer.id] -= 1
-        return plan, self._retry_in()
-
-    # -- limits (celery_zk.features.limits) ------------------------------------------
-    def _limits(self) -> Gate | None:
-        """This round's gate, when a limit applies to the queue."""
-        book = book_for(self.session, self.layout)
-        book.listen(self._wake_cb)   # a limit changed at run time: look again
-        limits = book.current()
-        if not limits:
-            return None
-        owned = [m for c in self.consumers.values() for n in (c.entries | c.given)
-                 if (m := parse_message_name(n)) is not None]
-        store = LimitStore(self.session.client, self.layout)
-        for limit in limits:
-            ident = (limit.kind, limit.name)
-            if limit.rate and ident not in self._given:
-                self._given[ident] = store.given(limit)   # a dispatcher taking over
-        gate = Gate(limits, self.queue, owned, self._given)
-        return gate if gate.active else None
-
-    def _admitted(self, gate: Gate) -> Iterator[str]:
-        """The head in order, but what a limit holds back now."""
-        for name in list(self.head.names):
-            message = parse_message_name(name)
-            if message is not None and gate.admit(message):
-                yield name
-
-    def _retry_in(self) -> float | None:
-        return self._gate.retry_in if self._gate is not None else None
-
-    def _make_given_record(self, kind: str, name: str) -> None:
-        client = self.session.client
-        try:
-            client.retry(client.create, self.layout.limit_given(kind, name), b"[]")
-        except NodeExistsError:
-            pass
-        except NoNodeError:   # the limit was cleared meanwhile: the book reloads
-            self._given.pop((kind, name), None)
-
-    def _plan_keyed(self, hungry: list[_Consumer]) -> tuple[dict[str, list[str]], float | None]:
-        board = self._board()
-        # Admitted up front: what a consumer's choice leaves out still counts, so
-        # a limit may give a little less this round, never more.
-        left = (list(self._admitted(self._gate)) if self._gate is not None
-                else list(self.head.names))
-        plan: dict[str, list[str]] = {}
-        retry_in: float | None = None
-        for consumer in hungry:
-            view = board.seen_by(consumer.worker)
-            index = self.live.index(consumer.id) if consumer.id in self.live else 0
-            idle = not (consumer.entries or consumer.given)
-            batch, due = choose(left, consumer.free, view, consumer.waiting,
-                                self.options.locality_wait, index=index, idle=idle)
-            if due is not None and (retry_in is None or due < retry_in):
-                retry_in = due
-            if batch:
-                plan[consumer.id] = batch
-                chosen = set(batch)
-                left = [name for name in left if name not in chosen]
-        gated = self._retry_in()
-        if gated is not None and (retry_in is None or gated < retry_in):
-            retry_in = gated
-        return plan, retry_in
-
-    def _board(self) -> Board:
-        board = board_for(self.session, self.layout)
-        board.refresh()
-        return board
 
     def _give(self, plan: dict[str, list[str]]) -> None:
         """One multi; on a refusal, forget what refused it (the next pass plans again)."""
-        store = self.store
+        client = self.session.client
         nodes = {cid: self.consumers[cid].node for cid in plan}
-        txn, done = store.assignment(self.queue, plan, nodes)
-        records = list(self._gate.records()) if self._gate is not None else []
+        txn, done = assignment(client, self.layout, self.queue, plan, nodes)
+        records = self.planner.records()
         for limit, times in records:
             # In the multi that gives them: a dispatcher taking over sees them.
             txn.set_data(self.layout.limit_given(limit.kind, limit.name),
                          json.dumps(times).encode())
             done.ops.append(("limit", limit.kind, limit.name))
-        client = self.session.client
         try:
             results = txn.commit()
         except ConnectionLoss:
             # Whether it committed is unknown: look at everything again.
             self._restart()
             raise
-        refused = store.settle(done, results)
+        refused = settle(done, results)
         if refused is None:
-            for limit, times in records:
-                self._given[(limit.kind, limit.name)] = times
+            self.planner.given(records)
             given = done.given()
             for cid, names in given.items():
                 self.consumers[cid].given.update(names)
@@ -606,7 +430,7 @@ class Dispatcher:
             return
         kind, cid, name = refused
         if kind == "limit":   # its record of give times is missing: made, and again
-            self._make_given_record(cid, name)
+            self.planner.make_given_record(cid, name)
             return
         if kind == "check":   # gone, or stopped consuming the queue
             self.consumers.pop(cid, None)

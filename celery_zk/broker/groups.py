@@ -34,7 +34,7 @@ from ..compat.celery import is_lazy, wrap_group_apply_tasks
 
 logger = logging.getLogger(__name__)
 
-#: This thread's open publish_together: the messages it holds, per QueueStore.
+#: This thread's open publish_together: the messages it holds, per Publisher.
 _together = threading.local()
 
 _CANVAS = "celery.canvas"
@@ -119,7 +119,7 @@ def _batched(original: Any) -> Any:
 @contextmanager
 def publish_together() -> Iterator[None]:
     """Confirmed publishes of this thread to ``zk://`` inside are stored when it
-    ends, a few hundred per multi (:meth:`QueueStore.put_batch`), instead of one
+    ends, a few hundred per multi (:meth:`Publisher.put_batch`), instead of one
     round trip each. Celery's groups and chord headers use it (:mod:`celery_zk.broker.groups`).
 
     Nested uses join the outermost. Publishes made before an exception are
@@ -136,11 +136,11 @@ def publish_together() -> Iterator[None]:
     finally:
         held, _together.held = _together.held, None
         failure: BaseException | None = None
-        for store, messages in held.items():   # each connection's, in its own order
+        for publisher, messages in held.items():   # each connection's, in its own order
             try:
                 if messages:
-                    store.put_batch(messages)
-                    store.deferred.flush()   # the write they waited for has been made
+                    publisher.put_batch(messages)
+                    publisher.queues.deferred.flush()   # the write they waited for has been made
             except BaseException as exc:   # the other connections' still go
                 failure = failure or exc
         if failure is not None:
@@ -149,7 +149,7 @@ def publish_together() -> Iterator[None]:
 
 def held_by_this_thread() -> dict[Any, list[Any]] | None:
     """The messages this thread's open :func:`publish_together` holds, per
-    QueueStore (None: none is open)."""
+    Publisher (None: none is open)."""
     return getattr(_together, "held", None)
 
 

@@ -47,20 +47,21 @@ from ..zk.client import RedoThread, connected_retry, log_failure, multi_failure,
 from ..zk.layout import Layout
 from ..zk.names import handed_name, offer_name, parse_offer_name
 from ..zk.session import ClientHandle
-from .queue import NewMessage, QueueStore, new_uid
+from .publish import NewMessage
+from .queues import Queues
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HandOff", "Offer"]
+__all__ = ["HandOff"]
 
 
 class HandOff:
     """The hand-off requests of one connection, and its publishers' view of the offers."""
 
-    def __init__(self, handle: ClientHandle, layout: Layout, store: QueueStore) -> None:
+    def __init__(self, handle: ClientHandle, layout: Layout, queues: Queues) -> None:
         self.handle = handle
         self.layout = layout
-        self.store = store
+        self.queues = queues
         self._client: KazooClient | None = None
         # queue -> offer names, kept current by a child watch per queue. Replaced,
         # never mutated: read by publishing threads, written by kazoo's thread.
@@ -253,7 +254,7 @@ class HandOff:
     def make_offer(self, queue: str, consumer_id: str, token: str,
                    still_wanted: Callable[[Callable[[], None]], object],
                    failed: Callable[[], None]) -> None:
-        """Create an offer, held back briefly (QueueStore.deferred) and never waited for.
+        """Create an offer, held back briefly (Queues.deferred) and never waited for.
 
         When it is due, ``still_wanted(send)`` decides under the offer's lock
         whether to send it (a withdrawal meanwhile must not be overtaken by the
@@ -278,7 +279,7 @@ class HandOff:
         def due() -> None:
             still_wanted(send)
 
-        self.store.deferred.later(due)
+        self.queues.deferred.later(due)
 
     def withdraw(self, queue: str, consumer_id: str, token: str) -> None:
         """Delete an offer (gone already: a lost reply of ours deleted it)."""
@@ -327,74 +328,3 @@ class HandOff:
         except Exception as exc:   # the session's end removes the offer
             log_failure(logger, exc, "celery_zk: could not withdraw the offer %s on %s; "
                         "it goes when this worker's session ends", item[2], item[0])
-
-
-class Offer:
-    """One consumer's offer on one queue: at most one outstanding at a time.
-
-    It stands until the consumer withdraws it: publishers check it, and each
-    message they hand over costs the consumer nothing more. ``token`` is
-    read and swapped under a lock by the consuming thread (making,
-    withdrawing) and by kazoo's thread (a create that failed), so an offer
-    is never deleted twice (a failed delete is still a logged transaction on
-    the server).
-    """
-
-    def __init__(self, handoff: HandOff, queue: str) -> None:
-        self.handoff = handoff
-        self.queue = queue
-        self.token: str | None = None
-        self.consumer_id: str | None = None
-        self._sent: str | None = None   # the token whose create went out
-        self._lock = threading.Lock()
-
-    @property
-    def outstanding(self) -> bool:
-        return self.token is not None
-
-    def make(self, consumer_id: str) -> None:
-        """Offer to take messages."""
-        token = new_uid()
-        with self._lock:
-            if self.token is not None:
-                return   # made meanwhile (an ack's thread, the consuming one)
-            self.token, self.consumer_id = token, consumer_id
-
-        def still_wanted(send: Callable[[], None]) -> bool:
-            # Under the lock: a withdrawal clears the token first, so its delete
-            # can never be sent before this create.
-            with self._lock:
-                if self.token != token:
-                    return False
-                send()
-                self._sent = token
-                return True
-
-        def failed() -> None:   # kazoo's thread: the create failed (no queue)
-            with self._lock:
-                if self.token != token:
-                    return   # withdrawn by us
-                self.token = None
-            self.handoff.taken(self.queue, consumer_id, token)
-
-        self.handoff.make_offer(self.queue, consumer_id, token, still_wanted, failed)
-
-    def withdraw(self, wait: bool = True) -> None:
-        """Withdraw the outstanding offer, unless a publisher took it (``wait``:
-        until the server has deleted it; else the delete is only sent)."""
-        with self._lock:
-            token, consumer_id = self.token, self.consumer_id
-            sent, self.token = self._sent == token, None
-        if token is None or consumer_id is None:
-            return
-        if not sent:   # still held back: never sent now (see make), nothing to delete
-            self.handoff.taken(self.queue, consumer_id, token)
-            return
-        if not wait:
-            self.handoff.withdraw_async(self.queue, consumer_id, token)
-            return
-        try:
-            self.handoff.withdraw(self.queue, consumer_id, token)
-        except Exception:
-            self.handoff.withdraw_later(self.queue, consumer_id, token)
-            raise

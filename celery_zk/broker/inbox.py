@@ -15,14 +15,9 @@ For each new entry it reads the body from ``bodies/``, many in one
 order. Only it deletes from its inbox (acks, in :mod:`celery_zk.broker.acks`),
 so nothing it does can conflict.
 
-**Lookahead.** A refill follows an ack by two synced writes (the ack's
-multi, then the dispatcher's), so a consumer whose tasks take less than that
-empties its inbox and waits. A consumer that delivered its whole prefetch
-within :data:`FAST` s and then found its inbox empty publishes the
-``lookahead`` option (16) times its prefetch as its credit; one idle for
-:data:`IDLE` s publishes its prefetch again. Messages beyond what the
-channel may take wait in the inbox; held there :data:`HOLD` s while the
-channel takes none (a long task), they go back to the queue in their places.
+How much the inbox may hold, and what goes back when the channel takes
+none, is :mod:`celery_zk.broker.credit`; when to offer to take messages
+straight from publishers, :mod:`celery_zk.broker.offer`.
 
 Watch callbacks only record what happened and wake the transport; every
 request is made from the consuming thread (see ``docs/design.md``: a request
@@ -38,23 +33,32 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
+from kazoo.client import KazooClient
+from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError, NotEmptyError
 
 from ..exceptions import ChunkMissing
 from ..features import affinity
-from ..zk.client import CONNECTION_ERRORS, RedoThread, create_once, log_failure, reply_or_retry
+from ..zk.client import (
+    CONNECTION_ERRORS,
+    RedoThread,
+    create_once,
+    log_failure,
+    multi_failure,
+    reply_or_retry,
+    synced,
+)
 from ..zk.names import parse_message_name, sort_messages
 from ..zk.reads import read_many
 from ..zk.session import weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED
 from . import big
-from .claims import Claimed
+from .assignment import CLAIMS
+from .credit import Credit
 from .dispatcher import Dispatcher
-from .handoff import Offer
-from .ready import DeliveryOrder, Key, Ready
+from .offer import Offer
+from .ready import Claimed, DeliveryOrder, Key, Ready
 
 if TYPE_CHECKING:   # the protocol's module imports nothing of ours that imports this one
     from .connection import ZKConnection
@@ -62,48 +66,6 @@ if TYPE_CHECKING:   # the protocol's module imports nothing of ours that imports
 __all__ = ["Inbox"]
 
 logger = logging.getLogger(__name__)
-
-#: A consumer that delivered its prefetch's worth within this many seconds and
-#: then ran dry waits for refills: its inbox may hold the ``lookahead`` option
-#: times its prefetch.
-FAST = 0.1
-#: Seconds without a delivery after which the lookahead ends.
-IDLE = 1.0
-#: Seconds undelivered messages may wait in the inbox while the channel takes
-#: none (its prefetch is full: a long task) before they go back to the queue.
-HOLD = 1.0
-#: Seconds between two looks of a full channel at what waits in its inbox.
-HOLD_LOOK = 0.01
-#: Seconds after which an idle consumer whose worker still runs tasks looks
-#: again whether it may make an offer (nothing wakes it when a task ends: Celery
-#: acked it as it started), doubled while they run, up to the second.
-LOOK_AGAIN = (0.005, 1.0)
-#: Seconds a consumer keeps its offer while every pool slot is taken by what
-#: publishers handed over (a burst of a trickle, not a backlog): short tasks
-#: free a slot within that, and withdrawing (a synced delete, then a new
-#: offer: a create) put every message published meanwhile in line, through
-#: the dispatcher. Slots taken longer (long tasks) withdraw it: a message
-#: handed over meanwhile waits for a slot, as a message prefetched by a
-#: busy worker does on any broker. Work from the dispatcher that takes
-#: every slot (a backlog) withdraws it at once.
-BUSY_GRACE = 0.02
-#: Seconds a consumer in an event loop waits, dry and with a free pool slot,
-#: before its next offer once an offer was withdrawn because the dispatcher's
-#: work filled its slots (the queue has a backlog, as in a drain: an offer
-#: would be withdrawn again within moments, two synced writes for nothing).
-#: The first such withdrawal waits the first, each next one twice as long, up
-#: to the second; none once a publisher hands a message over or the
-#: dispatcher's work leaves a slot free (a burst in a steady trickle).
-OFFER_AFTER = (0.01, 1.0)
-def held_back(waiting: int, took: Sequence[float], now: float) -> int:
-    """How many of ``waiting`` messages the pace of the deliveries made at
-    ``took`` (the last prefetch's worth) would not deliver within HOLD s."""
-    if not waiting:
-        return 0
-    if not took:
-        return waiting
-    return max(0, waiting - int(len(took) * HOLD / max(now - took[0], 1e-6)))
-
 
 class Inbox:
     """One connection's inbox on one queue, shared by its channels."""
@@ -115,11 +77,7 @@ class Inbox:
         self.consumer_id: str | None = None   # the registration the inbox belongs to
         self.node: str | None = None          # our node under the queue's consumers/
         self.credit = 0                       # what the node says
-        self.prefetch = 0                     # the channels' prefetch (0: unlimited)
-        self.deep = False                     # lookahead on: credit lookahead x prefetch
-        self.took: deque[float] = deque()     # when the last `prefetch` deliveries were
-        self.held_since: float | None = None  # the inbox fell behind its pace (_hold)
-        self._hold_look_at = 0.0              # when _hold looks again
+        self.policy = Credit(self.options.lookahead)
         self.consuming = 0                    # channels consuming it
         self.taken: set[str] = set()          # entries read or being read (not to take twice)
         self.delivered: set[str] = set()      # entries handed to kombu, not yet settled
@@ -133,13 +91,8 @@ class Inbox:
         self.stale = True   # list the inbox before trusting the watch
         self._watching = False   # our watch on the inbox was added
         self._waiting_credit = False
-        self.offer = Offer(transport.handoff, queue) if transport.handoff is not None else None
-        self._look_in = LOOK_AGAIN[0]   # the next look-again's delay
-        self._look_at = 0.0             # when the one asked for is due
-        self._look_timer: Any = None    # and its timer, cancelled by a delivery
-        self._idle_since: float | None = None   # dry (nothing to deliver) since
-        self._busy_since: float | None = None   # every pool slot taken since
-        self._offer_after = 0.0
+        self.offer = (Offer(transport.handoff, queue, transport.look_again)
+                      if transport.handoff is not None else None)
         # What the last fill was told: tasks in hand, and how many run at once.
         self._in_hand, self._slots = 0, 1
         # Looked up on every turn of the consuming loop, so kept: our inbox's path
@@ -252,15 +205,13 @@ class Inbox:
     def set_credit(self, prefetch: int) -> None:
         """The consuming channels' prefetch, which sets what the dispatcher may put
         in our inbox (more with the lookahead)."""
-        if prefetch != self.prefetch:
-            self.prefetch = prefetch
-            self.took = deque(self.took, maxlen=prefetch or 1)
-            self._publish_credit()
+        self.policy.set_prefetch(prefetch)
+        self._publish_credit()
 
     def _publish_credit(self) -> None:
         """Written without waiting: it changes rarely (Celery raises the prefetch
         for ETA tasks, autoscaling changes it, the lookahead starts or ends)."""
-        credit = self.prefetch * (self.options.lookahead if self.deep else 1)
+        credit = self.policy.value
         if credit == self.credit:
             return
         self.credit = credit
@@ -305,17 +256,18 @@ class Inbox:
         if consumer_id is None:
             return
         if limit <= 0:
-            self._withdraw()
+            if self.offer is not None:
+                self.offer.withdraw()
             self._hold(consumer_id)
             return
-        self.held_since = None
+        self.policy.taking()
         self._in_hand, self._slots = in_hand, max(1, slots)
         self._learn(consumer_id)
         self._read_bodies(limit)
-        store = self.transport.store
+        transport = self.transport
         waiting, half = len(self.buffer) + len(self.pending), (
             self.credit or self.options.claim_batch) // 2
-        if waiting <= half and waiting + store.holds_acks(self._inbox_path()) > half:
+        if waiting <= half and waiting + transport.acks.holds_acks(self._inbox_path()) > half:
             # Running low, and what the dispatcher counts in our inbox is above
             # half our credit only because of acks held back: it refills the
             # inbox only once it sees them, so they go now, not in ACK_HOLD,
@@ -323,110 +275,37 @@ class Inbox:
             # Only then: an inbox that never fills (a worker's remote-control
             # queue, looked at on every turn of its event loop; a trickle
             # handed over one message at a time) sent every ack alone.
-            store.deferred.flush()
+            transport.queues.deferred.flush()
         if self.buffer:
             return
         if self.pending:
             # The first read has not landed: wait for it (the others were sent with it).
             self._read_bodies(limit, block=True)
             return
-        self._dry()
-        slots = self._slots
-        if in_hand < slots:
-            self._busy_since = None
-        elif self.offer is not None and self.offer.outstanding:
-            self._withdraw_when_busy()   # every slot taken: a handed message would wait
-        offer = self._offer_to_make()
-        if offer is not None:
-            # Dry since: after a backlog (see OFFER_AFTER) a consumer refilled
-            # within moments makes no offer it would withdraw; one that stayed
-            # dry while its tasks ran has no backlog behind it.
-            now = time.monotonic()
-            if self._idle_since is None:
-                self._idle_since = now
-            wait = self._idle_since + self._offer_after - now
-            if in_hand >= slots:
-                self._look_again(wait)
-                return
-            if wait > 0 and self._look_again(wait):
-                return
-            self._look_in = LOOK_AGAIN[0]
-            # A free slot: let a publisher hand us the next one.
-            offer.make(consumer_id)
+        self.policy.dry()
+        self._publish_credit()
+        if self.offer is not None:
+            self.offer.dry(consumer_id, in_hand, self._slots, self._may_offer())
 
-    def _offer_to_make(self) -> Offer | None:
-        """Our offer, when we may make it: consuming, fewer delivered and not
-        settled than the worker's slots, none out already, and the inbox's
-        watch held (what is handed over is heard of)."""
-        offer = self.offer
-        if (self.consuming and len(self.delivered) < self._slots and offer is not None
-                and not offer.outstanding and self._watching):
-            return offer
-        return None
-
-    def _look_again(self, wait: float) -> bool:
-        """Come back when the offer's ``wait`` is over and, while our worker still
-        runs tasks we delivered (acked as they started), after a delay doubled
-        each time: nothing else tells us when they are done. A delivery
-        meanwhile cancels it: a consumer in a drain is not woken for it. False
-        without an event loop."""
-        now = time.monotonic()
-        if now < self._look_at:
-            return True   # asked for already
-        delay = max(self._look_in, wait)
-        self._look_in = min(self._look_in * 2, LOOK_AGAIN[1])
-        timer = self.transport.look_again(delay)
-        if timer is None:
-            return False
-        self._look_timer, self._look_at = timer, now + delay
-        return True
-
-    def _dry(self) -> None:
-        """Nothing to deliver while the channel could take more: a consumer that
-        delivered its prefetch within FAST s waits for refills (lookahead on);
-        one idle for IDLE s needs no lookahead."""
-        now = time.monotonic()
-        took = self.took
-        if not self.deep:
-            if (self.prefetch and self.options.lookahead > 1 and len(took) == self.prefetch
-                    and now - took[0] <= FAST):
-                self.deep = True
-                self._publish_credit()
-        elif not took or now - took[-1] > IDLE:
-            self.deep = False
-            self._publish_credit()
+    def _may_offer(self) -> bool:
+        """Consuming, fewer delivered and not settled than the worker's slots,
+        and the inbox's watch held (what is handed over is heard of)."""
+        return bool(self.consuming and len(self.delivered) < self._slots and self._watching)
 
     def _hold(self, consumer_id: str) -> None:
-        """The channel takes nothing now (its prefetch is full): when what waits
-        in the inbox would take more than HOLD s to deliver at the pace of the
-        last deliveries, and has for HOLD s, it goes back to the queue, for
-        other consumers, and the lookahead ends."""
-        now = time.monotonic()
-        # Asked after every delivery that fills the channel (each task of a busy
-        # prefork worker): judged every HOLD_LOOK s, HOLD s is what counts.
-        if now < self._hold_look_at:
+        """The channel takes nothing now (its prefetch is full): what the credit
+        policy says would wait too long goes back to the queue (see
+        :mod:`celery_zk.broker.credit`)."""
+        if not self.policy.hold_due():
             return
-        self._hold_look_at = now + HOLD_LOOK
         # What arrived since the channel filled waits too: given while our acks
         # (held back, see ACK_HOLD) freed room, or just before the credit fell.
         self._learn(consumer_id)
-        now = time.monotonic()   # after a listing's round trip, as before the rate limit
-        # Full between quick deliveries (a prefork worker's prefetch, in a drain)
-        # is no hold: the pace, not the moment, says whether the inbox empties.
-        excess = held_back(len(self.buffer) + len(self.pending), self.took, now)
+        excess = self.policy.excess(len(self.buffer) + len(self.pending))
         if not excess:
-            self.held_since = None
             return
-        if self.held_since is None:
-            self.held_since = now
-            return
-        if now - self.held_since <= HOLD:
-            return
-        self.held_since = None
-        if self.deep:
-            self.deep = False
-            self._publish_credit()   # sent first: the dispatcher sees it before the freed room
-        layout, store = self.transport.layout, self.transport.store
+        self._publish_credit()   # sent first: the dispatcher sees it before the freed room
+        layout, acks = self.transport.layout, self.transport.acks
         # Unread ones first, then the buffer's last in the queue's order: what
         # the pace delivers within HOLD stays. They go back in multis
         # (requeue_many; one synced write each stalled this event loop for
@@ -439,7 +318,7 @@ class Inbox:
                  + [claimed.owned_path for claimed in read])
         settled: list[str] = []
         try:
-            store.requeue_many(paths, settled)
+            acks.requeue_many(paths, settled)
         finally:
             gone = set(settled)
             given = len(gone)
@@ -484,9 +363,8 @@ class Inbox:
         new = [name for name in dict.fromkeys(names) if name not in self.taken]
         if not new:
             return
-        store = self.transport.store
         layout = self.transport.layout
-        client = store.client
+        client = self.transport.handle.client
         to_read: list[tuple[Key, str, str]] = []
         handed = False
         for name in new:
@@ -511,29 +389,13 @@ class Inbox:
                 self.pending_first = first
         self.pending.extend((name, read, sent, key)
                             for (key, name, _), read in zip(to_read, reads))
-        busy = self._in_hand + len(self.buffer) + len(self.pending) >= self._slots
-        if not busy:
-            self._busy_since = None
-        elif self.offer is not None and self.offer.outstanding:
-            # Given work for every slot: a message handed over now would wait.
-            # Work from the dispatcher (not handed) says the queue has a backlog:
-            # withdraw now, and offer later. After the reads: the server answers
-            # a session's requests in order, and a delete is a synced write.
-            if handed:
-                self._withdraw_when_busy()
-            else:
-                self._offer_after = min(max(self._offer_after * 2, OFFER_AFTER[0]),
-                                        OFFER_AFTER[1])
-                self._withdraw()
-        if handed or not busy:
-            # Offers are taken, or the dispatcher's work leaves a slot free (no
-            # backlog behind it, a steady trickle): offer at once.
-            self._offer_after = 0.0
+        if self.offer is not None:
+            self.offer.given(handed, self._in_hand + len(self.buffer) + len(self.pending)
+                             >= self._slots)
 
     def _read_bodies(self, limit: int, block: bool = False) -> None:
         """Move landed reads into the buffer."""
-        store = self.transport.store
-        client = store.client
+        client = self.transport.handle.client
         layout = self.transport.layout
         consumer_id = self.consumer_id
         assert consumer_id is not None
@@ -584,7 +446,7 @@ class Inbox:
         """An entry whose body is gone: acked already (a redelivery of our own
         ack's retry), or removed by hand. Nothing to deliver; the entry goes."""
         self.taken.discard(name)
-        client = self.transport.store.client
+        client = self.transport.handle.client
         if client.retry(client.exists, owned) is not None:
             logger.error("celery_zk: the body of %s is missing; the message cannot be "
                          "delivered and is removed", owned)
@@ -603,11 +465,10 @@ class Inbox:
         self._read_bodies(1, block=bool(self.pending))
         if self.buffer:
             return self.take()
-        store = self.transport.store
-        layout = self.transport.layout
-        found = store.listing(self.queue, 1)
-        for name in found.names[:8]:
-            owned = store.claim_one(self.queue, name, consumer_id)
+        transport = self.transport
+        layout, client = transport.layout, transport.handle.client
+        for name in transport.queues.listing(self.queue, 1).names[:8]:
+            owned = self._claim(client, name, consumer_id)
             if owned is None:
                 continue   # taken meanwhile: try the next
             self.taken.add(name)
@@ -615,8 +476,8 @@ class Inbox:
             assert message is not None
             sent = time.monotonic()
             try:
-                data, _ = store.read_owned(layout.body(self.queue, message))
-                data = big.read_body(store.client, layout, self.queue, message, data)
+                data, _ = client.retry(client.get, layout.body(self.queue, message))
+                data = big.read_body(client, layout, self.queue, message, data)
             except (NoNodeError, ChunkMissing):
                 self._lost(owned, name)
                 continue
@@ -624,18 +485,40 @@ class Inbox:
             return Claimed(self.queue, name, owned, data, sent)
         return None
 
+    def _claim(self, client: KazooClient, name: str, consumer_id: str) -> str | None:
+        """Move one waiting message into our own inbox; its owned path, or None
+        when another consumer (or the dispatcher) took it first."""
+        layout = self.transport.layout
+        owned = layout.inbox_message(self.queue, consumer_id, name)
+        txn = client.transaction()
+        # One multi: a crash between the two would lose the message or give it twice.
+        txn.delete(layout.unowned_message(self.queue, name))
+        txn.create(owned)
+        CLAIMS.transactions += 1
+        try:
+            results = txn.commit()
+        except ConnectionLoss:
+            # Did it commit? The create tells (the multi is all or nothing).
+            synced(client, owned)
+            return owned if client.retry(client.exists, owned) is not None else None
+        failure = multi_failure(results)
+        if failure is None:
+            CLAIMS.messages += 1
+            return owned
+        if isinstance(failure[1], (NoNodeError, NodeExistsError)):
+            CLAIMS.conflicts += 1
+            return None
+        raise failure[1]
+
     def take(self) -> Claimed | None:
         """The next message to deliver (from :attr:`buffer`)."""
         if not self.buffer:
             return None
         claimed = self.buffer.pop()
         self.delivered.add(claimed.name)
-        self.took.append(time.monotonic())
-        self._look_in = LOOK_AGAIN[0]
-        self._idle_since = None
-        if self._look_timer is not None:   # busy again: no look needed
-            self._look_timer.cancel()
-            self._look_timer, self._look_at = None, 0.0
+        self.policy.delivered()
+        if self.offer is not None:
+            self.offer.delivering()
         return claimed
 
     def settled(self, name: str) -> None:
@@ -653,10 +536,11 @@ class Inbox:
             self._offer_if_free()
 
     def _offer_if_free(self) -> None:
-        """Offer (see _offer_to_make) if nothing waits to be delivered or read."""
-        consumer_id, offer = self.consumer_id, self._offer_to_make()
-        if (consumer_id is not None and offer is not None and not self.buffer
-                and not self.pending and not self.arrivals):
+        """Offer if nothing waits to be delivered or read."""
+        consumer_id, offer = self.consumer_id, self.offer
+        if (consumer_id is not None and offer is not None and not offer.outstanding
+                and self._may_offer() and not self.buffer and not self.pending
+                and not self.arrivals):
             offer.make(consumer_id)
 
     def _tree_active(self) -> bool:
@@ -679,44 +563,14 @@ class Inbox:
         if held and self.consumer_id is not None:
             self.transport.watches.unwatch(self._inbox_path(), self._tree_cb)
 
-    def _withdraw_when_busy(self) -> None:
-        """Every slot is taken by handed work: withdraw the offer once that has
-        lasted BUSY_GRACE s (looking again then, in an event loop)."""
-        now = time.monotonic()
-        if self._busy_since is None:
-            self._busy_since = now
-        left = self._busy_since + BUSY_GRACE - now
-        if left <= 0:
-            self._withdraw()
-            return
-        if self._look_timer is not None and self._look_at <= now + left:
-            return   # a look is due by then
-        timer = self.transport.look_again(left)
-        if timer is None:   # no event loop to come back to us: now
-            self._withdraw()
-            return
-        if self._look_timer is not None:   # due later: this look does its work too
-            self._look_timer.cancel()
-        self._look_timer, self._look_at = timer, now + left
-
-    def _withdraw(self, wait: bool = False) -> None:
-        """Withdraw our offer; ``wait`` until it is deleted (when we stop: nothing
-        may be handed to us after that)."""
-        if self.offer is None or not self.offer.outstanding:
-            return
-        try:
-            self.offer.withdraw(wait)
-        except CONNECTION_ERRORS as exc:   # redone in the background (see Offer.withdraw)
-            log_failure(logger, exc, "celery_zk: could not withdraw the offer on %s now; "
-                        "retrying in the background", self.queue)
-
     def close(self) -> None:
         """Stop being given work, and give back what was given and not delivered
         (what was delivered is settled by the channel's QoS)."""
         transport = self.transport
         consumer_id, node = self.consumer_id, self.node
         self.node = None
-        self._withdraw(wait=True)
+        if self.offer is not None:
+            self.offer.withdraw(wait=True)
         self._stop_watch()
         if consumer_id is not None:
             self._dispatcher().leave(consumer_id)
@@ -747,7 +601,7 @@ class Inbox:
         kombu (acked, or the channel's to settle); the inbox goes too unless
         ``keep`` (delivered and not settled) still has entries in it."""
         transport = self.transport
-        store, client = transport.store, transport.handle.client
+        client = transport.handle.client
         if node is not None:
             try:
                 client.retry(client.delete, node)
@@ -759,7 +613,7 @@ class Inbox:
             names = client.retry(client.get_children, inbox)
         except NoNodeError:
             return
-        store.requeue_many([transport.layout.inbox_message(self.queue, consumer_id, name)
+        transport.acks.requeue_many([transport.layout.inbox_message(self.queue, consumer_id, name)
                             for name in names if name not in handed and name not in keep])
         if not keep:
             try:   # refused while a delivered message waits for its ack

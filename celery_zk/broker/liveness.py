@@ -35,8 +35,9 @@ from ..zk.layout import Layout
 from ..zk.names import new_consumer_id, parse_consumer_name
 from ..zk.process import current_pid
 from ..zk.session import ClientHandle, SharedSession, weak_callback
+from .acks import Acks
 from .autodelete import Sweeper
-from .queue import QueueStore
+from .queues import Queues
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +68,9 @@ def delivered_under(delivery_tag: str) -> tuple[bool, int | None]:
 class ConsumerSession:
     """One connection's identity as a consumer."""
 
-    def __init__(self, handle: ClientHandle, layout: Layout, store: QueueStore) -> None:
+    def __init__(self, handle: ClientHandle, layout: Layout) -> None:
         self.handle = handle
         self.layout = layout
-        self.store = store
         self.consumer_id: str | None = None
         self.node_path: str | None = None
         #: The ZooKeeper session the registration was made in.
@@ -192,8 +192,9 @@ class Recovery:
     def __init__(self, session: SharedSession, layout: Layout, options: ZKOptions) -> None:
         self.session = session
         self.layout = layout
-        self.store = QueueStore(session, layout, options)
-        self.sweeper = Sweeper(session, layout, self.store)
+        self.queues = Queues(session, layout, options)
+        self.acks = Acks(self.queues)
+        self.sweeper = Sweeper(layout, self.queues)
         self._members: weakref.WeakSet[ConsumerSession] = weakref.WeakSet()
         self._live: list[str] = []
         self._wake = threading.Event()
@@ -271,8 +272,8 @@ class Recovery:
         inbox is made after its consumer's node, so an inbox whose consumer
         is missing from the later listing is truly a dead one's.
         """
-        client, store, layout = self.session.client, self.store, self.layout
-        owned = [(queue, store.owned_listing(queue)) for queue in store.queue_names()]
+        client, layout = self.session.client, self.layout
+        owned = [(queue, self.queues.owned_listing(queue)) for queue in self.queues.queue_names()]
         try:
             children = client.retry(client.get_children, layout.consumers)
         except NoNodeError:
@@ -290,13 +291,13 @@ class Recovery:
 
     def _empty_inbox(self, queue: str, consumer_id: str) -> int:
         """Requeue a dead consumer's inbox, each message to its place, then delete it."""
-        client, store, layout = self.session.client, self.store, self.layout
+        client, layout = self.session.client, self.layout
         inbox = layout.inbox(queue, consumer_id)
         try:
             names = client.retry(client.get_children, inbox)
         except NoNodeError:
             return 0
-        moved = store.requeue_many([layout.inbox_message(queue, consumer_id, name)
+        moved = self.acks.requeue_many([layout.inbox_message(queue, consumer_id, name)
                                     for name in names])
         try:
             client.retry(client.delete, inbox)

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kazoo.client import TransactionRequest
+from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import (
     NodeExistsError,
     NoNodeError,
@@ -21,7 +21,6 @@ from ..zk.client import (
     multi_failure,
     synced,
 )
-from ..zk.config import ZKOptions
 from ..zk.layout import Layout
 from ..zk.names import (
     BODY_APART,
@@ -33,11 +32,11 @@ from ..zk.names import (
 )
 from ..zk.payload import needs_chunks
 from .big import State, mark, prepare
-from .store import OP_OVERHEAD, REQUEST_BUDGET, ClientSource, StoreBase, creates
+from .queues import OP_OVERHEAD, REQUEST_BUDGET, Queues, creates
 
 logger = logging.getLogger(__name__)
 
-#: Most messages created in one multi by :meth:`QueueStore.put_batch`.
+#: Most messages created in one multi by :meth:`Publisher.put_batch`.
 PUBLISH_BATCH = 256
 
 @dataclass(frozen=True)
@@ -87,18 +86,23 @@ class _NoMarkerParent(Exception):
 def new_uid() -> str:
     return uuid.uuid4().hex[:16]
 
-class Publishing(StoreBase):
-    """put, put_new, put_batch: the publishing side of :class:`QueueStore`."""
+class Publisher:
+    """put, put_new, put_batch: messages stored in a root's queues."""
 
-    def __init__(self, source: ClientSource, layout: Layout, options: ZKOptions) -> None:
-        super().__init__(source, layout, options)
+    def __init__(self, queues: Queues) -> None:
+        self.queues = queues
+        self.layout = queues.layout
+        self.options = queues.options
         # (queue, inverted priority) -> the bucket generation this process publishes to
         self._tails: dict[tuple[str, int], int] = {}
         # (queue, inverted priority) -> (bucket, creates seen in it): how much
         # room a batch may assume is left in the newest bucket.
         self._filled: dict[tuple[str, int], tuple[int, int]] = {}
 
-    # -- publishing ---------------------------------------------------------------
+    @property
+    def client(self) -> KazooClient:
+        return self.queues.client
+
     def check_size(self, data: bytes | int, what: str) -> None:
         """``data``: the message, or the size of its body as the application
         sent it (as AMQP brokers count a message's size)."""
@@ -363,7 +367,7 @@ class Publishing(StoreBase):
         try:
             names = client.retry(client.get_children, layout.unowned(queue))
         except NoNodeError:
-            self.declare(queue)   # first message to an undeclared queue
+            self.queues.declare(queue)   # first message to an undeclared queue
             names = []
         generations = [parsed[1] for parsed in map(parse_bucket_name, names)
                        if parsed is not None and parsed[0] == inv]
@@ -379,7 +383,7 @@ class Publishing(StoreBase):
                 self._create_if_missing(layout.bucket(queue, bucket))
             self._create_if_missing(layout.body_bucket(queue, bucket))
         except NoNodeError:   # the queue was deleted meanwhile: declare it again
-            self.declare(queue)
+            self.queues.declare(queue)
             return self._find_tail(queue, inv)
         self._tails[(queue, inv)] = generation
         self._filled[(queue, inv)] = (generation, creates(stat) if stat is not None else 0)

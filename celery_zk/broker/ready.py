@@ -9,8 +9,8 @@ holds others, goes out before them, as it would from the queue.
 A message handed straight to the consumer by its publisher never waited in
 a bucket: its name's sequence is zero, which puts a requeued one back at the
 front of its bucket. In the inbox that zero says nothing about when it was
-published. Since offers stand (0.3.3) several handed messages may wait in one
-inbox at once, and a publisher's message may be handed over right after the
+published. Offers stand, so several handed messages may wait in one inbox
+at once, and a publisher's message may be handed over right after the
 dispatcher gave its previous one (see ``HandOff.in_line``). So a handed
 message sorts right behind the latest message of its priority this inbox
 learnt of before it, and handed messages among themselves in the order they
@@ -21,11 +21,23 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 
 from ..zk.names import MessageName
-from .claims import Claimed
 
-__all__ = ["DeliveryOrder", "Key", "Ready"]
+__all__ = ["Claimed", "DeliveryOrder", "Key", "Ready"]
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A message this consumer owns, read and ready to deliver."""
+
+    queue: str
+    name: str          # unowned name it had
+    owned_path: str    # where it lives while owned (the delivery tag)
+    data: bytes
+    #: When the read of its body was sent (monotonic): the server answered after.
+    read_at: float
 
 #: A message's place in an inbox: its queue order (MessageName.sort_key, or for
 #: a handed one the place behind what arrived before it), then its arrival.

@@ -112,6 +112,7 @@ from ..zk.config import (
 from ..zk.layout import Layout
 from ..zk.session import ClientHandle
 from ..zk.watches import TreeWatches, watches_of
+from .acks import Acks
 from .autodelete import AutoDeleteQueues
 from .bindings import Bindings
 from .channel import Channel
@@ -120,7 +121,8 @@ from .groups import held_by_this_thread, install_when_imported
 from .handoff import HandOff
 from .inbox import Inbox
 from .liveness import ConsumerSession
-from .queue import NewMessage, QueueStore
+from .publish import NewMessage, Publisher
+from .queues import Queues
 from .unconfirmed import UnconfirmedPublisher
 
 logger = logging.getLogger(__name__)
@@ -181,16 +183,18 @@ class Transport(virtual.Transport):
             connect_timeout=None if given or not client.connect_timeout
             else float(client.connect_timeout))
         self.layout = Layout(self.settings.root)
-        self.store = QueueStore(self.handle, self.layout, self.settings.options)
+        self.queues = Queues(self.handle, self.layout, self.settings.options)
+        self.publisher = Publisher(self.queues)
+        self.acks = Acks(self.queues)
         self.bindings = Bindings(self.handle, self.layout, self.wake)
-        self.auto_delete = AutoDeleteQueues(self.handle, self.layout, self.store)
-        self.session = ConsumerSession(self.handle, self.layout, self.store)
-        self.handoff = (HandOff(self.handle, self.layout, self.store)
+        self.auto_delete = AutoDeleteQueues(self.handle, self.layout, self.queues)
+        self.session = ConsumerSession(self.handle, self.layout)
+        self.handoff = (HandOff(self.handle, self.layout, self.queues)
                         if self.settings.options.handoff else None)
         self.declared_queues: set[str] = set()
         self.inboxes: dict[str, Inbox] = {}
         self.unconfirmed = (None if self.settings.options.confirm_publish
-                            else UnconfirmedPublisher(self.store))
+                            else UnconfirmedPublisher(self.publisher))
         self._wake = Waker()
         self._loop: Any = None   # the event loop (kombu hub) we are registered with
         self._poke: Any = None
@@ -231,10 +235,10 @@ class Transport(virtual.Transport):
     def publishing_together(self) -> list[NewMessage] | None:
         """Where this thread's open :func:`publish_together` holds this transport's
         messages; None if there is none (or ``batch_groups`` is off)."""
-        held: dict[QueueStore, list[NewMessage]] | None = held_by_this_thread()
+        held: dict[Publisher, list[NewMessage]] | None = held_by_this_thread()
         if held is None or not self.settings.options.batch_groups:
             return None
-        return held.setdefault(self.store, [])
+        return held.setdefault(self.publisher, [])
 
     def limits(self) -> list[Any]:
         """The limits under our root (:mod:`celery_zk.features.limits`)."""
@@ -312,9 +316,9 @@ class Transport(virtual.Transport):
     def close_connection(self, connection: Any) -> None:
         try:
             if self.handle.started:
-                self.store.deferred.flush()   # acks held back must land before we go
-                self.store.send_held_acks()   # ours, even if another thread's flush took them
-                if not self.store.acks_landed(timeout=self.settings.options.session_timeout):
+                self.queues.deferred.flush()   # acks held back must land before we go
+                self.acks.send_held_acks()   # ours, even if another thread's flush took them
+                if not self.acks.acks_landed(timeout=self.settings.options.session_timeout):
                     logger.warning("celery_zk: closing before every ack landed; the "
                                    "messages not acked will run again (at-least-once)")
             if self.unconfirmed is not None and not self.unconfirmed.flush(

@@ -28,7 +28,7 @@ from celery.signals import worker_process_shutdown
 
 from ..zk.client import CONNECTION_ERRORS, RedoThread, multi_failure
 from ..zk.process import current_pid
-from .queue import NewMessage, QueueStore
+from .publish import NewMessage, Publisher
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +40,10 @@ _publishers: weakref.WeakSet[UnconfirmedPublisher] = weakref.WeakSet()
 
 
 class UnconfirmedPublisher:
-    """Pipelined publishes through one :class:`~celery_zk.broker.queue.QueueStore`."""
+    """Pipelined publishes through one :class:`~celery_zk.broker.publish.Publisher`."""
 
-    def __init__(self, store: QueueStore, window: int = WINDOW) -> None:
-        self.store = store
+    def __init__(self, publisher: Publisher, window: int = WINDOW) -> None:
+        self.publisher = publisher
         self.window = window
         self._pid = current_pid()
         self._cond = threading.Condition()
@@ -56,7 +56,7 @@ class UnconfirmedPublisher:
             affinity: str | None = None, size: int | None = None,
             task: str | None = None, limit_key: str | None = None) -> None:
         # Size errors raise here.
-        message = self.store.new_message(queue, data, priority, affinity, size, task,
+        message = self.publisher.new_message(queue, data, priority, affinity, size, task,
                                          limit_key)
         with self._cond:
             if self._pid != current_pid():  # forked: the parent's replies never come here
@@ -66,8 +66,8 @@ class UnconfirmedPublisher:
                 self._cond.wait()
             self._in_flight += 1
         try:
-            txn = self.store.client.transaction()
-            message.add_to(txn, self.store.layout)
+            txn = self.publisher.client.transaction()
+            message.add_to(txn, self.publisher.layout)
             result = txn.commit_async()
         except BaseException:
             self._finished()
@@ -89,14 +89,14 @@ class UnconfirmedPublisher:
             # or nothing, so it is not stored; redone, named for the queue's tail.
             self._redo.submit((message, False))
             return
-        self.store.created(message, results[-1].rpartition("/")[2])
+        self.publisher.created(message, results[-1].rpartition("/")[2])
         self._finished()
 
     def _redo_one(self, item: tuple[NewMessage, bool]) -> None:
         message, maybe_made = item
         try:
             # A lost reply may hide a create that happened: look before making another.
-            self.store.put_new(message, maybe_made=maybe_made)
+            self.publisher.put_new(message, maybe_made=maybe_made)
         except Exception as exc:
             logger.error("celery_zk: an unconfirmed publish to queue %r failed and the "
                          "message is LOST (confirm_publish=False): %s: %s",

@@ -17,7 +17,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from ..broker import big
 from ..broker.dead import UNKNOWN, unwrap
-from ..broker.queue import QueueStore
+from ..broker.queues import Queues
 from ..exceptions import CeleryZKError
 from ..zk.client import multi_failure
 from ..zk.names import bucket_name, parse_message_name, requeued_name
@@ -46,15 +46,15 @@ class DeadLetter:
 class DeadLetters:
     """List, requeue and purge one queue's dead letters."""
 
-    def __init__(self, store: QueueStore, queue: str) -> None:
-        self.store = store
+    def __init__(self, queues: Queues, queue: str) -> None:
+        self.queues = queues
         self.queue = queue
-        self.client = store.client
-        self.layout = store.layout
+        self.client = queues.client
+        self.layout = queues.layout
 
     def check_queue(self) -> None:
-        if not self.store.exists(self.queue):
-            known = sorted(self.store.queue_names())
+        if not self.queues.exists(self.queue):
+            known = sorted(self.queues.queue_names())
             raise CeleryZKError(
                 f"no queue {self.queue!r} under {self.layout.root!r}; queues there: "
                 f"{', '.join(known) if known else 'none'}")
@@ -115,7 +115,7 @@ class DeadLetters:
                          bucket_name(parsed.inverted_priority, parsed.generation or 0))
             txn.create(target, b"" if body is not None else message)
 
-        failure = multi_failure(self.store.commit(build))
+        failure = multi_failure(self.queues.commit(build))
         if failure is not None:
             if isinstance(failure[1], (NoNodeError, NodeExistsError)) and \
                     self.client.exists(source) is None:
@@ -127,7 +127,7 @@ class DeadLetters:
     def purge(self) -> int:
         """Delete every dead letter (a big one's chunks too); how many this call deleted."""
         names = self.ids()
-        removed = self.store.delete_all([self._path(name) for name in names])
+        removed = self.queues.delete_all([self._path(name) for name in names])
         for name in names:
             parsed = parse_message_name(name)
             if parsed is not None and parsed.chunked:

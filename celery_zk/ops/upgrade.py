@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
-from ..broker.store import StoreBase
+from ..broker.queues import Queues
 from ..zk.client import multi_failure
 from ..zk.names import (
     OWNER_SEP,
@@ -47,18 +47,14 @@ class Upgrade:
     owned_by_live: dict[str, int] = field(default_factory=dict)   # queue -> left: owner lives
 
 
-def upgrade(store: StoreBase) -> Upgrade:
-    """Store every message of ``store``'s root kept in a form before 0.2 anew."""
-    client, layout = store.client, store.layout
+def upgrade(queues: Queues) -> Upgrade:
+    """Store every message of ``queues``' root kept in a form before 0.2 anew."""
+    client, layout = queues.client, queues.layout
     done = Upgrade()
-    try:
-        queues = client.retry(client.get_children, layout.queues)
-    except NoNodeError:
-        return done
     live = {p for p in map(parse_consumer_name, _children(client, layout.consumers)) if p}
-    for escaped in queues:
+    for escaped in _children(client, layout.queues):
         queue = unescape(escaped)
-        store.declare(queue)   # the directories later releases added
+        queues.declare(queue)   # the directories later releases added
         unowned = layout.unowned(queue)
         waiting = []
         for name in _children(client, unowned):
@@ -69,7 +65,7 @@ def upgrade(store: StoreBase) -> Upgrade:
                 waiting += [f"{bucket}/{child}" for child in _children(client, bucket)]
         for path in waiting:
             message = parse_legacy_name(path.rpartition("/")[2])
-            if message is not None and _store_anew(store, queue, path, message):
+            if message is not None and _store_anew(queues, queue, path, message):
                 done.moved[queue] = done.moved.get(queue, 0) + 1
         owned = layout.owned(queue)
         for name in _children(client, owned):
@@ -79,15 +75,15 @@ def upgrade(store: StoreBase) -> Upgrade:
                 continue
             if owner in live:
                 done.owned_by_live[queue] = done.owned_by_live.get(queue, 0) + 1
-            elif _store_anew(store, queue, f"{owned}/{name}", message):
+            elif _store_anew(queues, queue, f"{owned}/{name}", message):
                 done.moved[queue] = done.moved.get(queue, 0) + 1
     return done
 
 
-def _store_anew(store: StoreBase, queue: str, old: str, message: MessageName) -> bool:
+def _store_anew(queues: Queues, queue: str, old: str, message: MessageName) -> bool:
     """One multi: ``old`` goes, its body and its name (requeued, in its place)
     come; False when it was gone or changed meanwhile (then nothing was done)."""
-    client, layout = store.client, store.layout
+    client, layout = queues.client, queues.layout
     try:
         data, stat = client.retry(client.get, old)
     except NoNodeError:
@@ -105,11 +101,11 @@ def _store_anew(store: StoreBase, queue: str, old: str, message: MessageName) ->
         txn.create(layout.body(queue, message), data)
         txn.create(f"{bucket}/{requeued_name(message)}")
 
-    failure = multi_failure(store.commit(build))
+    failure = multi_failure(queues.commit(build))
     if failure is None:
         return True
     if failure[0] > 0 and isinstance(failure[1], NodeExistsError):
-        return _store_anew(store, queue, old, message)   # a directory made meanwhile
+        return _store_anew(queues, queue, old, message)   # a directory made meanwhile
     logger.warning("celery_zk: %s was not upgraded (%s); run the upgrade again",
                    old, type(failure[1]).__name__)
     return False

@@ -76,10 +76,10 @@ def test_one_byte_past_the_limit_is_refused_before_anything_is_written(
     queue = Queue("limit", Exchange("limit", "direct"), "limit")
     limit = 16 * 1024 * 1024
     with Connection(zk_url) as conn:
-        store = conn.transport.store
-        store.check_size(b"x" * limit, "exactly the limit")   # fits
+        publisher = conn.transport.publisher
+        publisher.check_size(b"x" * limit, "exactly the limit")   # fits
         with pytest.raises(MessageTooLarge) as excinfo:
-            store.check_size(b"x" * (limit + 1), "one byte more")
+            publisher.check_size(b"x" * (limit + 1), "one byte more")
         message = str(excinfo.value)
         assert "16,777,217" in message and "16,777,216" in message
         assert "max_message_size" in message and "Nothing was written" in message
@@ -137,12 +137,12 @@ def test_a_dead_lettered_big_message_is_requeued_whole_and_purged_whole(
                       callbacks=[lambda body, m: (got.append(body), m.reject())]):
             while len(got) < 2:
                 conn.drain_events(timeout=20)
-        letters = DeadLetters(conn.transport.store, "dlq")
+        letters = DeadLetters(conn.transport.queues, "dlq")
         wait_until(lambda: len(letters.ids()) == 2, 10)
         sizes = [letter.size for letter in letters.list()]   # as stored (base64)
         assert len(set(sizes)) == 1 and sizes[0] > len(payload)
         # The sweep leaves a dead letter's chunks alone, whatever their age.
-        assert big.sweep(conn.transport.store.client, conn.transport.layout, "dlq",
+        assert big.sweep(conn.transport.handle.client, conn.transport.layout, "dlq",
                          now=time.time() + 2 * big.ORPHAN_AGE) == 0
         letters.requeue(letters.ids()[0])
         again: list[Any] = []
@@ -201,16 +201,16 @@ def test_a_publisher_killed_between_chunks_leaves_nothing_for_good(
     assert 1 <= len(zk_client.get_children(LAYOUT.chunk_container("orphans", orphan))) <= 3
     assert waiting(zk_client, LAYOUT, "orphans") == []   # never visible
     with Connection(zk_url) as conn:
-        store = conn.transport.store
+        client = conn.transport.handle.client
         # Too young: it might still be being written.
-        assert big.sweep(store.client, conn.transport.layout, "orphans") == 0
-        assert big.sweep(store.client, conn.transport.layout, "orphans",
+        assert big.sweep(client, conn.transport.layout, "orphans") == 0
+        assert big.sweep(client, conn.transport.layout, "orphans",
                          now=time.time() + big.ORPHAN_AGE + 1) == 1
         # A live big message is never taken for an orphan.
         queue = Queue("orphans", Exchange("orphans", "direct"), "orphans")
         Producer(conn.channel()).publish("y" * 300_000, exchange=queue.exchange,
                                          routing_key="orphans")
-        assert big.sweep(store.client, conn.transport.layout, "orphans",
+        assert big.sweep(client, conn.transport.layout, "orphans",
                          now=time.time() + 2 * big.ORPHAN_AGE) == 0
     assert len(containers(zk_client, "orphans")) == 1
 

@@ -17,7 +17,8 @@ from typing import Any
 from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from celery_zk.broker.queue import CLAIMS, creates
+from celery_zk.broker.assignment import CLAIMS
+from celery_zk.broker.queues import creates
 from celery_zk.zk.layout import Layout
 from celery_zk.zk.names import bucket_name, inverted, parse_bucket_name, parse_message_name
 
@@ -190,7 +191,7 @@ def test_requeued_messages_go_back_to_their_place_across_buckets(
             taken = [simple.get(timeout=5) for _ in range(7)]
             assert [m.payload for m in taken] == list(range(7))
             # The next listing finds bucket 0 empty with later ones behind it: deleted.
-            conn.transport.store.listing("back", 1)
+            conn.transport.queues.listing("back", 1)
             first = LAYOUT.bucket("back", bucket_name(inverted(None), 0))
             wait_until(lambda: zk_client.exists(first) is None, 5, 0.05,
                        "the empty bucket was not deleted")
@@ -260,7 +261,7 @@ def test_publishers_and_consumers_across_many_rolls_lose_nothing(
     assert len(used) >= 2 * per_publisher // (SIZE + 2) // 3
     assert zk_client.get_children(LAYOUT.dead("roll")) == []
     with Connection(url(zk_url)) as conn:
-        conn.transport.store.listing("roll", 1)   # what a consumer's next look does
+        conn.transport.queues.listing("roll", 1)   # what a consumer's next look does
     wait_until(lambda: len(buckets(zk_client, LAYOUT, "roll")) <= 2, 5, 0.05,
                "emptied buckets were left behind")   # the newest of each priority stays
     for bucket in buckets(zk_client, LAYOUT, "roll"):

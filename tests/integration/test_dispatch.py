@@ -21,10 +21,10 @@ import pytest
 from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from celery_zk.broker.acks import Acking
+from celery_zk.broker.acks import Acks
+from celery_zk.broker.assignment import CLAIMS
+from celery_zk.broker.credit import HOLD, IDLE
 from celery_zk.broker.dispatcher import Dispatcher
-from celery_zk.broker.inbox import HOLD, IDLE
-from celery_zk.broker.queue import CLAIMS
 from celery_zk.ops.upgrade import upgrade
 from celery_zk.zk.config import ZKOptions
 from celery_zk.zk.layout import Layout
@@ -270,18 +270,18 @@ def test_what_waits_behind_a_long_task_goes_back_for_other_consumers(
     go back to the queue, in multis, and another consumer gets them."""
     batches: list[int] = []
     one_by_one: list[str] = []
-    requeue_many, requeue = Acking.requeue_many, Acking.requeue
+    requeue_many, requeue = Acks.requeue_many, Acks.requeue
 
-    def counted_many(self: Acking, owned_paths: list[str], *args: Any) -> int:
+    def counted_many(self: Acks, owned_paths: list[str], *args: Any) -> int:
         batches.append(len(owned_paths))
         return requeue_many(self, owned_paths, *args)
 
-    def counted(self: Acking, owned_path: str, *args: Any, **kwargs: Any) -> bool:
+    def counted(self: Acks, owned_path: str, *args: Any, **kwargs: Any) -> bool:
         one_by_one.append(owned_path)
         return requeue(self, owned_path, *args, **kwargs)
 
-    monkeypatch.setattr(Acking, "requeue_many", counted_many)
-    monkeypatch.setattr(Acking, "requeue", counted)
+    monkeypatch.setattr(Acks, "requeue_many", counted_many)
+    monkeypatch.setattr(Acks, "requeue", counted)
     queue = queue_of("long")
     with looking_ahead(zk_url, zk_client, "long") as (publisher, busy, got, held):
         publish(publisher, queue, [100, 101] + list(range(200, 210)))
@@ -422,9 +422,9 @@ def test_a_message_given_later_but_first_in_line_overtakes_a_deep_inbox(
     higher priority, given to it after them, is delivered before them, as it
     would be from the queue: it waits for room in the inbox, not behind what
     the inbox holds."""
-    from celery_zk.broker import inbox as inbox_module
+    from celery_zk.broker import credit
 
-    monkeypatch.setattr(inbox_module, "HOLD", 60.0)   # nothing goes back meanwhile
+    monkeypatch.setattr(credit, "HOLD", 60.0)   # nothing goes back meanwhile
     queue = queue_of("overtake")
     layout = layout_of(zk_url)
     with looking_ahead(zk_url, zk_client, "overtake") as (publisher, deep, got, held):
@@ -454,27 +454,27 @@ def test_a_dead_consumers_deep_inbox_goes_back_a_batch_per_multi(
     """A deep inbox (a worker looking ahead holds up to lookahead x its prefetch)
     goes back REQUEUE_BATCH messages per multi, not one synced write each, and
     every message still to its place."""
-    from celery_zk.broker.acks import REQUEUE_BATCH, Acking
+    from celery_zk.broker.acks import REQUEUE_BATCH
 
     queue = queue_of("deep")
     layout = layout_of(zk_url)
     total = REQUEUE_BATCH + 72   # two multis
     singles: list[str] = []   # what was moved, and how (the dying side's tries fail)
     batches: list[int] = []
-    real_one, real_many = Acking.requeue, Acking.requeue_many
+    real_one, real_many = Acks.requeue, Acks.requeue_many
 
-    def one(self: Acking, path: str, *args: Any, **kwargs: Any) -> bool:
+    def one(self: Acks, path: str, *args: Any, **kwargs: Any) -> bool:
         moved = real_one(self, path, *args, **kwargs)
         if moved:
             singles.append(path)
         return moved
 
-    def many(self: Acking, paths: list[str]) -> int:
+    def many(self: Acks, paths: list[str]) -> int:
         moved = real_many(self, paths)
         batches.append(moved)
         return moved
-    monkeypatch.setattr(Acking, "requeue", one)
-    monkeypatch.setattr(Acking, "requeue_many", many)
+    monkeypatch.setattr(Acks, "requeue", one)
+    monkeypatch.setattr(Acks, "requeue_many", many)
     with Connection(zk_url) as survivor:
         recovery_leader(survivor)
         publish(survivor, queue, list(range(total)))
@@ -554,9 +554,9 @@ def test_messages_stored_before_0_2_wait_for_the_upgrade_and_then_run_in_order(
         assert got == ["new"]
         assert caplog.text.count("celery -A proj zk upgrade") == 1, caplog.text
 
-        done = upgrade(conn.transport.store)
+        done = upgrade(conn.transport.queues)
         assert done.moved == {"upgrade": 3} and done.owned_by_live == {"upgrade": 1}
-        assert upgrade(conn.transport.store).moved == {}   # again: nothing to do
+        assert upgrade(conn.transport.queues).moved == {}   # again: nothing to do
         assert {"offers", "consumers", "chunks"} <= set(
             zk_client.get_children(layout.queue("upgrade")))
         with Consumer(conn, [queue], prefetch_count=1,
@@ -573,10 +573,11 @@ def test_purge_deletes_names_and_bodies_a_few_hundred_per_multi(
         zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
     layout = layout_of(zk_url)
     with Connection(zk_url) as conn:
-        store = conn.transport.store
-        store.put_batch([store.new_message("purged", b'{"v": 1}', None) for _ in range(1000)])
+        publisher = conn.transport.publisher
+        publisher.put_batch([publisher.new_message("purged", b'{"v": 1}', None)
+                             for _ in range(1000)])
         transactions = 0
-        client = store.client
+        client = conn.transport.handle.client
         real = client.transaction
 
         def counting() -> Any:
@@ -728,24 +729,24 @@ def test_held_acks_go_at_once_only_when_they_keep_the_inbox_from_a_refill(
                                                         messages.append(message))]):
             drain_until(conn, got, 4, 20)
             assert sorted(got) == [0, 1, 2, 3]
-            store = conn.transport.store
+            acks = conn.transport.acks
             sent: list[int] = []
-            real = store._send_ack_batch
-            monkeypatch.setattr(store, "_send_ack_batch",
+            real = acks._send_ack_batch
+            monkeypatch.setattr(acks, "_send_ack_batch",
                                 lambda node, paths: (sent.append(len(paths)), real(node, paths)))
             session = conn.transport.session
             consumer_id = session.ensure_registered()[0]
             layout = conn.transport.layout
             messages[0].ack()
-            assert store.holds_acks(layout.inbox("work", consumer_id)) == 1
+            assert acks.holds_acks(layout.inbox("work", consumer_id)) == 1
             conn.transport.inbox("work").fill(4, 0)   # one of 4: room to refill
             assert sent == []
             for message in messages[1:]:
                 message.ack()
-            assert store.holds_acks(layout.inbox("work", consumer_id)) == 4
-            assert not store.holds_acks(layout.inbox("idle", consumer_id))
+            assert acks.holds_acks(layout.inbox("work", consumer_id)) == 4
+            assert not acks.holds_acks(layout.inbox("idle", consumer_id))
             conn.transport.inbox("idle").fill(4, 0)   # empty, and none of the acks are its
             assert sent == []
             conn.transport.inbox("work").fill(4, 0)   # empty, and waiting for its refill
             assert sent == [4]
-            assert not store.holds_acks(layout.inbox("work", consumer_id))
+            assert not acks.holds_acks(layout.inbox("work", consumer_id))

@@ -134,7 +134,7 @@ def test_a_lost_multi_reply_stores_nothing_twice(
         zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
     with Connection(zk_url) as conn:
         transport = conn.transport
-        store = transport.store
+        store = transport.publisher
         client = transport.handle.client
         real_transaction = client.transaction
         lost: list[Any] = []
@@ -166,7 +166,7 @@ def test_a_bucket_deleted_before_the_multi_is_replaced(
     """A bucket emptied and deleted by consumers after the messages were named
     for it: they go to the queue's newest bucket instead."""
     with Connection(zk_url) as conn:
-        store = conn.transport.store
+        store = conn.transport.publisher
         messages = [store.new_message("gone-grp", f'{{"body": "[[{i}]]"}}'.encode(), None)
                     for i in range(5)]
         for path in buckets(zk_client, LAYOUT, "gone-grp"):

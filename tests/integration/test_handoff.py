@@ -157,7 +157,7 @@ def test_a_handed_message_is_read_in_one_request(
     assert body == payload and message.headers == {"task": "proj.add"}
     name = message.delivery_tag.rpartition("/")[2]
     assert parse_message_name(name).seq == 0   # handed over
-    assert reads == [body_path(LAYOUT, "inline", name)]
+    assert len(reads) == 1 and reads[0].endswith(body_path(LAYOUT, "inline", name))
     assert 0 < delivered_at - message.properties[READ_AT] < 5
     # Acked as any message: the entry and the one body node go.
     wait_until(lambda: owned(zk_client, LAYOUT, "inline") == [], 5, 0.02, "not acked")
@@ -259,15 +259,15 @@ def test_an_offer_stands_for_every_message_until_it_is_withdrawn(
     wait_until(lambda: offers(zk_client, "race"), 5, 0.02, "no offer was made")
     made = offers(zk_client, "race")
     with Connection(apart(zk_url, "publisher")) as other:
-        store, handoff = other.transport.store, other.transport.handoff
-        assert handoff.give(store.new_message("race", b"first", 5))
-        assert handoff.give(store.new_message("race", b"second", 5))
+        publisher, handoff = other.transport.publisher, other.transport.handoff
+        assert handoff.give(publisher.new_message("race", b"first", 5))
+        assert handoff.give(publisher.new_message("race", b"second", 5))
         assert waiting(zk_client, LAYOUT, "race") == []   # give() only hands over
         assert offers(zk_client, "race") == made and offer.outstanding
         offer.withdraw()
         assert offers(zk_client, "race") == []
         handoff._store("race", tuple(made))   # behind: the withdrawal not seen yet
-        assert not handoff.give(store.new_message("race", b"third", 5))
+        assert not handoff.give(publisher.new_message("race", b"third", 5))
     assert waiting(zk_client, LAYOUT, "race") == []   # a refused give stores nothing
     paths = owned(zk_client, LAYOUT, "race")
     assert {LAYOUT.split_owned_path(path)[1] for path in paths} == {consumer_id}
@@ -507,7 +507,7 @@ def test_offers_back_off_while_the_dispatcher_gives_the_work(
     """A consumer whose offer is withdrawn because the dispatcher gave it work
     (the queue has a backlog, as in a drain) waits longer before its next
     offer; once a publisher hands it a message it offers early again."""
-    from celery_zk.broker.inbox import OFFER_AFTER
+    from celery_zk.broker.offer import OFFER_AFTER
 
     queue = Queue("backlog", Exchange("backlog", "direct"), "backlog")
     got: list[Any] = []
@@ -529,12 +529,12 @@ def test_offers_back_off_while_the_dispatcher_gives_the_work(
             run_until(lambda n=n: len(got) == n + 1, "not delivered")
             # The first waited in its bucket as sequence 0, as a handed one is
             # named: no wait after it. Then the first wait, doubled each time.
-            assert inbox._offer_after == (OFFER_AFTER[0] * 2 ** (n - 1) if n else 0.0)
+            assert inbox.offer._offer_after == (OFFER_AFTER[0] * 2 ** (n - 1) if n else 0.0)
         run_until(offering, "no offer")
         publish(zk_url, queue, "handed")
         run_until(lambda: len(got) == 5, "not delivered")
         assert unowned_creations(zk_client, "backlog") == 4
-        assert inbox._offer_after == 0.0
+        assert inbox.offer._offer_after == 0.0
 
 
 def test_work_that_leaves_a_pool_slot_free_keeps_the_offer(
@@ -546,7 +546,7 @@ def test_work_that_leaves_a_pool_slot_free_keeps_the_offer(
     import celery.worker.state as worker_state
 
     import celery_zk.compat.celery as celery_compat
-    from celery_zk.broker.inbox import OFFER_AFTER
+    from celery_zk.broker.offer import OFFER_AFTER
 
     class Running:   # a task request in Celery's worker state (kept weakly)
         pass
@@ -591,10 +591,10 @@ def test_work_that_leaves_a_pool_slot_free_keeps_the_offer(
             # Work that leaves a slot free says there is no backlog: the wait a
             # backlog left (as after a drain) ends.
             worker_state.reserved_requests.discard(running.pop())
-            inbox._offer_after = OFFER_AFTER[1]
+            inbox.offer._offer_after = OFFER_AFTER[1]
             publish(waiting_url, queue, "fourth")
             run_until(lambda: len(got) == 6, "not delivered")
-            assert inbox._offer_after == 0.0
+            assert inbox.offer._offer_after == 0.0
         finally:
             for request in running:
                 worker_state.reserved_requests.discard(request)

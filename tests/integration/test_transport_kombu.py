@@ -227,7 +227,7 @@ with Consumer(c, [q], callbacks=[on_message]):
             assert recovery < 4 + 2 + 1  # session timeout + 2 s (+1 s slack for the test)
             assert got[0][1].delivery_info["redelivered"] is True
             # The dead owner's late ack must not touch the survivor's claim.
-            assert survivor.transport.store.ack(tag, dead_node) is False
+            assert survivor.transport.acks.ack(tag, dead_node) is False
             assert len(owned(zk_client, layout, "dead")) == 1
             got[0][1].ack()  # asynchronous, as AMQP's basic.ack: it lands shortly
             deadline = time.monotonic() + 5
@@ -402,8 +402,8 @@ def test_creates_whose_reply_was_lost_are_not_repeated(
     monkeypatch.setattr(client, "create", create_then_lose_reply)
     monkeypatch.setattr(client, "transaction", transaction_losing_a_reply)
     layout = layout_of(zk_url)
-    transport.store.declare("lossy")
-    name = transport.store.put("lossy", b"{}", None)
+    transport.queues.declare("lossy")
+    name = transport.publisher.put("lossy", b"{}", None)
     assert waiting(zk_client, layout, "lossy") == [name]
     message = parse_message_name(name)
     assert message is not None and zk_client.get_children(
@@ -577,7 +577,7 @@ def test_acks_of_one_moment_go_in_one_multi(conn: Connection, zk_url: str,
         producer.publish({"i": i}, exchange=queue.exchange, routing_key="acks", declare=[queue])
     got = drain(conn, queue, 12, ack=False)
     assert len(got) == 12
-    client = conn.transport.store.client
+    client = conn.transport.handle.client
     multis = count_calls(monkeypatch, client, "transaction")
     _, owner, name = conn.transport.layout.split_owned_path(got[0][1].delivery_tag)
     zk_client.delete(layout.inbox_message("acks", owner, name))   # its body stays
@@ -685,7 +685,7 @@ def test_a_closing_connection_sends_its_held_acks_before_it_deletes_its_node(
             # Taken here as it is held (not from the Deferred later: any write
             # held back after it, an idle consumer's offer, sends everything held
             # within 5 ms, and matrix cells lost that race three times).
-            deferred = conn.default_channel.connection.store.deferred
+            deferred = conn.default_channel.connection.queues.deferred
             taken: list[Any] = []
             monkeypatch.setattr(deferred, "later", lambda send, delay=None: taken.append(send))
             Producer(conn.channel()).publish({"i": 1}, exchange=queue.exchange,

@@ -54,7 +54,7 @@ def test_a_lost_reply_is_redone_without_a_duplicate(
         zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
     with Connection(zk_url + "?confirm_publish=false") as conn:
         transport = conn.transport
-        transport.store.declare("lossy-pub")
+        transport.queues.declare("lossy-pub")
         client = transport.handle.client
         real_create_async = client.create_async
         lost: list[str] = []
@@ -98,16 +98,16 @@ def test_a_refused_publish_is_redone_without_looking_for_it(
     monkeypatch.setattr(NewMessage, "add_to", refused_once)
     with Connection(zk_url + "?confirm_publish=false") as conn:
         transport = conn.transport
-        transport.store.declare("refused-pub")
+        transport.queues.declare("refused-pub")
         publisher = transport.unconfirmed
         assert publisher is not None
         looked: list[bool] = []
-        put_new = transport.store.put_new
+        put_new = transport.publisher.put_new
 
         def spy(message: Any, maybe_made: bool = False) -> str:
             looked.append(maybe_made)
             return put_new(message, maybe_made)
-        monkeypatch.setattr(transport.store, "put_new", spy)
+        monkeypatch.setattr(transport.publisher, "put_new", spy)
         for i in range(3):
             publisher.put("refused-pub", json.dumps({"body": json.dumps(i)}).encode(), None)
         assert publisher.flush(timeout=10)

@@ -1,8 +1,8 @@
-"""The dispatcher's view of a queue's head (``_Head``): kept in delivery order
+"""The dispatcher's view of a queue's head (``Head``): kept in delivery order
 as names are listed, arrive and are given."""
 from __future__ import annotations
 
-from celery_zk.broker.dispatcher import _Head
+from celery_zk.broker.assignment import Head
 from celery_zk.zk.names import parse_message_name
 
 
@@ -17,7 +17,7 @@ def names(count: int, affinity_every: int = 0) -> list[str]:
 
 def test_what_a_plan_gives_from_the_front_is_cut_at_once_and_the_rest_kept() -> None:
     listed = names(10, affinity_every=3)
-    head = _Head()
+    head = Head()
     head.reset(listed, complete=True)
     assert head.keyed == 4
     head.discard(listed[:4])            # the head's first names: one cut
@@ -30,7 +30,7 @@ def test_what_a_plan_gives_from_the_front_is_cut_at_once_and_the_rest_kept() -> 
 
 def test_a_name_given_that_the_head_does_not_hold_changes_nothing() -> None:
     listed = names(4)
-    head = _Head()
+    head = Head()
     head.reset(listed[1:], complete=False)
     head.discard([listed[0], listed[1]])   # one known, one never listed
     assert head.names == listed[2:]

@@ -2,9 +2,8 @@
 deliveries would not deliver within HOLD s, and the order it goes back in."""
 from __future__ import annotations
 
-from celery_zk.broker.claims import Claimed
-from celery_zk.broker.inbox import HOLD, held_back
-from celery_zk.broker.ready import DeliveryOrder, Ready
+from celery_zk.broker.credit import HOLD, held_back
+from celery_zk.broker.ready import Claimed, DeliveryOrder, Ready
 from celery_zk.zk.names import message_prefix, order_key, parse_message_name
 
 

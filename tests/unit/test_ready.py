@@ -2,8 +2,7 @@
 handed messages behind what arrived before them, in the order they came."""
 from __future__ import annotations
 
-from celery_zk.broker.claims import Claimed
-from celery_zk.broker.ready import DeliveryOrder, Ready
+from celery_zk.broker.ready import Claimed, DeliveryOrder, Ready
 from celery_zk.zk.names import (
     handed_name,
     inverted,

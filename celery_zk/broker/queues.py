@@ -1,25 +1,27 @@
-"""The queue protocol: put, claim, ack, requeue, dead-letter, purge, as one
-store (:class:`QueueStore`) made of :mod:`.publish`, :mod:`.claims` and
-:mod:`.acks` over :mod:`.store`; here: listing a queue, its size, purge
-and delete.
+"""A root's queues: their directories, and what is done to a queue as a whole.
+
+Every state change that touches more than one node is one ``multi``
+transaction, so a message is always in exactly one place (unowned, owned or
+dead) whatever crashes in between. Operations are retried after
+ConnectionLoss; because a lost reply does not say whether a transaction
+committed, each retry first checks for the effect it was about to cause.
+What happens to one message is elsewhere: :mod:`.publish` (put),
+:mod:`.dispatcher` (give), :mod:`.acks` (ack, requeue, reject).
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
-from kazoo.exceptions import (
-    NoNodeError,
-    NotEmptyError,
-)
+from kazoo.client import KazooClient, TransactionRequest
+from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
+from kazoo.protocol.states import ZnodeStat
 
-from ..zk.client import (
-    log_failure,
-    multi_failure,
-    reply_or_retry,
-)
+from ..zk.client import Deferred, log_failure, multi_failure, reply_or_retry
+from ..zk.config import ZKOptions
+from ..zk.layout import Layout
 from ..zk.names import (
     MessageName,
     parse_bucket_name,
@@ -31,27 +33,138 @@ from ..zk.names import (
 from ..zk.payload import commit_deleting
 from ..zk.tree import delete_tree
 from . import big
-from .acks import ACK_BATCH, Acking
-from .claims import CLAIMS, Assignment, ClaimCounts, Claimed, Claiming
-from .publish import PUBLISH_BATCH, NewMessage, Publishing, new_uid
-from .store import ANY_VERSION, OP_OVERHEAD, ClientSource, StoreBase, _in_place, creates
-
-__all__ = ["ACK_BATCH", "ANY_VERSION", "CLAIMS", "OP_OVERHEAD", "PUBLISH_BATCH", "ClaimCounts",
-           "Assignment", "Claimed", "ClientSource", "Listing", "NewMessage", "QueueStore",
-           "StoreBase", "creates", "new_uid"]
 
 logger = logging.getLogger(__name__)
 
+#: Most deletes in one multi of a purge.
+PURGE_BATCH = 256
+
+#: Bytes a claim's two operations carry beside the data and the paths
+#: (headers, version, ACL, flags), rounded up.
+OP_OVERHEAD = 64
+
+#: Most bytes one request (a multi) carries: ZooKeeper closes the connection of
+#: a request bigger than its jute.maxbuffer (1 MiB by default).
+REQUEST_BUDGET = 1_000_000
+
+#: A multi's check of a node that must exist, whatever its data (ZooKeeper: -1).
+ANY_VERSION = -1
+
+def _in_place(bucket: str, names: list[str]) -> tuple[list[str], list[str]]:
+    """Split the children of a bucket into the message names that belong there
+    and the rest, as paths under ``unowned/``."""
+    ours, foreign = [], []
+    # Compared as numbers: formatting each name's bucket cost more than its parse.
+    place = parse_bucket_name(bucket)
+    for name in names:
+        parsed = parse_message_name(name)
+        if parsed is not None and (parsed.inverted_priority, parsed.generation) == place:
+            ours.append(name)
+        else:
+            foreign.append(f"{bucket}/{name}")
+    return ours, foreign
+
+def creates(stat: ZnodeStat) -> int:
+    """How many children a node ever had created: the sequence its next
+    sequential child gets. ZooKeeper keeps that count and reports ``cversion``
+    as creates plus deletes, i.e. ``2 * creates - children``."""
+    return (stat.cversion + stat.numChildren) // 2
+
+class ClientSource(Protocol):
+    """Where a store gets its client (a new one after fork) and held-back writes:
+    a :class:`~celery_zk.zk.session.ClientHandle` or a whole session."""
+
+    @property
+    def client(self) -> KazooClient: ...
+
+    @property
+    def deferred(self) -> Deferred: ...
+
+
 @dataclass(frozen=True)
 class Listing:
-    """The head of a queue in delivery order, as :meth:`QueueStore.listing` found it."""
+    """The head of a queue in delivery order, as :meth:`Queues.listing` found it."""
 
     names: list[str]     # ours, in delivery order
     foreign: list[str]   # names celery_zk did not write (to dead-letter)
     complete: bool = True   # every bucket was listed (else only the first ``want`` or so)
 
-class QueueStore(Publishing, Claiming, Acking):
-    """Queue operations for one kazoo client under one root."""
+
+class Queues:
+    """A root's queues, as one kazoo client (through its source) sees them:
+    their directories, listing, size, purge and delete. :class:`.Publisher`
+    and :class:`.Acks` make their changes through one."""
+
+    def __init__(self, source: ClientSource, layout: Layout, options: ZKOptions) -> None:
+        self.source = source
+        self.layout = layout
+        self.options = options
+
+    @property
+    def client(self) -> KazooClient:
+        return self.source.client
+
+    @property
+    def deferred(self) -> Deferred:
+        """Acks and offers wait here briefly (see Deferred): off the critical path.
+        One per session, so a publish flushes what any user of it held back."""
+        return self.source.deferred
+
+    def commit(self, build: Callable[[TransactionRequest], object]) -> list[Any]:
+        """Build and commit a transaction, rebuilt per retry (kazoo commits one once)."""
+        client = self.client
+
+        def attempt() -> list[Any]:
+            txn = client.transaction()
+            build(txn)
+            return txn.commit()
+
+        return client.retry(attempt)
+
+    # -- declaration ------------------------------------------------------------
+    def declare(self, queue: str, meta: bytes = b"{}", holder: str | None = None) -> bool:
+        """Create the queue's directories; a no-op when they exist (idempotent).
+
+        ``holder`` (auto-delete queues) is the declaring session's ephemeral
+        node under ``holders/``, created in the same transaction, so the queue
+        is never without a holder a sweeper could mistake for dead. Returns
+        False when the queue already existed (nothing was created).
+        """
+        layout, client = self.layout, self.client
+        directories = layout.queue_directories(queue)
+        if holder is None and client.retry(client.exists, directories[-1]) is not None:
+            return False   # looked up first: a refused multi is a synced transaction
+        client.retry(client.ensure_path, layout.queues)
+
+        def build(txn: TransactionRequest) -> None:
+            txn.create(layout.queue(queue), meta)
+            for path in directories:
+                txn.create(path)
+            if holder is not None:
+                txn.create(layout.holders(queue))
+                txn.create(holder, ephemeral=True)
+
+        failure = multi_failure(self.commit(build))
+        if failure and not isinstance(failure[1], NodeExistsError):
+            raise failure[1]
+        if failure and failure[0] == 0 and holder is None:
+            # Declared by an earlier release, which made fewer directories.
+            for path in directories:
+                try:
+                    client.retry(client.create, path)
+                except NodeExistsError:
+                    pass
+        return failure is None
+
+    def exists(self, queue: str) -> bool:
+        return self.client.retry(self.client.exists, self.layout.unowned(queue)) is not None
+
+    def buckets(self, queue: str) -> tuple[list[str], list[str]]:
+        """``(buckets in delivery order, other names)`` in a queue's ``unowned/``."""
+        client = self.client
+        names = client.retry(client.get_children, self.layout.unowned(queue))
+        buckets = sorted(name for name in names if parse_bucket_name(name) is not None)
+        return buckets, [name for name in names if parse_bucket_name(name) is None]
 
     def size(self, queue: str) -> int:
         """Messages waiting, from the directories' stats alone (no message listing)."""
@@ -148,7 +261,7 @@ class QueueStore(Publishing, Claiming, Acking):
         return removed
 
     def _delete_waiting(self, queue: str, names: list[str]) -> int:
-        """Delete waiting messages (each name with its body), :data:`ACK_BATCH`
+        """Delete waiting messages (each name with its body), :data:`PURGE_BATCH`
         per multi; how many this call deleted."""
         layout = self.layout
 
@@ -171,8 +284,8 @@ class QueueStore(Publishing, Claiming, Acking):
             else:
                 small.append(name)
         names = small
-        for start in range(0, len(names), ACK_BATCH):
-            batch = names[start:start + ACK_BATCH]
+        for start in range(0, len(names), PURGE_BATCH):
+            batch = names[start:start + PURGE_BATCH]
             if multi_failure(self.commit(deletes(batch))) is None:
                 removed += len(batch)
                 continue

@@ -1,0 +1,215 @@
+"""One consumer's offer on one queue (the consumer's side of the hand-off,
+:mod:`celery_zk.broker.handoff`), and when to make and withdraw it.
+
+An offer stands until the consumer withdraws it: publishers check it, and
+each message they hand over costs the consumer nothing more. It is made when
+the consumer has nothing to deliver and its worker's pool a free slot, and
+withdrawn when the work it is given fills the pool:
+
+* Work from the dispatcher that takes every slot says the queue has a
+  backlog: withdrawn at once, and the next offer waits until the consumer
+  has been dry for :data:`OFFER_AFTER` (doubled with each such withdrawal):
+  an offer made between refills would be withdrawn again within moments,
+  two synced writes for nothing. A message handed over ends the wait.
+* Work handed over that takes every slot withdraws it only once that has
+  lasted :data:`BUSY_GRACE`: short tasks free a slot sooner, and withdrawing
+  sends every message published meanwhile through the dispatcher.
+* Celery acks a task as it starts, and nothing tells the transport when it
+  ends: a consumer whose worker's slots are all busy looks again after
+  :data:`LOOK_AGAIN` (doubled while they run); a delivery cancels the look.
+
+The token is read and swapped under a lock by the consuming thread (making,
+withdrawing) and by kazoo's thread (a create that failed), so an offer is
+never deleted twice (a failed delete is still a logged transaction).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..zk.client import CONNECTION_ERRORS, log_failure
+from .handoff import HandOff
+from .publish import new_uid
+
+__all__ = ["Offer"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds after which an idle consumer whose worker still runs tasks looks
+#: again whether it may make an offer, doubled while they run, up to the second.
+LOOK_AGAIN = (0.005, 1.0)
+#: Seconds a consumer keeps its offer while every pool slot is taken by what
+#: publishers handed over (a burst of a trickle, not a backlog).
+BUSY_GRACE = 0.02
+#: Seconds a consumer waits, dry and with a free pool slot, before its next
+#: offer once one was withdrawn because the dispatcher's work filled its slots;
+#: each next such withdrawal twice as long, up to the second.
+OFFER_AFTER = (0.01, 1.0)
+
+
+class Offer:
+    """One consumer's offer on one queue: at most one outstanding at a time."""
+
+    def __init__(self, handoff: HandOff, queue: str,
+                 look_again: Callable[[float], Any]) -> None:
+        self.handoff = handoff
+        self.queue = queue
+        #: ``look_again(delay)``: the event loop's timer that wakes the consumer
+        #: (``cancel()`` stops it), or None without an event loop.
+        self._look_again_timer = look_again
+        self.token: str | None = None
+        self.consumer_id: str | None = None
+        self._sent: str | None = None   # the token whose create went out
+        self._lock = threading.Lock()
+        self._look_in = LOOK_AGAIN[0]   # the next look-again's delay
+        self._look_at = 0.0             # when the one asked for is due
+        self._look_timer: Any = None    # and its timer, cancelled by a delivery
+        self._idle_since: float | None = None   # dry (nothing to deliver) since
+        self._busy_since: float | None = None   # every pool slot taken since
+        self._offer_after = 0.0
+
+    @property
+    def outstanding(self) -> bool:
+        return self.token is not None
+
+    # -- when -------------------------------------------------------------------
+    def dry(self, consumer_id: str, in_hand: int, slots: int, may: bool) -> None:
+        """Nothing to deliver: offer, once the wait after a backlog is over and a
+        pool slot is free (``may``: consuming, fewer delivered than slots, the
+        inbox watched); else look again when either may have changed."""
+        if in_hand < slots:
+            self._busy_since = None
+        elif self.outstanding:
+            self._withdraw_when_busy()   # every slot taken: a handed message would wait
+        if not may or self.outstanding:
+            return
+        # Dry since: after a backlog a consumer refilled within moments makes no
+        # offer it would withdraw; one that stayed dry while its tasks ran has
+        # no backlog behind it.
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        wait = self._idle_since + self._offer_after - now
+        if in_hand >= slots:
+            self._look_again(wait)
+            return
+        if wait > 0 and self._look_again(wait):
+            return
+        self._look_in = LOOK_AGAIN[0]
+        self.make(consumer_id)   # a free slot: let a publisher hand us the next one
+
+    def given(self, handed: bool, busy: bool) -> None:
+        """Work arrived (``handed``: by a publisher), and takes every slot (``busy``)."""
+        if not busy:
+            self._busy_since = None
+        elif self.outstanding:
+            # Work from the dispatcher says the queue has a backlog: withdraw
+            # now, and offer later. (Sent after the reads of that work: the
+            # server answers a session's requests in order, and a delete is a
+            # synced write.)
+            if handed:
+                self._withdraw_when_busy()
+            else:
+                self._offer_after = min(max(self._offer_after * 2, OFFER_AFTER[0]),
+                                        OFFER_AFTER[1])
+                self.withdraw()
+        if handed or not busy:
+            # Offers are taken, or the dispatcher's work leaves a slot free (no
+            # backlog behind it, a steady trickle): offer at once.
+            self._offer_after = 0.0
+
+    def delivering(self) -> None:
+        """A message is delivered: busy again, no look needed."""
+        self._look_in = LOOK_AGAIN[0]
+        self._idle_since = None
+        if self._look_timer is not None:
+            self._look_timer.cancel()
+            self._look_timer, self._look_at = None, 0.0
+
+    def _look_again(self, wait: float) -> bool:
+        """Come back when ``wait`` is over and, while our worker still runs tasks
+        we delivered (acked as they started), after a delay doubled each time:
+        nothing else tells us when they are done. False without an event loop."""
+        now = time.monotonic()
+        if now < self._look_at:
+            return True   # asked for already
+        delay = max(self._look_in, wait)
+        self._look_in = min(self._look_in * 2, LOOK_AGAIN[1])
+        timer = self._look_again_timer(delay)
+        if timer is None:
+            return False
+        self._look_timer, self._look_at = timer, now + delay
+        return True
+
+    def _withdraw_when_busy(self) -> None:
+        """Every slot is taken by handed work: withdraw once that has lasted
+        BUSY_GRACE s (looking again then, in an event loop)."""
+        now = time.monotonic()
+        if self._busy_since is None:
+            self._busy_since = now
+        left = self._busy_since + BUSY_GRACE - now
+        if left <= 0:
+            self.withdraw()
+            return
+        if self._look_timer is not None and self._look_at <= now + left:
+            return   # a look is due by then
+        timer = self._look_again_timer(left)
+        if timer is None:   # no event loop to come back to us: now
+            self.withdraw()
+            return
+        if self._look_timer is not None:   # due later: this look does its work too
+            self._look_timer.cancel()
+        self._look_timer, self._look_at = timer, now + left
+
+    # -- the offer node ---------------------------------------------------------
+    def make(self, consumer_id: str) -> None:
+        """Offer to take messages."""
+        token = new_uid()
+        with self._lock:
+            if self.token is not None:
+                return   # made meanwhile (an ack's thread, the consuming one)
+            self.token, self.consumer_id = token, consumer_id
+
+        def still_wanted(send: Callable[[], None]) -> bool:
+            # Under the lock: a withdrawal clears the token first, so its delete
+            # can never be sent before this create.
+            with self._lock:
+                if self.token != token:
+                    return False
+                send()
+                self._sent = token
+                return True
+
+        def failed() -> None:   # kazoo's thread: the create failed (no queue)
+            with self._lock:
+                if self.token != token:
+                    return   # withdrawn by us
+                self.token = None
+            self.handoff.taken(self.queue, consumer_id, token)
+
+        self.handoff.make_offer(self.queue, consumer_id, token, still_wanted, failed)
+
+    def withdraw(self, wait: bool = False) -> None:
+        """Withdraw the outstanding offer (``wait``: until the server has deleted
+        it, when we stop: nothing may be handed to us after that; else the
+        delete is only sent). A delete that fails is redone in the background."""
+        with self._lock:
+            token, consumer_id = self.token, self.consumer_id
+            sent, self.token = self._sent == token, None
+        if token is None or consumer_id is None:
+            return
+        if not sent:   # still held back: never sent now (see make), nothing to delete
+            self.handoff.taken(self.queue, consumer_id, token)
+            return
+        if not wait:
+            self.handoff.withdraw_async(self.queue, consumer_id, token)
+            return
+        try:
+            self.handoff.withdraw(self.queue, consumer_id, token)
+        except CONNECTION_ERRORS as exc:
+            self.handoff.withdraw_later(self.queue, consumer_id, token)
+            log_failure(logger, exc, "celery_zk: could not withdraw the offer on %s now; "
+                        "retrying in the background", self.queue)

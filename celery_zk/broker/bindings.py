@@ -105,7 +105,7 @@ class Bindings:
             if self._reclaiming is not session:   # another session's node: see reclaim
                 self._reclaiming = session
                 # Weakly: a session outlives the connections it served.
-                session.on_reclaim_needed(weak_callback(self._wake))
+                session.held.on_reclaim_needed(weak_callback(self._wake))
         else:   # idempotent (looks first): another process may have bound it too
             client.retry(client.ensure_path, path)
         self._tables.pop(exchange, None)
@@ -175,11 +175,12 @@ class Bindings:
         ``celery inspect``) once its old session expired. True when one was
         made again: what was broadcast while it was gone never came."""
         self.restore_ephemeral()
-        return self._reclaiming is not None and bool(self._reclaiming.reclaim())
+        return self._reclaiming is not None and bool(self._reclaiming.held.reclaim())
 
     def _recreate(self, client: KazooClient) -> None:
         for path in list(self._ephemeral):
-            self.handle.session.remake_held(path)
+            session = self.handle.session
+            session.held.remake(session.client, path)
         if self._ephemeral:
             logger.info("celery_zk: re-created %d ephemeral binding(s) after session expiry",
                         len(self._ephemeral))

@@ -26,25 +26,17 @@ made on kazoo's connection thread can block it for good).
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
-import socket
-import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError, NotEmptyError
+from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
 
 from ..exceptions import ChunkMissing
-from ..features import affinity
 from ..zk.client import (
     CONNECTION_ERRORS,
-    RedoThread,
-    create_once,
-    log_failure,
     multi_failure,
     reply_or_retry,
     synced,
@@ -56,7 +48,7 @@ from ..zk.watches import NODE_CREATED, NODE_DELETED
 from . import big
 from .assignment import CLAIMS
 from .credit import Credit
-from .dispatcher import Dispatcher
+from .membership import Membership
 from .offer import Offer
 from .ready import Claimed, DeliveryOrder, Key, Ready
 
@@ -75,8 +67,7 @@ class Inbox:
         self.queue = queue
         self.options = transport.settings.options
         self.consumer_id: str | None = None   # the registration the inbox belongs to
-        self.node: str | None = None          # our node under the queue's consumers/
-        self.credit = 0                       # what the node says
+        self.member = Membership(transport, queue)
         self.policy = Credit(self.options.lookahead)
         self.consuming = 0                    # channels consuming it
         self.taken: set[str] = set()          # entries read or being read (not to take twice)
@@ -90,16 +81,13 @@ class Inbox:
         self.departures: deque[str] = deque()   # and those it saw go
         self.stale = True   # list the inbox before trusting the watch
         self._watching = False   # our watch on the inbox was added
-        self._waiting_credit = False
         self.offer = (Offer(transport.handoff, queue, transport.look_again)
                       if transport.handoff is not None else None)
         # What the last fill was told: tasks in hand, and how many run at once.
         self._in_hand, self._slots = 0, 1
-        # Looked up on every turn of the consuming loop, so kept: our inbox's path
-        # (for consumer_id) and the queue's dispatcher (for a session).
+        # Our inbox's path (for consumer_id): looked up on every turn of the
+        # consuming loop, so kept.
         self._path: tuple[str | None, str] = (None, "")
-        self._duty: tuple[Any, Dispatcher | None] = (None, None)
-        self._lock = threading.Lock()
         self._tree_cb = weak_callback(self._on_tree)
 
     # -- kazoo's threads: record and wake -------------------------------------
@@ -127,20 +115,20 @@ class Inbox:
         if consumer_id != self.consumer_id and not self._new_identity(consumer_id):
             return None
         if self.consuming:
-            if self.node is None:
-                self._join()
-            self._dispatcher().watch()   # a flag check, unless the election needs a look
+            if self.member.node is None:
+                self.member.join(consumer_id)
+            self.member.dispatcher().watch()   # a flag check, unless the election needs a look
         return consumer_id
 
     def _new_identity(self, consumer_id: str) -> bool:
         """A new registration (first use, or after the session expired): what the
         old inbox held is the recovery leader's now. False when there is no
         queue to make our inbox in (yet)."""
-        if not self._make_inbox(consumer_id):
+        if not self.member.make_inbox(consumer_id):
             return False
         old = self.consumer_id
         self.consumer_id = consumer_id
-        self.node = None
+        self.member.node = None
         self.taken.clear()
         self.delivered.clear()
         self.pending.clear()
@@ -150,83 +138,14 @@ class Inbox:
         self.stale = True
         self._stop_watch()
         if old is not None:
-            self._dispatcher().leave(old)
+            self.member.dispatcher().leave(old)
         return True
-
-    def _make_inbox(self, consumer_id: str) -> bool:
-        """Made after our consumer node (see Recovery.recover_dead_owners); False
-        when the queue does not exist."""
-        client = self.transport.handle.client
-        try:
-            client.retry(client.create, self.transport.layout.inbox(self.queue, consumer_id))
-        except NodeExistsError:
-            pass
-        except NoNodeError:
-            return False
-        return True
-
-    def _dispatcher(self) -> Dispatcher:
-        transport = self.transport
-        session = transport.handle.session
-        cached_for, dispatcher = self._duty
-        if cached_for is not session or dispatcher is None:
-            dispatcher = Dispatcher.of(session, transport.layout, self.options, self.queue)
-            self._duty = (session, dispatcher)
-        return dispatcher
-
-    def _join(self) -> None:
-        """Register under the queue's consumers/ with our credit; the dispatcher
-        gives us work from then on."""
-        transport, consumer_id = self.transport, self.consumer_id
-        assert consumer_id is not None
-        client = transport.handle.client
-        path = transport.layout.new_queue_consumer(self.queue, consumer_id)
-        parent = transport.layout.queue_consumers(self.queue)
-
-        def find() -> str | None:   # a create whose reply was lost: ours, by our id
-            names = client.get_children(parent)
-            prefix = path.rpartition("/")[2]
-            return next((f"{parent}/{n}" for n in names if n.startswith(prefix)), None)
-
-        try:
-            node = create_once(client, lambda: client.create(path, self._data(),
-                                                             ephemeral=True, sequence=True),
-                               find)
-        except NoNodeError:
-            return   # no queue (deleted meanwhile): the next look, once declared again
-        transport.handle.own(node)   # deleted when this connection goes, however
-        self.node = node
-        self._dispatcher().join(consumer_id, transport.wake)
-
-    def _data(self) -> bytes:
-        return json.dumps({"credit": self.credit, "worker": affinity.WORKER,
-                           "host": socket.gethostname(), "pid": os.getpid()}).encode()
 
     def set_credit(self, prefetch: int) -> None:
         """The consuming channels' prefetch, which sets what the dispatcher may put
         in our inbox (more with the lookahead)."""
         self.policy.set_prefetch(prefetch)
-        self._publish_credit()
-
-    def _publish_credit(self) -> None:
-        """Written without waiting: it changes rarely (Celery raises the prefetch
-        for ETA tasks, autoscaling changes it, the lookahead starts or ends)."""
-        credit = self.policy.value
-        if credit == self.credit:
-            return
-        self.credit = credit
-        if self.node is None or not self.transport.handle.started:
-            return
-        path = self.node
-
-        def done(result: Any) -> None:   # kazoo's thread: never block
-            try:
-                result.get()
-            except NoNodeError:
-                pass   # gone with the session: registering again writes it
-            except Exception as exc:
-                log_failure(logger, exc, "celery_zk: could not update %s", path)
-        self.transport.handle.client.set_async(path, self._data()).rawlink(done)
+        self.member.write_credit(self.policy.value)
 
     def start(self) -> None:
         """A channel starts consuming the queue."""
@@ -257,7 +176,7 @@ class Inbox:
             return
         if limit <= 0:
             if self.offer is not None:
-                self.offer.withdraw()
+                self.offer.withdraw(wait=False)
             self._hold(consumer_id)
             return
         self.policy.taking()
@@ -266,7 +185,7 @@ class Inbox:
         self._read_bodies(limit)
         transport = self.transport
         waiting, half = len(self.buffer) + len(self.pending), (
-            self.credit or self.options.claim_batch) // 2
+            self.member.credit or self.options.claim_batch) // 2
         if waiting <= half and waiting + transport.acks.holds_acks(self._inbox_path()) > half:
             # Running low, and what the dispatcher counts in our inbox is above
             # half our credit only because of acks held back: it refills the
@@ -283,7 +202,7 @@ class Inbox:
             self._read_bodies(limit, block=True)
             return
         self.policy.dry()
-        self._publish_credit()
+        self.member.write_credit(self.policy.value)
         if self.offer is not None:
             self.offer.dry(consumer_id, in_hand, self._slots, self._may_offer())
 
@@ -304,7 +223,8 @@ class Inbox:
         excess = self.policy.excess(len(self.buffer) + len(self.pending))
         if not excess:
             return
-        self._publish_credit()   # sent first: the dispatcher sees it before the freed room
+        # Sent first: the dispatcher sees it before the freed room.
+        self.member.write_credit(self.policy.value)
         layout, acks = self.transport.layout, self.transport.acks
         # Unread ones first, then the buffer's last in the queue's order: what
         # the pace delivers within HOLD stays. They go back in multis
@@ -346,7 +266,7 @@ class Inbox:
             try:
                 names = client.retry(client.get_children, path)
             except NoNodeError:   # deleted (by hand, or with its queue): make it again
-                self._make_inbox(consumer_id)
+                self.member.make_inbox(consumer_id)
                 self.stale = True
                 return
             # What is not there any more was acked or given back.
@@ -566,16 +486,9 @@ class Inbox:
     def close(self) -> None:
         """Stop being given work, and give back what was given and not delivered
         (what was delivered is settled by the channel's QoS)."""
-        transport = self.transport
-        consumer_id, node = self.consumer_id, self.node
-        self.node = None
         if self.offer is not None:
             self.offer.withdraw(wait=True)
         self._stop_watch()
-        if consumer_id is not None:
-            self._dispatcher().leave(consumer_id)
-        if consumer_id is None or not transport.handle.started:
-            return
         # Not given to kombu: never read, or read and not delivered. What was
         # delivered is the channel's to settle (acked, or restored by its QoS).
         undelivered = {c.name for c in self.buffer} | {entry[0] for entry in self.pending}
@@ -585,52 +498,4 @@ class Inbox:
         self.pending_first = None
         self.buffer.clear()
         self.taken = set(keep)
-        try:
-            self._give_back(consumer_id, node, handed, keep)
-        except CONNECTION_ERRORS as exc:
-            # A session that lives on would keep them: give them back once
-            # ZooKeeper answers (if it ends first, recovery does).
-            log_failure(logger, exc, "celery_zk: could not give back the undelivered "
-                        "messages of %s now; retrying in the background", self.queue)
-            _give_backs.submit((self, consumer_id, node, handed, keep))
-
-    def _give_back(self, consumer_id: str, node: str | None, handed: set[str],
-                   keep: set[str]) -> None:
-        """Leave the queue's consumers/ (the dispatcher gives nothing after
-        that), then requeue every entry of the inbox but those ``handed`` to
-        kombu (acked, or the channel's to settle); the inbox goes too unless
-        ``keep`` (delivered and not settled) still has entries in it."""
-        transport = self.transport
-        client = transport.handle.client
-        if node is not None:
-            try:
-                client.retry(client.delete, node)
-            except NoNodeError:
-                pass
-            transport.handle.disown(node)
-        inbox = transport.layout.inbox(self.queue, consumer_id)
-        try:
-            names = client.retry(client.get_children, inbox)
-        except NoNodeError:
-            return
-        transport.acks.requeue_many([transport.layout.inbox_message(self.queue, consumer_id, name)
-                            for name in names if name not in handed and name not in keep])
-        if not keep:
-            try:   # refused while a delivered message waits for its ack
-                client.retry(client.delete, inbox)
-            except (NoNodeError, NotEmptyError):
-                pass
-
-
-def _give_back_again(item: tuple[Inbox, str, str | None, set[str], set[str]]) -> None:
-    inbox, consumer_id, node, read, keep = item
-    try:
-        inbox._give_back(consumer_id, node, read, keep)
-    except Exception as exc:   # the session's end gives them back (recovery)
-        log_failure(logger, exc, "celery_zk: could not give back the undelivered messages "
-                    "of %s; they go back when this worker's session ends", inbox.queue)
-
-
-#: Give-backs that could not reach ZooKeeper, redone in order once it answers.
-_give_backs: RedoThread[tuple[Inbox, str, str | None, set[str], set[str]]] = RedoThread(
-    "celery_zk-give-back", _give_back_again)
+        self.member.leave(self.consumer_id, handed, keep)

@@ -115,7 +115,7 @@ class Offer:
             else:
                 self._offer_after = min(max(self._offer_after * 2, OFFER_AFTER[0]),
                                         OFFER_AFTER[1])
-                self.withdraw()
+                self.withdraw(wait=False)
         if handed or not busy:
             # Offers are taken, or the dispatcher's work leaves a slot free (no
             # backlog behind it, a steady trickle): offer at once.
@@ -152,13 +152,13 @@ class Offer:
             self._busy_since = now
         left = self._busy_since + BUSY_GRACE - now
         if left <= 0:
-            self.withdraw()
+            self.withdraw(wait=False)
             return
         if self._look_timer is not None and self._look_at <= now + left:
             return   # a look is due by then
         timer = self._look_again_timer(left)
         if timer is None:   # no event loop to come back to us: now
-            self.withdraw()
+            self.withdraw(wait=False)
             return
         if self._look_timer is not None:   # due later: this look does its work too
             self._look_timer.cancel()
@@ -192,7 +192,7 @@ class Offer:
 
         self.handoff.make_offer(self.queue, consumer_id, token, still_wanted, failed)
 
-    def withdraw(self, wait: bool = False) -> None:
+    def withdraw(self, wait: bool = True) -> None:
         """Withdraw the outstanding offer (``wait``: until the server has deleted
         it, when we stop: nothing may be handed to us after that; else the
         delete is only sent). A delete that fails is redone in the background."""

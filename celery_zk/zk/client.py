@@ -235,7 +235,7 @@ def not_connected(client: KazooClient) -> ConnectionLoss | ConnectionClosedError
     """What a request made while ``client`` is not connected raises:
     ConnectionLoss, which kazoo's retry repeats until it is connected again,
     or ConnectionClosedError once it was stopped (given up at a shutdown, see
-    :func:`celery_zk.zk.session.give_up_when_cut_off`): no retry brings it back."""
+    :func:`celery_zk.zk.release.give_up_when_cut_off`): no retry brings it back."""
     if client.client_state == KeeperState.CLOSED:
         return ConnectionClosedError("celery_zk: this ZooKeeper client was stopped")
     return ConnectionLoss("not connected to ZooKeeper")

@@ -22,10 +22,9 @@ closes the session.
 A session loss (expiry) still affects every user of the process, which is the
 liveness the design relies on: each one re-creates what it owns.
 
-A worker shutting down while cut off from ZooKeeper gives its sessions up
-(:func:`give_up_when_cut_off`): kazoo holds a request made while it
-reconnects until it is connected again, so each step of the warm shutdown
-(an offer withdrawn, an inbox given back) would wait for the outage to end.
+Ephemeral nodes several leases need are :mod:`.held`'s; what is released
+in the background (a garbage-collected handle's lease, and at a worker's
+shutdown a session cut off too long) :mod:`.release`'s.
 
 Fork safety: the registry is per process. A handle used in a child after
 ``fork()`` takes a lease on the child's own session and never touches the
@@ -34,9 +33,7 @@ parent's client (closing it would end the parent's session).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
@@ -45,15 +42,17 @@ from multiprocessing.util import Finalize
 from typing import Any, TypeVar
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import ConnectionClosedError, NodeExistsError, NoNodeError
+from kazoo.exceptions import ConnectionClosedError, NoNodeError
 
-from ..compat import kazoo as kazoo_compat
 from .client import CONNECTION_ERRORS, Deferred, check_root, log_failure, make_client
 from .config import ZKSettings
+from .held import HeldNodes
 from .process import current_pid
+from .release import release_later
+from .release import start as start_release_thread
 from .watches import require_add_watch
 
-__all__ = ["AfterExpiry", "ClientHandle", "SharedSession", "give_up_when_cut_off", "session_key",
+__all__ = ["AfterExpiry", "ClientHandle", "SharedSession", "session_key",
            "weak_callback"]
 
 logger = logging.getLogger(__name__)
@@ -62,10 +61,6 @@ logger = logging.getLogger(__name__)
 #: task's reply takes to be sent, short enough to be invisible otherwise.
 DEFERRED_WRITE_DELAY = 0.005
 
-#: Seconds a process that is shutting down waits for a lost connection to come
-#: back before it gives that session up (:func:`give_up_when_cut_off`): a
-#: dropped connection to a live ensemble is made again well within it.
-SHUTDOWN_GRACE = 2.0
 
 T = TypeVar("T")
 
@@ -123,11 +118,8 @@ class SharedSession:
         self._lock = threading.RLock()
         self._handles: weakref.WeakSet[ClientHandle] = weakref.WeakSet()
         self._listeners: list[Callable[[KazooState], None]] = []
-        self._held: dict[str, set[str]] = {}   # shared ephemeral path -> lease tokens
-        self._borrowed: set[str] = set()   # held paths another session made (watched)
-        self._lost: set[str] = set()       # of those, gone: to make again (reclaim)
-        self._wakers: list[Callable[[], None]] = []
-        self._gone_cb = weak_callback(self._on_gone)
+        #: Ephemeral nodes several leases need (counted; see celery_zk.zk.held).
+        self.held = HeldNodes(lambda: self._client, weak_callback)
         self._singletons: dict[Any, Any] = {}
         self._on_close: list[Callable[[], None]] = []
         #: Roots whose existence and ACL a lease has checked (see client.check_root).
@@ -166,9 +158,8 @@ class SharedSession:
         # kazoo's event thread: the listeners only flag and wake.
         for listener in list(self._listeners):
             listener(state)
-        if state == KazooState.CONNECTED and self._lost:
-            for wake in list(self._wakers):
-                wake()   # borrowed nodes to look at again (reclaim): now it can
+        if state == KazooState.CONNECTED:
+            self.held.wake()   # borrowed nodes to look at again (reclaim): now it can
         for handle in list(self._handles):
             handle._dispatch(state)
 
@@ -197,7 +188,7 @@ class SharedSession:
         session after the last one. ``wait=False`` (a garbage-collected handle)
         hands the work to the release thread."""
         if not wait:
-            _release_queue.put(lease)   # reentrant: safe from a weakref callback
+            release_later(lease)
             return
         if self.pid != current_pid():
             return   # the parent's session, inherited by fork: not ours to touch
@@ -205,7 +196,8 @@ class SharedSession:
             if self._client is not None and not self.closed:
                 self._delete_owned(lease)
                 for path in list(lease.held):
-                    self.release_held(lease, path)
+                    self.held.release(lease.token, path)
+                    lease.held.discard(path)
         finally:
             _unregister(self)
 
@@ -226,143 +218,6 @@ class SharedSession:
             # They go with the session if it ends; if it lives on, they linger.
             log_failure(logger, exc, "celery_zk: could not delete %d ephemeral node(s) of "
                         "a closed connection", len(paths))
-
-    def hold(self, lease: _Lease, path: str) -> None:
-        """Create ephemeral ``path`` (if missing) and count ``lease`` as a holder."""
-        with self._lock:   # against a last release deleting it meanwhile
-            self._make_held(self.client, path)
-            self._held.setdefault(path, set()).add(lease.token)
-            lease.held.add(path)
-
-    def _make_held(self, client: KazooClient, path: str) -> bool:
-        """Make ``path`` ours, or watch another session's node of that name;
-        True when this call created it."""
-        try:
-            client.retry(client.create, path, ephemeral=True, makepath=True)
-            return True
-        except NodeExistsError:
-            pass
-        # Another session's (a process killed a moment ago, whose session lives
-        # until its timeout, under the same node name; or another live holder):
-        # it goes with that session, and ours must be there then. Watched, and
-        # made again by reclaim() once it is gone. Marked before the watch is
-        # set: the deletion may be reported before exists() returns here.
-        self._borrowed.add(path)
-        stat = client.retry(client.exists, path, watch=self._gone_cb)
-        if stat is None:
-            self._borrowed.discard(path)
-            return self._make_held(client, path)   # gone meanwhile
-        if stat.ephemeralOwner == client.client_id[0]:
-            self._borrowed.discard(path)   # ours already (a retried create)
-        return False
-
-    def _on_gone(self, event: Any) -> None:
-        # kazoo's event thread: flag and wake, nothing else.
-        if event.path is None:
-            # A dropped connection: kazoo dropped every watch with it (and the
-            # server too; kazoo sends no SetWatches), so the deletion would never
-            # be told. Look at each borrowed node again once connected.
-            self._lost.update(list(self._borrowed))
-        elif event.path in self._borrowed:
-            self._lost.add(event.path)   # deleted; any other event used the watch up
-        else:
-            return
-        for wake in list(self._wakers):
-            wake()
-
-    def on_reclaim_needed(self, wake: Callable[[], None]) -> None:
-        """``wake`` is called (kazoo's thread) when an ephemeral node this session
-        holds but another session had made is gone, or its watch was dropped
-        with a connection: call :meth:`reclaim`."""
-        self._wakers.append(wake)
-
-    def remake_held(self, path: str) -> None:
-        """Make a held node again (after a session expiry), watching it if
-        another session has it."""
-        with self._lock:
-            self._make_held(self.client, path)
-
-    def reclaim(self) -> list[str]:
-        """Make again the held nodes whose other session ended, and watch again
-        those whose watch went with a connection (from any thread but kazoo's;
-        a no-op unless some need it, or while not connected: the client's
-        reconnect wakes the caller again). The paths made again."""
-        made: list[str] = []
-        client = self._client
-        if not self._lost or client is None or client.state != KazooState.CONNECTED:
-            return made
-        with self._lock:
-            while self._lost:
-                path = self._lost.pop()
-                self._borrowed.discard(path)
-                if path not in self._held:
-                    continue
-                try:
-                    created = self._make_held(client, path)
-                except CONNECTION_ERRORS:
-                    self._lost.add(path)   # the next call, once connected again
-                    break
-                if created:
-                    made.append(path)
-                    logger.info("celery_zk: made %s again: the session that had made it "
-                                "ended", path)
-        return made
-
-    def release_held(self, lease: _Lease, path: str) -> None:
-        """Drop ``lease``'s count on ``path``; the last holder deletes it."""
-        with self._lock:
-            lease.held.discard(path)
-            holders = self._held.get(path)
-            if holders is None:
-                return
-            holders.discard(lease.token)
-            if holders:
-                return
-            del self._held[path]
-            client = self._client
-            if client is None:
-                return
-            try:
-                client.retry(client.delete, path)
-            except NoNodeError:
-                pass
-
-    def held_paths(self) -> list[str]:
-        """Every counted ephemeral node (re-made after a session expiry)."""
-        with self._lock:
-            return list(self._held)
-
-    def give_up(self, cut_off_for: float) -> None:
-        """Stop the client of a session cut off from ZooKeeper while this process
-        shuts down: each request waiting for a reconnect fails now, and every
-        later one at once (:func:`give_up_when_cut_off`)."""
-        client = self._client
-        if client is None or self.pid != current_pid() or self.given_up:
-            return
-        self.given_up = True
-        logger.warning(
-            "celery_zk: shutting down while cut off from ZooKeeper at %s for %.1f s: "
-            "giving the session up. What this process held (messages given to it, its "
-            "offers and registrations) goes back when ZooKeeper ends the session, up to "
-            "session_timeout=%s s from now", self.settings.hosts, cut_off_for,
-            self.settings.options.session_timeout)
-        # kazoo's stop() waits for its connection thread, which may be reading a
-        # connect reply that never comes (up to session_timeout s): stop on
-        # another thread, and end that read once the stop is under way.
-        stopper = threading.Thread(target=self._stop_quietly, args=(client,),
-                                   name="celery_zk-give-up", daemon=True)
-        stopper.start()
-        deadline = time.monotonic() + self.settings.options.session_timeout + 5
-        while stopper.is_alive() and time.monotonic() < deadline:
-            stopper.join(0.05)
-            kazoo_compat.abort_connect(client)
-
-    @staticmethod
-    def _stop_quietly(client: KazooClient) -> None:
-        try:
-            client.stop()
-        except Exception:   # its connection thread would not stop: the exit ends it
-            logger.debug("celery_zk: stopping a cut-off client failed", exc_info=True)
 
     def close(self) -> None:
         """Stop the client (the session ends: ZooKeeper drops its ephemeral nodes)."""
@@ -479,12 +334,14 @@ class ClientHandle:
     def hold(self, path: str) -> None:
         """Create (if needed) and hold a count on ephemeral ``path``, shared with others."""
         lease = self._current()
-        lease.session.hold(lease, path)
+        lease.session.held.hold(lease.session.client, lease.token, path)
+        lease.held.add(path)
 
     def release_held(self, path: str) -> None:
         lease = self._lease
         if lease is not None and self._pid == current_pid():
-            lease.session.release_held(lease, path)
+            lease.held.discard(path)
+            lease.session.held.release(lease.token, path)
 
     # -- state listeners ------------------------------------------------------------
     def add_listener(self, listener: Callable[[KazooState], None]) -> None:
@@ -511,7 +368,6 @@ class ClientHandle:
 _registry: dict[tuple[Any, ...], SharedSession] = {}
 _registry_lock = threading.Lock()
 _registry_pid = 0
-_release_queue: queue.SimpleQueue[_Lease] = queue.SimpleQueue()
 
 
 def _register(settings: ZKSettings) -> SharedSession:
@@ -521,7 +377,7 @@ def _register(settings: ZKSettings) -> SharedSession:
         if _registry_pid != current_pid():   # a new process: nothing inherited is ours
             _registry.clear()
             _registry_pid = current_pid()
-            _start_release_thread()
+            start_release_thread(sessions)
             Finalize(None, close_all, exitpriority=10)   # after unconfirmed flushes (100)
         key = session_key(settings)
         session = _registry.get(key)
@@ -571,84 +427,6 @@ def close_all(hosts: str | None = None) -> int:
         except Exception:
             logger.debug("celery_zk: closing a session failed", exc_info=True)
     return closed
-
-
-def _start_release_thread() -> None:
-    threading.Thread(target=_release_forever, name="celery_zk-release", daemon=True).start()
-
-
-#: Set (from a signal handler) once this process began to shut down.
-_shutting_down = False
-_GIVE_UP = object()   # wakes the release thread to watch for cut-off sessions
-#: While this says so, nothing is given up (see give_up_when_cut_off).
-_busy: Callable[[], bool] | None = None
-
-
-def give_up_when_cut_off(busy: Callable[[], bool] | None = None) -> None:
-    """This process is shutting down (a worker's warm shutdown began). From
-    now on, a session whose client has not been connected for
-    :data:`SHUTDOWN_GRACE` seconds, counted while ``busy()`` is false, is
-    given up (:meth:`SharedSession.give_up`). ``busy``: a task of the worker
-    still runs, and may yet store its result and send its ack through the
-    session (a threads pool runs tasks in this process): those wait for the
-    ensemble as they would without a shutdown.
-
-    Without it a worker cut off from the ensemble never finished its warm
-    shutdown: kazoo holds a request made while it reconnects until it is
-    connected again, however long that takes, and the shutdown's tidying
-    (offers withdrawn, inboxes given back, ephemeral nodes deleted) is such
-    requests. Given up, each fails at once and is left to the session's end,
-    which does the same as after a kill: its ephemeral nodes go, and recovery
-    gives its messages back (at-least-once).
-
-    Safe in a signal handler: it only sets a flag and wakes the release
-    thread (``SimpleQueue.put`` is reentrant), which does the watching.
-    """
-    global _shutting_down, _busy
-    _busy = busy
-    _shutting_down = True
-    _release_queue.put(_GIVE_UP)  # type: ignore[arg-type]
-
-
-def _release_forever() -> None:
-    """Releases leases whose handles were garbage-collected (their finalizers
-    may run on any thread, kazoo's included, so they only queue the lease);
-    once shutting down, also gives up sessions that stay cut off."""
-    pid = current_pid()
-    cut_off_since: dict[SharedSession, float] = {}
-    while True:
-        try:
-            lease = _release_queue.get(timeout=0.1 if _shutting_down else None)
-        except queue.Empty:
-            lease = None
-        if pid != current_pid():
-            return
-        if _shutting_down:
-            _give_up_cut_off(cut_off_since)
-        if lease is None or lease is _GIVE_UP:
-            continue
-        try:
-            lease.session.release(lease, wait=True)
-        except Exception as exc:
-            log_failure(logger, exc, "celery_zk: releasing a dropped connection's session "
-                        "share failed")
-
-
-def _give_up_cut_off(cut_off_since: dict[SharedSession, float],
-                     now: float | None = None) -> None:
-    now = time.monotonic() if now is None else now
-    busy = _busy
-    if busy is not None and busy():
-        cut_off_since.clear()   # the grace starts once the last task ended
-        return
-    for session in sessions():
-        client = session.current_client
-        if client is None or client.state == KazooState.CONNECTED:
-            cut_off_since.pop(session, None)
-            continue
-        since = cut_off_since.setdefault(session, now)
-        if now - since >= SHUTDOWN_GRACE:
-            session.give_up(now - since)
 
 
 class AfterExpiry:

@@ -647,7 +647,7 @@ def test_a_consumer_that_leaves_and_joins_while_its_dispatcher_stops_is_served(
         publish(conn, queue, ["before"])
         conn.drain_events(timeout=5)
         inbox = conn.transport.inbox("rejoin")
-        dispatcher, consumer_id = inbox._dispatcher(), inbox.consumer_id
+        dispatcher, consumer_id = inbox.member.dispatcher(), inbox.consumer_id
         assert consumer_id is not None
         wait_until(lambda: leaders("rejoin") == [dispatcher], 5, message="not dispatching")
         wake = dispatcher.members[consumer_id]

@@ -14,7 +14,7 @@ import pytest
 from kazoo.client import KazooClient
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from celery_zk.broker.handoff import Offer
+from celery_zk.broker.offer import Offer
 from celery_zk.zk.layout import Layout
 from celery_zk.zk.names import offer_name, parse_message_name
 
@@ -254,7 +254,7 @@ def test_an_offer_stands_for_every_message_until_it_is_withdrawn(
     transport = conn.transport
     consumer_id, _ = transport.session.ensure_registered()
     transport.inbox("race").fill(0, 0)   # makes the inbox, as consuming would
-    offer = Offer(transport.handoff, "race")
+    offer = Offer(transport.handoff, "race", transport.look_again)
     offer.make(consumer_id)
     wait_until(lambda: offers(zk_client, "race"), 5, 0.02, "no offer was made")
     made = offers(zk_client, "race")
@@ -812,7 +812,7 @@ def test_an_offer_withdrawn_before_it_was_sent_is_never_made(
     transport = conn.transport
     consumer_id, _ = transport.session.ensure_registered()
     for _ in range(5):
-        offer = Offer(transport.handoff, "early-out")
+        offer = Offer(transport.handoff, "early-out", transport.look_again)
         offer.make(consumer_id)
         offer.withdraw()
     time.sleep(0.2)   # well past the delay: anything still due has been sent

@@ -320,7 +320,7 @@ def test_a_node_held_by_another_session_is_made_again_after_a_reconnect(
             woken: list[bool] = []
             try:
                 handle.hold(path)
-                handle.session.on_reclaim_needed(lambda: woken.append(True))
+                handle.session.held.on_reclaim_needed(lambda: woken.append(True))
                 ours = handle.client.client_id[0]
                 assert old.exists(path).ephemeralOwner != ours
                 proxy.blackhole()
@@ -331,9 +331,9 @@ def test_a_node_held_by_another_session_is_made_again_after_a_reconnect(
                            message="the client never reconnected")
                 assert handle.client.client_id[0] == ours
                 wait_until(lambda: woken, 10, message="nobody was asked to look again")
-                assert handle.session.reclaim() == []   # still the old session's: watched
+                assert handle.session.held.reclaim() == []   # still the old session's: watched
                 old.stop()   # that session ends: its node goes
-                wait_until(lambda: handle.session.reclaim() == [path], 10,
+                wait_until(lambda: handle.session.held.reclaim() == [path], 10,
                            message="the node was never made again")
                 stat = KazooClient(zookeeper_server.hosts)
                 stat.start()

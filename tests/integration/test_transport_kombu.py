@@ -456,14 +456,14 @@ def test_a_worker_shutdown_stops_drain_events_waiting(
     from celery.signals import worker_shutting_down
 
     import celery_zk.broker.transport as transport_module
-    import celery_zk.zk.session as session_module
+    import celery_zk.zk.release as release_module
 
     # The signal marks this whole process as shutting down; later tests run
     # in it too (a session cut off for 2 s would be given up: test_start_gate
     # failed so when it ran after this one).
     monkeypatch.setattr(transport_module, "_shutdowns", transport_module._shutdowns)
-    monkeypatch.setattr(session_module, "_shutting_down", session_module._shutting_down)
-    monkeypatch.setattr(session_module, "_busy", session_module._busy)
+    monkeypatch.setattr(release_module, "_shutting_down", release_module._shutting_down)
+    monkeypatch.setattr(release_module, "_busy", release_module._busy)
     queue = Queue("stopping", Exchange("stopping", "direct"), "stopping")
     with Connection(zk_url) as conn, Connection(zk_url) as other:
         queue(conn.channel()).declare()

@@ -1,4 +1,4 @@
-"""celery_zk.zk.session.give_up_when_cut_off: when a shutting-down process
+"""celery_zk.zk.release.give_up_when_cut_off: when a shutting-down process
 gives a cut-off session up (the decision; the worker-level behaviour is in
 tests/integration/test_faults.py)."""
 from __future__ import annotations
@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from kazoo.client import KazooClient
 
+from celery_zk.zk import release
 from celery_zk.zk import session as sessions
 from celery_zk.zk.config import parse_url
 
@@ -18,16 +19,15 @@ def cut_off(monkeypatch: pytest.MonkeyPatch) -> Any:
     settings = parse_url(["zk://127.0.0.1:1/give-up"], {})
     shared = sessions.SharedSession(sessions.session_key(settings), settings)
     shared._client = KazooClient(hosts="127.0.0.1:1")   # made, never started
-    monkeypatch.setattr(sessions, "sessions", lambda: [shared])
     return shared
 
 
 def test_a_cut_off_session_is_given_up_after_the_grace(cut_off: Any) -> None:
     since: dict[Any, float] = {}
-    sessions._give_up_cut_off(since, now=100.0)
-    sessions._give_up_cut_off(since, now=100.0 + sessions.SHUTDOWN_GRACE - 0.1)
+    release._give_up_cut_off(since, [cut_off], now=100.0)
+    release._give_up_cut_off(since, [cut_off], now=100.0 + release.SHUTDOWN_GRACE - 0.1)
     assert not cut_off.given_up
-    sessions._give_up_cut_off(since, now=100.0 + sessions.SHUTDOWN_GRACE)
+    release._give_up_cut_off(since, [cut_off], now=100.0 + release.SHUTDOWN_GRACE)
     assert cut_off.given_up
 
 
@@ -36,14 +36,14 @@ def test_nothing_is_given_up_while_a_task_runs(cut_off: Any,
     """A threads worker's running task stores its result and sends its ack
     through the session: given up under it, the result would be lost."""
     running = [True]
-    monkeypatch.setattr(sessions, "_busy", lambda: running[0])
+    monkeypatch.setattr(release, "_busy", lambda: running[0])
     since: dict[Any, float] = {}
     for now in (100.0, 110.0, 200.0):
-        sessions._give_up_cut_off(since, now=now)
+        release._give_up_cut_off(since, [cut_off], now=now)
     assert not cut_off.given_up
     running[0] = False   # the last task ended: the grace starts now
-    sessions._give_up_cut_off(since, now=201.0)
-    sessions._give_up_cut_off(since, now=201.0 + sessions.SHUTDOWN_GRACE - 0.1)
+    release._give_up_cut_off(since, [cut_off], now=201.0)
+    release._give_up_cut_off(since, [cut_off], now=201.0 + release.SHUTDOWN_GRACE - 0.1)
     assert not cut_off.given_up
-    sessions._give_up_cut_off(since, now=201.0 + sessions.SHUTDOWN_GRACE)
+    release._give_up_cut_off(since, [cut_off], now=201.0 + release.SHUTDOWN_GRACE)
     assert cut_off.given_up

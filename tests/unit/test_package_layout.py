@@ -85,6 +85,13 @@ def _graph(root: Path, package: str) -> dict[str, set[str]]:
     return {name: set(_imports(name, path, set(modules))) for name, path in modules.items()}
 
 
+def test_no_module_passes_500_lines() -> None:
+    """One idea per module: one that passes 500 lines is usually two (docs/design.md)."""
+    long = {str(path.relative_to(PACKAGE)): lines for path in PACKAGE.rglob("*.py")
+            if (lines := len(path.read_text().splitlines())) > 500}
+    assert not long, long
+
+
 def test_the_package_has_no_import_cycle() -> None:
     assert _cycle(_graph(PACKAGE, "celery_zk")) is None
 

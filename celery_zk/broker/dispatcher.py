@@ -84,7 +84,6 @@ class Dispatcher:
         # Our thread's alone.
         self.consumers: dict[str, Consumer] = {}
         self.head = Head()
-        self._listed_at = 0.0
         self._swept_at = 0.0
         self._watching = False   # our watches on unowned/ and owned/ were added
         self._told_legacy = False   # names stored before 0.2 were found and said so
@@ -390,7 +389,6 @@ class Dispatcher:
                              "`celery -A proj zk upgrade` once to store them as every "
                              "other message is", self.queue)
         self.head.reset(found.names, found.complete)
-        self._listed_at = monotonic()
         return bool(self.head.names)
 
     def _sweep(self) -> None:

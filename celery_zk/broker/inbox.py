@@ -1,14 +1,10 @@
 """One connection's consumption of one queue: its inbox.
 
-A consumer never lists its queue. It registers a node under the queue's
-``consumers/`` (ephemeral; its data says the consumer's *credit*, how many
-messages its inbox may hold, which is the channel's prefetch) and the queue's
-dispatcher (:mod:`celery_zk.broker.dispatcher`) moves waiting names into its
-inbox, ``owned/{consumer}/``, as its credit allows; a consumer with nothing
-waiting in its inbox and a free slot in its worker's pool also leaves an
-offer, and a publisher may hand a message straight into the inbox
-(:mod:`celery_zk.broker.handoff`). The consumer watches only its inbox: a
-persistent watch that names each new entry.
+A consumer never lists its queue: the queue's dispatcher moves waiting
+names into its inbox, ``owned/{consumer}/``, as its credit allows
+(:mod:`celery_zk.broker.membership`), and publishers may hand a message
+straight into it (:mod:`celery_zk.broker.handoff`). It watches only its
+inbox: a persistent watch that names each new entry.
 
 For each new entry it reads the body from ``bodies/``, many in one
 ``multiRead`` (:mod:`celery_zk.zk.reads`), and delivers in the queue's
@@ -159,7 +155,7 @@ class Inbox:
             except CONNECTION_ERRORS:
                 pass   # the first look joins, once connected again
 
-    def stop(self, channel_closing: bool = False) -> None:
+    def stop(self) -> None:
         """A channel stops consuming the queue; the last one out leaves the
         queue's consumers/ and gives back what it was given and did not deliver."""
         self.consuming = max(0, self.consuming - 1)

@@ -72,87 +72,34 @@ _RETIRED_OPTIONS = {
 _HOST_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+)(?::(\d{1,5}))?$")
 
 
-def _opt(default: Any, doc: str) -> Any:
-    return field(default=default, metadata={"doc": doc})
-
-
 @dataclass(frozen=True)
 class ZKOptions:
-    """Transport/backend options; the field docs feed the module docstrings."""
+    """Transport and backend options. What each does, its range and its
+    default are in ``docs/configuration.md`` (every field has its row there,
+    and its line in :mod:`celery_zk.broker.transport`'s docstring: tested)."""
 
-    session_timeout: float = _opt(10.0, "ZooKeeper session timeout, seconds. A dead "
-                                  "worker's messages are requeued this long after it dies.")
-    connect_timeout: float = _opt(10.0, "Seconds to wait for the first connection "
-                                  "before failing with a clear error.")
-    claim_batch: int = _opt(64, "Most messages a consumer takes out of its inbox at a "
-                            "time, and its inbox's credit when its prefetch is "
-                            "unlimited (also the least the dispatcher lists at once).")
-    lookahead: int = _opt(16, "A consumer that runs dry while delivering fast (its "
-                          "prefetch within 0.1 s) lets its inbox hold this many times "
-                          "its prefetch, so refills overlap its tasks; what waits there "
-                          "while its prefetch is full for 1 s goes back to the queue. "
-                          "1: an inbox never holds more than the prefetch. 1 to 16.")
-    bucket_size: int = _opt(4096, "Waiting messages are created in buckets of one "
-                            "priority; a publisher starts the next bucket after this "
-                            "many creates in one. Bounds every listing (about 45 bytes "
-                            "a name) and keeps ZooKeeper's 32-bit sequence counters far "
-                            "from their end. 2 to 10,000.")
-    handoff: bool = _opt(True, "Let a publisher hand a message straight into an idle "
-                         "consumer's inbox (celery_zk.broker.handoff): one synced write "
-                         "on an idle delivery's path instead of two (docs/design.md, "
-                         "Hand-off). Set it on both sides: "
-                         "consumers make offers, publishers take them.")
-    locality_wait: float = _opt(3.0, "Seconds the dispatcher keeps a message whose "
-                                "affinity key a live worker holds for that worker, "
-                                "before it gives it to another (delay scheduling; "
-                                "see celery_zk.affinity); the oldest waiting message is "
-                                "taken first once it has been the oldest this long. "
-                                "0: never wait.")
-    dead_letter_rejected: bool = _opt(False, "Keep messages rejected with requeue=False "
-                                      "under the queue's dead/ directory instead of "
-                                      "deleting them.")
-    confirm_publish: bool = _opt(True, "Wait for ZooKeeper to store each published "
-                                 "message before apply_async returns. False pipelines "
-                                 "publishes (many times faster for one publisher); a "
-                                 "message still in flight is lost if the process is "
-                                 "killed, as with AMQP without publisher confirms.")
-    batch_groups: bool = _opt(True, "Store a group's (or chord header's) messages a few "
-                              "hundred per multi transaction when the group is published, "
-                              "instead of one confirmed create per task; the group's "
-                              "apply_async still returns once all are stored.")
-    max_message_size: int = _opt(16_777_216, "Largest encoded message, bytes (RabbitMQ 4's "
-                                 "default); a bigger one fails its publish with "
-                                 "MessageTooLarge, before anything is written. Every "
-                                 "stored byte is in every server's heap (see "
-                                 "docs/sizing.md). Broker only.")
-    chunk_size: int = _opt(131_072, "A message, result (or saved group) bigger than this is "
-                           "stored as chunk nodes of this size, written before the node "
-                           "that makes it visible, which holds a small manifest instead "
-                           "(celery_zk.zk.payload). 1,024 to 1,000,000: each chunk is one "
-                           "request, below the server's jute.maxbuffer (1 MiB). Every "
-                           "server keeps its last 500 requests in memory, about 4 times "
-                           "their size each: bigger chunks cost more heap (docs/sizing.md).")
-    max_result_size: int = _opt(16_777_216, "Largest encoded result (or saved group), "
-                                "bytes; a bigger one fails its task with ResultTooLarge. "
-                                "Every stored byte is in every server's heap (see "
-                                "docs/sizing.md). Backend only.")
-    acl: str = _opt("auto", "'auto': with credentials every node gets a digest ACL for "
-                    "that user only, without credentials the open ACL; 'open': always "
-                    "the open ACL.")
-    read_only_users: str = _opt("", "Comma-separated user:password pairs that get "
-                                "read-only access to every node celery_zk creates.")
-    use_ssl: bool = _opt(False, "Connect with TLS (the server needs a secureClientPort).")
-    ca: str = _opt("", "TLS: CA certificate file (PEM) used to verify the server.")
-    certfile: str = _opt("", "TLS: client certificate file (PEM).")
-    keyfile: str = _opt("", "TLS: client private key file (PEM).")
-    keyfile_password: str = _opt("", "TLS: password of the client key, if any.")
-    verify_certs: bool = _opt(True, "TLS: verify the server certificate.")
-    session_name: str = _opt("", "Connections of one process that name the same hosts, "
-                             "credentials, TLS settings, session_timeout and session_name "
-                             "share one ZooKeeper session (ZooKeeper allows 60 connections "
-                             "per client IP by default). A name of its own gives a "
-                             "connection its own session, which lives and ends apart from "
-                             "the process's other connections.")
+    session_timeout: float = 10.0
+    connect_timeout: float = 10.0
+    claim_batch: int = 64
+    lookahead: int = 16           # 1 to MAX_LOOKAHEAD
+    bucket_size: int = 4096       # MIN_BUCKET_SIZE to MAX_BUCKET_SIZE
+    handoff: bool = True
+    locality_wait: float = 3.0
+    dead_letter_rejected: bool = False
+    confirm_publish: bool = True
+    batch_groups: bool = True
+    max_message_size: int = 16_777_216   # RabbitMQ 4's default
+    chunk_size: int = 131_072     # MIN_CHUNK_SIZE to MAX_CHUNK_SIZE
+    max_result_size: int = 16_777_216
+    acl: str = "auto"             # or "open"
+    read_only_users: str = ""     # user:password,...
+    use_ssl: bool = False
+    ca: str = ""
+    certfile: str = ""
+    keyfile: str = ""
+    keyfile_password: str = ""
+    verify_certs: bool = True
+    session_name: str = ""
 
     @classmethod
     def names(cls) -> list[str]:

@@ -223,6 +223,22 @@ def test_dead_letters_are_listed_with_their_reason_requeued_and_purged(
     assert zk_client.get_children(LAYOUT.dead("dl")) == []
 
 
+def test_upgrade_stores_a_message_of_0_1_anew_and_then_finds_nothing(
+        zk_url: str, zk_client: KazooClient) -> None:
+    """`celery zk upgrade` as an operator runs it (the forms it knows:
+    test_dispatch.py); run again, it says there is nothing to do."""
+    q = queue_of("old")
+    with Connection(zk_url) as conn:
+        q(conn.channel()).declare()
+    zk_client.create(f"{LAYOUT.unowned('old')}/m9-{'a' * 16}-", b"{}", sequence=True)
+    first = celery_cli(["zk", "upgrade"], zk_url)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == "old: 1 message(s) stored anew\n"
+    assert len(waiting(zk_client, LAYOUT, "old")) == 1
+    again = celery_cli(["zk", "upgrade"], zk_url)
+    assert again.returncode == 0 and again.stdout == "nothing to upgrade\n", again.stderr
+
+
 def test_a_foreign_dead_letter_cannot_be_requeued_and_says_what_to_do(
         zk_url: str, zk_client: KazooClient) -> None:
     with Connection(zk_url) as conn:

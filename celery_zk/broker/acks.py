@@ -68,8 +68,8 @@ class Acks:
     def client(self) -> KazooClient:
         return self.queues.client
 
-    def body_of(self, owned_path: str) -> str | None:
-        """Where an owned message's body lives; None when it is in the owned node."""
+    def body_of(self, owned_path: str) -> str:
+        """Where an owned message's body lives."""
         queue, message = self._message(owned_path)
         return self.layout.body(queue, message)
 
@@ -110,14 +110,10 @@ class Acks:
             return False
         raise failure[1]
 
-    def _delete_ops(self, txn: TransactionRequest, owned_path: str) -> int:
-        """Add the deletes that end ``owned_path`` (its name, then its body); how many."""
+    def _delete_ops(self, txn: TransactionRequest, owned_path: str) -> None:
+        """Add the deletes that end ``owned_path``: its name, then its body."""
         txn.delete(owned_path)
-        body = self.body_of(owned_path)
-        if body is None:
-            return 1
-        txn.delete(body)
-        return 2
+        txn.delete(self.body_of(owned_path))
 
     def _ack_outcome(self, owned_path: str, consumer_node: str, results: list[Any]) -> bool:
         failure = multi_failure(results)
@@ -206,9 +202,8 @@ class Acks:
         """One multi: the owner's session is alive (the check), and every message goes."""
         txn = self.client.transaction()
         txn.check(consumer_node, ANY_VERSION)
-        owners: list[str] = []   # the owned path each op after the check ends
         for owned_path in paths:
-            owners += [owned_path] * self._delete_ops(txn, owned_path)
+            self._delete_ops(txn, owned_path)   # two operations each
 
         def done(result: Any) -> None:  # kazoo's event thread: never block here
             try:
@@ -226,7 +221,7 @@ class Acks:
                 return
             # One message was gone already (a requeue raced the ack, say), which
             # refused the whole multi: ack the others one by one.
-            gone = owners[failure[0] - 1]
+            gone = paths[(failure[0] - 1) // 2]
             for owned_path in paths:
                 if owned_path != gone:
                     self._ack_retries.submit((owned_path, consumer_node))

@@ -18,14 +18,11 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 @pytest.fixture(scope="module")
 def nemesis() -> Iterator[dict[str, ModuleType]]:
-    sys.path.insert(0, str(BENCHMARKS))
+    sys.path.insert(0, str(BENCHMARKS))   # the import root of the nemesis package
     try:
-        import nemesis_checker
-        import nemesis_history
-        import nemesis_recovery
-        import nemesis_schedule
-        yield {"checker": nemesis_checker, "history": nemesis_history,
-               "recovery": nemesis_recovery, "schedule": nemesis_schedule}
+        from nemesis import checker, history, recovery, schedule
+        yield {"checker": checker, "history": history, "recovery": recovery,
+               "schedule": schedule}
     finally:
         sys.path.remove(str(BENCHMARKS))
 

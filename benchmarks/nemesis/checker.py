@@ -23,7 +23,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_zk.zk.layout import parse_message_name, split_owned_name
+from celery_zk.zk.layout import parse_message_name
 
 #: Faults that take an owner away from its session, by the owner's host.
 OWNER_FAULTS = {"kill-worker": "owner killed", "pause-worker": "owner paused",
@@ -38,9 +38,8 @@ REVOKE_RACE = 1.0
 
 def message_identity(tag: str) -> str:
     """The published message a delivery came from: its publish's uid and first
-    sequence survive a requeue (``m{P}-{gen}-{uid}-r{first}``)."""
-    owned = split_owned_name(tag)
-    parsed = parse_message_name(owned[1] if owned else tag)
+    sequence survive a requeue (``n{P}-{gen}-{uid}-r{first}``)."""
+    parsed = parse_message_name(tag)
     return f"{parsed.uid}-{parsed.order}" if parsed else tag
 
 

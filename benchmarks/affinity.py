@@ -15,7 +15,7 @@ the first publish until every task has run:
 * ``plain``: no affinity key; the workers never state what they hold.
 * ``affinity``: each task carries ``headers={'zk_affinity': dataset}``, and
   a task that loads a dataset states the cache's new contents with
-  ``celery_zk.features.affinity.holding`` (``locality_wait`` at its default, 3 s).
+  ``celery_zk.affinity.holding`` (``locality_wait`` at its default, 3 s).
 
 The workers start with empty caches in both runs.
 
@@ -51,9 +51,9 @@ from collections import OrderedDict
 from typing import Any
 
 from celery import Celery, group
-from common import Processes, child_env, percentile, sample, write_json
+from common.figures import percentile, sample, write_json
+from common.processes import BENCHMARKS, Processes, child_env
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 TASK = "affinity.process"
 MARK = "affinity.mark"
 HOLD = "affinity.hold"
@@ -88,7 +88,7 @@ def process(dataset: str) -> None:
                 cache.popitem(last=False)
             _Cache.misses += 1
             if os.environ.get("AFFINITY_STATE") == "1":
-                from celery_zk.features import affinity
+                from celery_zk import affinity
                 affinity.holding(cache, app=app)
         time.sleep(float(os.environ["AFFINITY_WORK_MS"]) / 1000)   # "work" on it
         now = time.time()
@@ -111,7 +111,7 @@ def mark(port: int, token: str) -> None:
 
 @app.task(name=HOLD, ignore_result=True)
 def hold(key: str) -> None:
-    from celery_zk.features import affinity
+    from celery_zk import affinity
     affinity.hold(key, app=app)
 
 
@@ -141,7 +141,7 @@ def _start_workers(args: argparse.Namespace, url: str, work: str, run: str,
                      f"--pool={args.pool}", "-c", "1", "--loglevel=INFO",
                      f"--hostname={run}{index}@%h", "--without-mingle", "--without-gossip",
                      "--without-heartbeat"],
-                    os.path.join(work, f"{run}.w{index}.log"), env, cwd=HERE)
+                    os.path.join(work, f"{run}.w{index}.log"), env, cwd=BENCHMARKS)
     deadline = time.monotonic() + 90
     for index, proc in enumerate(procs.procs):
         log_path = os.path.join(work, f"{run}.w{index}.log")

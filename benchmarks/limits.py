@@ -38,10 +38,11 @@ import time
 from typing import Any
 
 from celery import Celery
-from common import Processes, RedisServer, child_env, write_json
-from spans import most_at_once, most_in_any_window
+from common.figures import write_json
+from common.processes import BENCHMARKS, Processes, child_env
+from common.servers import RedisServer
+from common.spans import most_at_once, most_in_any_window
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 PACED, FREE = "limits.paced", "limits.free"
 
 # -- the workers' app ------------------------------------------------------------------
@@ -115,7 +116,7 @@ def one_run(args: argparse.Namespace, name: str, broker: str, conf: dict[str, An
             procs.spawn([sys.executable, "-m", "celery", "-A", "limits", "worker",
                          f"--pool={args.pool}", "-c", str(args.concurrency), "--loglevel=INFO",
                          f"--hostname=w{index}@%h", "--without-mingle", "--without-gossip",
-                         "--without-heartbeat"], out, env, cwd=HERE)
+                         "--without-heartbeat"], out, env, cwd=BENCHMARKS)
         deadline = time.monotonic() + 90
         for index, proc in enumerate(procs.procs):
             out = os.path.join(work, f"{name.replace(' ', '-')}.w{index}.out")

@@ -1,8 +1,8 @@
-"""Two checkouts of celery_zk draining at the same time: which costs less per task (issue 26).
+"""Two checkouts of celery_zk draining at the same time: which costs less per task.
 
-On a shared VM one drain's rate moves by ±15 % between runs minutes apart,
-and the machine, not the change, decides an A/B of runs taken one after the
-other (benchmarks/README.md, "what one drain's rate is worth on this VM").
+The paired A/B behind docs/performance.md's ledger of mechanisms. On a shared
+VM one drain's rate moves by ±15 % between runs minutes apart, and the
+machine, not the change, decides an A/B of runs taken one after the other.
 Here both checkouts drain together, on one ZooKeeper, each its own queue of
 ``--tasks`` stored no-op tasks and its own worker (``--pool``, ``-c``): a
 slower or faster host slows or speeds both alike. Each pair reports the two
@@ -29,37 +29,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from common import (  # noqa: E402
-    Processes,
-    add_server_options,
-    log,
-    measured_server,
-    spawn_worker,
-    warm_up_zookeeper,
-    write_json,
-)
-from machine import CLK_TCK, process_jiffies, run_pids  # noqa: E402
-from tally import Tally  # noqa: E402
-from workers import await_ready, preload  # noqa: E402
+from common.app import preload
+from common.figures import log, write_json
+from common.machine import cpu_seconds, run_pids
+from common.processes import BENCHMARKS, Processes, bench_run
+from common.servers import add_server_options, start_server
+from common.tally import Tally
+from common.worker import await_ready, spawn_worker
 
 POLL = 0.05   # seconds between looks at the two tallies and the workers' CPU
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """CPU of ``pids`` so far (what they reaped counts too, and changes only if a
-    pool replaces a child: not within a drain)."""
-    return process_jiffies(pids) / CLK_TCK
 
 
 def at(points: list[tuple[float, ...]], t: float, column: int) -> float:
@@ -86,7 +70,7 @@ def one_pair(url: str, work_dir: str, checkouts: list[tuple[str, str]], args: ar
             preload(url, queue, args.tasks)
             tallies[label] = Tally(os.path.join(work_dir, f"pair{index}-{label}.tally"),
                                    args.tasks)
-            env = {"PYTHONPATH": os.pathsep.join([HERE, path]),
+            env = {"PYTHONPATH": os.pathsep.join([BENCHMARKS, path]),
                    "BENCH_TALLY_FILE": tallies[label].path, "BENCH_GATE_FILE": gate}
             workers[label] = spawn_worker(procs, work_dir, f"pair{index}-{label}", url, queue,
                                           pool=args.pool, concurrency=args.concurrency,
@@ -159,31 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     for path in (args.a, args.b):
         if not os.path.isfile(os.path.join(path, "celery_zk", "__init__.py")):
             parser.error(f"{path} holds no celery_zk/: give a checkout's top directory")
-    zk = measured_server(args)
-    work_dir = tempfile.mkdtemp(prefix="celery_zk-pair-")
     pairs = []
-    try:
-        zk.start()
-        warm_up_zookeeper(zk.hosts)
-        if args.zk_warm_up:
-            import shapes  # a script: imported only for this
-            warm = Processes()
-            try:
-                shapes.warm_up_with_load(warm, work_dir, f"{zk.url}/warm-up", args.zk_warm_up)
-            finally:
-                warm.stop_all()
-        url = f"{zk.url}/pair"
+    with bench_run("celery_zk-pair-") as (procs, work_dir, stops):
+        url = start_server("zk", args, procs, work_dir, stops, "pair").url
         for index in range(args.pairs):
             order = [("a", args.a), ("b", args.b)]
             pairs.append(one_pair(url, work_dir, order if index % 2 == 0 else order[::-1],
                                   args, index))
-    finally:
-        try:
-            from celery_zk.zk.session import close_all
-            close_all(zk.hosts)
-        finally:
-            zk.close()
-            shutil.rmtree(work_dir, ignore_errors=True)
     for key, what in (("b_over_a", "tasks/s"), ("parent_b_over_a", "parent CPU per task"),
                       ("relative_b_over_a", "parent CPU ÷ children CPU")):
         ratios = [p[key] for p in pairs if p[key] is not None]

@@ -5,7 +5,7 @@ One run starts its own ZooKeeper (production JVM flags, server defaults: 1 MiB
 RabbitMQ node (durable queues, as Celery declares them; 3.x takes messages up
 to 128 MiB) on free ports, and stops everything it started, also on Ctrl-C.
 Each broker has its own kind of result backend (zk: celery_zk's; Redis:
-Redis; RabbitMQ: ``rpc://``) and one real worker (threads pool, ``-c 2``).
+Redis; RabbitMQ: ``rpc://``) and one real worker (threads pool, ``-c 4``).
 For each payload size (a str of that many characters, JSON):
 
   publish      ``apply_async`` of a task whose argument is the payload, to a
@@ -22,9 +22,8 @@ proposals, whatever their size; see docs/sizing.md).
 
 Every figure is the median of the samples (``--samples``, fewer for the big
 sizes: at most about 60 MB moved per cell), after two uncounted ones. A cell
-whose payload the broker refuses says so instead of a figure: on zk, a message
-above ``max_message_size`` (1 MB) is refused with ``MessageTooLarge`` until
-message bodies are chunked as results are (issue 28, the broker's half).
+whose payload the broker refuses says so instead of a figure (on zk, one above
+``max_message_size``: ``MessageTooLarge``).
 
 Usage::
 
@@ -34,7 +33,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import signal
 import statistics
@@ -44,26 +42,13 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from common.app import IDENTITY, MAKE, NOOP, make_app
+from common.figures import log, sample, table, write_json
+from common.processes import Processes, bench_run
+from common.servers import add_server_options, choose, heap_used, start_servers
+from common.worker import Workers
 
-from bench_app import IDENTITY, MAKE, NOOP, make_app  # noqa: E402
-from common import (  # noqa: E402
-    Processes,
-    Workers,
-    add_server_options,
-    add_zk_option,
-    bench_run,
-    heap_used,
-    log,
-    sample,
-    start_brokers,
-    table,
-    write_json,
-)
-
-from celery_zk.exceptions import MessageTooLarge  # noqa: E402
-from celery_zk.zk.session import close_all  # noqa: E402
+from celery_zk.exceptions import MessageTooLarge
 
 BROKERS = ("zk", "redis", "rabbitmq")
 SIZES = (100_000, 1_000_000, 4_000_000, 15_000_000)
@@ -159,18 +144,15 @@ class Broker:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    with bench_run("celery-zk-payloads-", args.keep) as (procs, work_dir, stack):
-        urls, zk = start_brokers(args, procs, work_dir, stack, "payloads")
-        # Ended before the servers stop (the stack unwinds last first): pooled
-        # sessions would retry against a stopped server.
-        stack.append(close_all)
-        for name in args.brokers:
-            broker = Broker(name, *urls[name], procs, work_dir)
+    with bench_run("celery-zk-payloads-", args.keep) as (procs, work_dir, stops):
+        servers = start_servers(args, procs, work_dir, stops, "payloads")
+        for name, server in servers.items():
+            broker = Broker(name, server.url, server.backend, procs, work_dir)
             results[name] = broker.run(args.sizes, args.samples)
-            if name == "zk" and zk is not None and zk.pid:
+            if server.zk is not None and server.zk.pid:
                 # Every result was forgotten: what is left is ZooKeeper's own
                 # memory of recent writes (its last 500 proposals).
-                results["zk heap MB"] = heap_used(zk.pid) / 2**20
+                results["zk heap MB"] = heap_used(server.zk.pid) / 2**20
     return results
 
 
@@ -214,12 +196,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the work dir")
     add_server_options(parser)
-    add_zk_option(parser)
     args = parser.parse_args(argv)
-    args.brokers = [b for b in args.brokers.split(",") if b]
-    for name in args.brokers:
-        if name not in BROKERS:
-            parser.error(f"unknown broker {name!r}: choose from {', '.join(BROKERS)}")
+    args.brokers = choose(parser, args.brokers, BROKERS)
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
     return args
 

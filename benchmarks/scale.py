@@ -1,4 +1,4 @@
-"""Scale and longevity: big backlogs, server memory, restarts, many queues, contention.
+"""Scale and longevity: big backlogs, server memory, restarts, many queues.
 
 One run starts its own ZooKeeper (celery_zk's launcher, default settings, a
 heap big enough for the backlog), ``redis-server`` (no persistence) and a
@@ -20,21 +20,19 @@ worker`` processes and stops everything it started, also on Ctrl-C.
              restart: each message executed exactly once.
 (queues)     zk: one worker consuming ``--queues`` (1,000) queues: start-up
              time, watches held (``wchs``), CPU of worker and server idle.
-(contention) 2, 4, 8 and 16 worker processes (threads, ``-c 1``) on one
-             queue with a 20,000 backlog: drain rate, and for zk the failed
-             claim transactions per delivered message.
+
+How throughput grows with the worker processes on one queue is
+``workers.py``'s question.
 
 Usage::
 
     .venv/bin/python benchmarks/scale.py [--quick] [--brokers zk,redis,rabbitmq]
-        [--only backlog,restart,queues,contention] [--backlog N] [--json out.json]
+        [--only backlog,restart,queues] [--backlog N] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
-import os
 import shutil
 import sys
 import tempfile
@@ -42,27 +40,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from common.app import DRAIN, make_app, waiting
+from common.figures import log, write_json
+from common.machine import cpu_seconds
+from common.processes import Processes
+from common.servers import RabbitServer, RedisServer, choose, heap_used
+from common.worker import Workers, spawn_worker
+from kombu import Connection
 
-from bench_app import DRAIN, make_app  # noqa: E402
-from common import (  # noqa: E402
-    Processes,
-    RabbitServer,
-    RedisServer,
-    Workers,
-    heap_used,
-    log,
-    spawn_worker,
-    write_json,
-)
-from kombu import Connection  # noqa: E402
-from kombu.exceptions import ChannelError  # noqa: E402
-
-from celery_zk.server import SERVER_JVM_FLAGS, ZooKeeperServer, four_letter_word  # noqa: E402
+from celery_zk.server import SERVER_JVM_FLAGS, ZooKeeperServer, four_letter_word
 
 BROKERS = ("zk", "redis", "rabbitmq")
-PARTS = ("backlog", "restart", "queues", "contention")
+PARTS = ("backlog", "restart", "queues")
 QUEUE = "scale"
 FILLERS = 4
 SMALL = 5_000
@@ -81,21 +70,15 @@ def mntr(server: ZooKeeperServer) -> dict[str, str]:
     return dict(line.split("\t", 1) for line in reply.splitlines() if "\t" in line)
 
 
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-        fields = fh.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 # -- publishing and counting -----------------------------------------------------------
-def _fill_part(broker: str, start: int, stop: int, queue: str = QUEUE) -> None:
+def _fill_part(broker: str, start: int, stop: int) -> None:
     app = make_app(broker)
     if broker.startswith("zk"):
         app.conf.broker_transport_options = {"confirm_publish": False}
     task = app.tasks[DRAIN]
     with app.producer_or_acquire() as producer:
         for index in range(start, stop):
-            task.apply_async((index,), queue=queue, producer=producer)
+            task.apply_async((index,), queue=QUEUE, producer=producer)
     app.close()   # an unconfirmed publisher waits for its replies here
 
 
@@ -130,14 +113,6 @@ def publish_rate(broker: str, start: int, count: int) -> float:
         app.close()
 
 
-def waiting(broker: str, queue: str = QUEUE) -> int:
-    with Connection(broker) as conn:
-        try:
-            return int(conn.default_channel.queue_declare(queue, passive=True).message_count)
-        except ChannelError:   # Redis: an emptied list is no key, so no queue
-            return 0
-
-
 def wait_for(check: Callable[[], bool], timeout: float, what: str, step: float = 0.2) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -156,7 +131,7 @@ class Run:
         self.zk: ZooKeeperServer   # set while zk is measured
 
     def drain(self, broker: str, total: int, timeout: float) -> dict[str, Any]:
-        """One 4-thread worker runs ``total`` drain tasks; bench_app's report."""
+        """One 4-thread worker runs ``total`` drain tasks; common.app's report."""
         result, _ = self.workers.drain(broker, QUEUE, total, timeout, broker, poll=0.5)
         result["rate"] = total / result["elapsed"]
         return result
@@ -172,7 +147,7 @@ class Run:
         log(f"{name}: fill a {args.backlog:,} backlog ({FILLERS} publishers)")
         out["fill_rate"] = fill(broker, 10_000_000, args.backlog)
         out["publish_rate_big"] = publish_rate(broker, 20_000_000, SMALL)
-        stored = waiting(broker)
+        stored = waiting(broker, QUEUE)
         out["stored"] = stored
         after = memory()
         out["memory_per_message"] = {k: (after[k] - before[k]) / stored for k in after}
@@ -197,7 +172,7 @@ class Run:
         zk.spawn()
         wait_for(zk.serving, 3600, "ZooKeeper to serve again", 0.05)
         out["restart_seconds"] = time.monotonic() - began
-        out["stored_after_restart"] = waiting(broker)
+        out["stored_after_restart"] = waiting(broker, QUEUE)
         out["first_request_seconds"] = time.monotonic() - began
 
     # -- (restart): exactly once after a restart -----------------------------------------
@@ -214,7 +189,7 @@ class Run:
         time.sleep(2)   # a duplicate would still be running now
         out["exactly_once"] = {"distinct": report["distinct"],
                                "executions": report["executions"],
-                               "left_waiting": waiting(broker), "published": count}
+                               "left_waiting": waiting(broker, QUEUE), "published": count}
         log(f"zk: after restart {out['exactly_once']}")
 
     # -- (queues) ------------------------------------------------------------------------
@@ -229,61 +204,16 @@ class Run:
         time.sleep(5)   # settle: offers, watches
         assert self.zk.pid is not None and self.zk.port is not None
         wchs = four_letter_word(self.zk.host, self.zk.port, "wchs", timeout=10)
-        cpu = (cpu_seconds(worker.pid), cpu_seconds(self.zk.pid))
+        cpu = (cpu_seconds([worker.pid]), cpu_seconds([self.zk.pid]))
         time.sleep(self.args.idle)
         out["queues_idle_cpu_percent"] = {
-            "worker": 100 * (cpu_seconds(worker.pid) - cpu[0]) / self.args.idle,
-            "zookeeper": 100 * (cpu_seconds(self.zk.pid) - cpu[1]) / self.args.idle}
+            "worker": 100 * (cpu_seconds([worker.pid]) - cpu[0]) / self.args.idle,
+            "zookeeper": 100 * (cpu_seconds([self.zk.pid]) - cpu[1]) / self.args.idle}
         out["queues_watches"] = {"wchs": " ".join(wchs.split()), "before": watches_before,
                                  "zk_watch_count": mntr(self.zk).get("zk_watch_count")}
         self.procs.stop_and_remove(worker)
         log(f"zk: {count} queues: {out['queues_startup_seconds']:.1f}s to start, "
             f"idle CPU {out['queues_idle_cpu_percent']}, {out['queues_watches']}")
-
-    # -- (contention) --------------------------------------------------------------------
-    def contention(self, name: str, broker: str) -> None:
-        out = self.results.setdefault(name, {}).setdefault("contention", {})
-        backlog = self.args.contention_backlog
-        app = make_app(broker)
-        try:
-            for count in self.args.consumers:
-                log(f"{name}: {count} consumer processes on a {backlog:,} backlog")
-                queue = f"contend{count}"
-                workers, claims = [], []
-                for i in range(count):   # idle on a queue of their own until told
-                    claims.append(os.path.join(self.work_dir, f"claims-{name}-{count}-{i}"))
-                    workers.append(spawn_worker(
-                        self.procs, self.work_dir, f"c{count}-{i}", broker, f"idle{count}",
-                        concurrency=1, wait=False, env={"BENCH_CLAIMS_FILE": claims[-1]}))
-                ready = [os.path.join(self.work_dir, f"c{count}-{i}.ready")
-                         for i in range(count)]
-                wait_for(lambda ready=ready: all(map(os.path.exists, ready)), 180,
-                         "workers to start")
-                fill_queue(broker, queue, backlog)
-                began = time.monotonic()
-                app.control.add_consumer(queue, reply=True, timeout=10, limit=count)
-                wait_for(lambda queue=queue: waiting(broker, queue) == 0, 3600, "the drain",
-                         0.1)
-                elapsed = time.monotonic() - began
-                for worker in workers:
-                    self.procs.stop_and_remove(worker)
-                entry: dict[str, Any] = {"rate": backlog / elapsed}
-                counts = [json.load(open(c, encoding="utf-8")) for c in claims
-                          if os.path.exists(c)]
-                if name == "zk" and counts:
-                    conflicts = sum(c["conflicts"] for c in counts)
-                    entry.update(conflicts_per_message=conflicts / backlog,
-                                 claim_transactions=sum(c["transactions"] for c in counts),
-                                 claimed=sum(c["messages"] for c in counts))
-                out[str(count)] = entry
-                log(f"{name}: {count} consumers: {entry}")
-        finally:
-            app.close()
-
-
-def fill_queue(broker: str, queue: str, count: int) -> None:
-    """A backlog on another queue than QUEUE, from this process (pipelined on zk)."""
-    _fill_part(broker, 0, count, queue)
 
 
 def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
@@ -310,12 +240,6 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
                 "queues_idle_cpu_percent"):
         if key in zk:
             lines.append(f"zk: {key}: {zk[key]}")
-    for name, out in results.items():
-        for count, entry in out.get("contention", {}).items():
-            extra = (f", {entry['conflicts_per_message']:.3f} failed claims per message "
-                     f"({entry['claim_transactions']:,} claim transactions)"
-                     if "conflicts_per_message" in entry else "")
-            lines.append(f"{name}: {count:>2} consumers: {entry['rate']:,.0f} tasks/s{extra}")
     return "\n".join(lines)
 
 
@@ -328,8 +252,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--restart-backlog", type=int, default=100_000)
     parser.add_argument("--queues", type=int, default=1_000)
     parser.add_argument("--idle", type=float, default=30.0, help="seconds of idle CPU")
-    parser.add_argument("--consumers", default="2,4,8,16")
-    parser.add_argument("--contention-backlog", type=int, default=20_000)
     parser.add_argument("--zk-heap", default="6g")
     parser.add_argument("--quick", action="store_true",
                         help="small sizes: a smoke run of every part")
@@ -337,11 +259,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.backlog, args.window, args.restart_backlog = 20_000, 5_000, 2_000
-        args.queues, args.idle, args.consumers = 50, 5.0, "2,4"
-        args.contention_backlog, args.zk_heap = 2_000, "1g"
-    args.brokers = args.brokers.split(",")
-    args.only = args.only.split(",")
-    args.consumers = [int(c) for c in args.consumers.split(",")]
+        args.queues, args.idle, args.zk_heap = 50, 5.0, "1g"
+    args.brokers = choose(parser, args.brokers, BROKERS)
+    args.only = choose(parser, args.only, PARTS)
     return args
 
 
@@ -383,8 +303,6 @@ def main(argv: list[str] | None = None) -> int:
                 run.restart_exactly_once(broker)
             if name == "zk" and "queues" in args.only:
                 run.many_queues(broker)
-            if "contention" in args.only:
-                run.contention(name, broker)
             for server in servers:
                 getattr(server, "close", server.stop)()   # close: removes its data too
             servers.clear()

@@ -1,12 +1,13 @@
-"""How long ``celery zk status`` takes on a big backlog (issue: under 2 s at 100,000).
+"""How long ``celery zk status`` and an exporter's scrape take on a big backlog.
 
 Starts a ZooKeeper server with its default settings (a heap of ``--zk-heap``:
 the whole tree lives in it; see docs/sizing.md), publishes a backlog of
 Celery task messages (a no-op task with one argument, about 1 KB stored, the
-default priority) into one queue and one message into two others, then
-times :func:`celery_zk.ops.status.collect` in this process (warm: connection
-made) and the whole ``celery zk status`` command (a new process:
-interpreter, Celery, connection and report).
+default priority) into one queue and one message into two others, then times
+a scrape of a running ``celery zk exporter`` (connection made: what each
+Prometheus scrape costs, and the report's own part as the exporter says,
+``celery_zk_scrape_duration_seconds``) and the whole ``celery zk status``
+command (a new process: interpreter, Celery, connection and report).
 
     .venv/bin/python benchmarks/status.py [--messages 100000] [--rounds 5] [--zk-heap 2g]
 """
@@ -19,16 +20,17 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from celery import Celery
+from common.processes import Processes, child_env, tail
+from common.servers import close_sessions
 
-from celery import Celery  # noqa: E402
-
-from celery_zk.broker.groups import publish_together  # noqa: E402
-from celery_zk.ops.status import collect  # noqa: E402
-from celery_zk.server import SERVER_JVM_FLAGS, ZooKeeperServer  # noqa: E402
+from celery_zk.server import SERVER_JVM_FLAGS, ZooKeeperServer, free_ports
+from celery_zk.transport import publish_together
 
 BATCH = 5000   # messages per publish_together: 20 multis each
+SCRAPE_DURATION = "celery_zk_scrape_duration_seconds "
 
 
 def fill(url: str, messages: int) -> float:
@@ -48,6 +50,42 @@ def fill(url: str, messages: int) -> float:
     return took
 
 
+def scrape(port: int) -> tuple[float, float, str]:
+    """(seconds the scrape took, seconds of it the report took as the exporter
+    says, the metrics)."""
+    started = time.perf_counter()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as reply:
+        body = reply.read().decode()
+    took = time.perf_counter() - started
+    own = next(line for line in body.splitlines() if line.startswith(SCRAPE_DURATION))
+    return took, float(own[len(SCRAPE_DURATION):]), body
+
+
+def scrapes(url: str, work: str, rounds: int, messages: int) -> list[tuple[float, float]]:
+    """``rounds`` scrapes of a ``celery zk exporter`` on ``url``, after one uncounted
+    that checks it counts the backlog."""
+    port = free_ports(1)[0]
+    procs = Processes()
+    out = os.path.join(work, "exporter.out")
+    proc = procs.spawn([sys.executable, "-m", "celery", "-b", url, "zk", "exporter",
+                        "--port", str(port), "--addr", "127.0.0.1"], out, child_env())
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                body = scrape(port)[2]
+                break
+            except OSError:   # not listening yet
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the exporter did not start:\n{tail(out)}") from None
+                time.sleep(0.2)
+        line = f'celery_queue_length{{queue_name="backlog"}} {float(messages)}'
+        assert line in body, f"the exporter did not count the {messages:,} messages"
+        return [scrape(port)[:2] for _ in range(rounds)]
+    finally:
+        procs.stop_all()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=100_000)
@@ -63,36 +101,25 @@ def main() -> None:
             url = f"{server.url}/status-bench"
             print(f"publishing {args.messages:,} messages ...", flush=True)
             print(f"  published in {fill(url, args.messages):.1f} s")
-            app = Celery("status-bench", broker=url, set_as_current=False)
-            with app.connection_for_write() as conn:
-                conn.connect()
-                transport = conn.transport
-                times = []
-                for _ in range(args.rounds):
-                    started = time.perf_counter()
-                    report = collect(transport.handle.client, transport.layout,
-                                     transport.settings.hosts)
-                    times.append(time.perf_counter() - started)
-            app.close()
-            backlog = next(q for q in report.queues if q.name == "backlog")
-            assert backlog.waiting_total == args.messages, backlog
-            env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(
-                os.path.abspath(__file__)))}
+            scraped = scrapes(url, work, args.rounds, args.messages)
             command = []
             for _ in range(args.rounds):
                 started = time.perf_counter()
                 subprocess.run([sys.executable, "-m", "celery", "-b", url, "zk", "status"],
-                               check=True, env=env, capture_output=True, timeout=120)
+                               check=True, env=child_env(), capture_output=True, timeout=120)
                 command.append(time.perf_counter() - started)
         except BaseException:
             print(f"ZooKeeper's log, last lines:\n{server.read_log(last_lines=30)}")
             raise
         finally:
+            close_sessions(server.hosts)   # this process's, from the backlog's publishing
             server.close()
-    print(f"status report (collect), warm, {args.rounds} rounds: median "
-          f"{statistics.median(times):.3f} s, max {max(times):.3f} s")
-    print(f"`celery zk status` command (new process), {args.rounds} rounds: median "
-          f"{statistics.median(command):.3f} s, max {max(command):.3f} s")
+    for what, times in (("exporter scrape, warm", [took for took, _ in scraped]),
+                        ("  of it the report (celery_zk_scrape_duration_seconds)",
+                         [own for _, own in scraped]),
+                        ("`celery zk status` command (new process)", command)):
+        print(f"{what}, {args.rounds} rounds: median {statistics.median(times):.3f} s, "
+              f"max {max(times):.3f} s")
 
 
 if __name__ == "__main__":

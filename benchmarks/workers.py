@@ -1,17 +1,16 @@
-"""Throughput as worker processes are added: celery_zk against Redis and RabbitMQ (issue 26).
+"""The side by side: celery_zk against Redis and RabbitMQ as worker processes are added.
 
 Each broker in turn, back to back in this process, only its server running
 (zk: server defaults; Redis: no persistence; RabbitMQ: Debian's, durable
-queues); real ``celery worker`` processes running ``bench_app.py``. See
-benchmarks/README.md, "Throughput as workers are added".
+queues); real ``celery worker`` processes running :mod:`common.app`.
 
 (scaling) K = 1, 4, 16 workers ``-P threads -c 1`` drain one stored queue of
           ``--tasks`` no-op tasks, started together at a gate: tasks/s, CPU
-          per task machine-wide (``machine.py``), for zk failed ZooKeeper
-          transactions per task (server's log, ``txnlog.py``; workers' CLAIMS).
+          per task machine-wide (:mod:`common.machine`), for zk all and failed
+          ZooKeeper transactions per task (the server's log, :mod:`common.txnlog`).
 (single)  one ``-P threads -c 4`` and one ``-P prefork -c 4`` worker, the same way
           (``--pools prefork``: only that one).
-(latency) ``shapes.py``'s latency shapes, idle and under ``--load`` tasks/s.
+(latency) :mod:`common.latency`'s shapes, idle and under ``--load`` tasks/s.
 
 Usage::
 
@@ -24,7 +23,7 @@ Usage::
 is the median of the rounds'; each target the median of the ratios taken
 within each round, listed round by round. On a shared 2-core machine one
 drain of 16 processes moves by a third between runs a minute apart, on any
-broker (benchmarks/README.md).
+broker (docs/performance.md).
 
 Against another checkout: ``PYTHONPATH=/path/to/checkout``, run from a
 directory that is no repository (the workers would import its celery_zk).
@@ -32,44 +31,28 @@ directory that is no repository (the workers would import its celery_zk).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from common import txnlog
+from common.app import preload
+from common.figures import log, write_json
+from common.latency import Latency
+from common.machine import CLK_TCK, FOREIGN, QUIET, CpuWindow, quiet_check, run_pids
+from common.processes import Processes, bench_run
+from common.report import median_of, render
+from common.servers import Server, add_server_options, choose, start_server
+from common.tally import Tally
+from common.worker import await_ready, spawn_worker
 
-import txnlog  # noqa: E402
-from bench_app import TALLY, make_app  # noqa: E402
-from common import (  # noqa: E402
-    Processes,
-    RabbitServer,
-    RedisServer,
-    add_server_options,
-    add_zk_option,
-    log,
-    measured_server,
-    spawn_worker,
-    tail,
-    warm_up_zookeeper,
-    write_json,
-)
-from kombu import Connection  # noqa: E402
-from machine import CLK_TCK, FOREIGN, QUIET, CpuWindow, quiet_check, run_pids  # noqa: E402
-from tally import Tally  # noqa: E402
-from workers_report import median_of, render  # noqa: E402
-
-import celery_zk  # noqa: E402
-from celery_zk.server import ZooKeeperServer, four_letter_word  # noqa: E402
+import celery_zk
 
 BROKERS = ("zk", "redis", "rabbitmq")
 PARTS = ("scaling", "single", "latency")
@@ -92,100 +75,10 @@ def checkout() -> dict[str, str]:
     return {"path": used, "commit": git.stdout.strip() or "not a git checkout"}
 
 
-# -- servers -------------------------------------------------------------------------------
-@dataclass
-class Server:
-    name: str
-    url: str
-    backend: str
-    version: str
-    stop: Callable[[], None]
-    pids: list[int]    # the server's processes (their process groups count as the server)
-    zk: ZooKeeperServer | None = None
-
-    def zxid(self) -> int:
-        assert self.zk is not None and self.zk.port is not None
-        return txnlog.last_zxid(self.zk.host, self.zk.port)
-
-
-def start_server(name: str, args: argparse.Namespace, procs: Processes, work_dir: str,
-                 stops: list[Callable[[], None]]) -> Server:
-    """``name``'s server, its stop pushed on ``stops`` first (stopped even if it fails)."""
-    if name == "zk":
-        zk = measured_server(args)
-
-        def stop_zk() -> None:
-            try:   # kombu's pools keep this process's session: not against a stopped server
-                from celery_zk.zk.session import close_all
-                close_all(zk.hosts)
-            except ImportError:
-                pass
-            zk.close()
-        stops.append(stop_zk)
-        zk.start()
-        warm_up_zookeeper(zk.hosts)
-        query = "?" + "&".join(args.zk_option) if args.zk_option else ""
-        import shapes  # a script: imported only for this
-        shapes.warm_up_with_load(procs, work_dir, f"{zk.url}/warm-up{query}", args.zk_warm_up)
-        srvr = four_letter_word(zk.host, zk.port or 0, "srvr").splitlines()[0]
-        return Server(name, f"{zk.url}/workers{query}", f"{zk.url}/workers-results{query}",
-                      srvr, stop_zk, [zk.pid or 0], zk)
-    if name == "redis":
-        redis = RedisServer(procs, work_dir)
-
-        def stop_redis() -> None:
-            if redis.proc in procs.procs:
-                procs.stop_and_remove(redis.proc)
-        stops.append(stop_redis)
-        redis.start()
-        assert redis.proc is not None
-        return Server(name, redis.url(0), redis.url(1), f"Redis {redis.version()}",
-                      stop_redis, [redis.proc.pid])
-    rabbit = RabbitServer(procs, work_dir)
-    stops.append(rabbit.stop)
-    log("starting RabbitMQ")
-    rabbit.start()
-    assert rabbit.proc is not None
-    return Server(name, rabbit.url(), "rpc://", f"RabbitMQ {rabbit.version()}", rabbit.stop,
-                  [rabbit.proc.pid, rabbit.beam])
-
-
-def waiting(url: str, queue: str) -> int:
-    with Connection(url) as conn:
-        return int(conn.default_channel.queue_declare(queue, passive=True).message_count)
-
-
-def preload(url: str, queue: str, total: int) -> None:
-    """``total`` ``bench.tally`` tasks (indexes 0..total-1), stored before any worker runs."""
-    app = make_app(url)
-    if url.startswith("zk://"):   # pipelined: the preload is not what is measured
-        app.conf.broker_transport_options = {"confirm_publish": False}
-    task = app.tasks[TALLY]
-    try:
-        with app.producer_or_acquire() as producer:
-            for index in range(total):
-                task.apply_async((index,), queue=queue, producer=producer)
-    finally:
-        app.close()
-    deadline = time.monotonic() + 300
-    while (stored := waiting(url, queue)) < total:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url}: only {stored} of {total} tasks stored in {queue}")
-        time.sleep(0.2)
-
-
-def await_ready(work_dir: str, workers: list[subprocess.Popen[bytes]], names: list[str]
-                ) -> None:
-    """Wait until each of ``workers`` (``spawn_worker(..., wait=False)``, named
-    ``names``) consumes; RuntimeError with its output if one exits or is late."""
-    deadline = time.monotonic() + 60 + 15 * len(workers)
-    for proc, name in zip(workers, names):
-        while not os.path.exists(os.path.join(work_dir, f"{name}.ready")):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"worker {name} did not become ready (exit "
-                                   f"{proc.poll()}):\n"
-                                   f"{tail(os.path.join(work_dir, name + '.out'))}")
-            time.sleep(0.05)
+def zxid(server: Server) -> int:
+    """The last transaction ZooKeeper committed (``srvr``)."""
+    assert server.zk is not None and server.zk.port is not None
+    return txnlog.last_zxid(server.zk.host, server.zk.port)
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -193,12 +86,12 @@ def await_ready(work_dir: str, workers: list[subprocess.Popen[bytes]], names: li
 class Run:
     args: argparse.Namespace
     work_dir: str
-    procs: Processes = field(default_factory=Processes)
+    procs: Processes
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def broker(self, name: str, stops: list[Callable[[], None]]) -> None:
         args = self.args
-        server = start_server(name, args, self.procs, self.work_dir, stops)
+        server = start_server(name, args, self.procs, self.work_dir, stops, "workers")
         out = self.results.setdefault(name, {"server": server.version})
         try:
             if "scaling" in args.only:
@@ -247,8 +140,7 @@ class Run:
         preload(server.url, queue, total)
         tally = Tally(os.path.join(self.work_dir, f"{tag}.tally"), total)
         gate = os.path.join(self.work_dir, f"{tag}.gate")
-        claims = [os.path.join(self.work_dir, f"{tag}-{i}.claims") for i in range(k)]
-        zxid = server.zxid() if server.zk else 0
+        before = zxid(server) if server.zk else 0
         group = Processes()   # these workers only: stopped together, then counted
         entry: dict[str, Any] = {"tasks": total, "workers": k, "pool": pool,
                                  "concurrency": concurrency}
@@ -256,8 +148,7 @@ class Run:
             workers = [spawn_worker(group, self.work_dir, f"{tag}-{i}", server.url, queue,
                                     pool=pool, concurrency=concurrency, wait=False,
                                     env={"BENCH_TALLY_FILE": tally.path,
-                                         "BENCH_GATE_FILE": gate,
-                                         "BENCH_CLAIMS_FILE": claims[i]})
+                                         "BENCH_GATE_FILE": gate})
                        for i in range(k)]
             await_ready(self.work_dir, workers, [f"{tag}-{i}" for i in range(k)])
             entry.update(quiet_check(f"{server.name} {label}", self.args.settle))
@@ -271,7 +162,7 @@ class Run:
             self.watch(tally, workers, opened, total, tag, window)
             summary = tally.summary()
         finally:
-            group.stop_together()   # warm shutdown: bench_app writes the claim counts
+            group.stop_together()
             tally.close()
         elapsed = summary.last - summary.first
         jiffies = window.machine
@@ -285,7 +176,7 @@ class Run:
                      **{key: value for key, value in asdict(summary).items()
                         if key not in ("first", "last")})
         if server.zk is not None:
-            entry.update(self.transactions(server, zxid, claims, total))
+            entry.update(self.transactions(server, before, total))
         log(f"{server.name}: {label}: {entry['rate']:,.0f} tasks/s, "
             f"{entry['cpu_ms_per_task']:.2f} ms CPU per task ("
             + ", ".join(f"{name} {ms:.2f}"
@@ -321,27 +212,18 @@ class Run:
             time.sleep(POLL)
 
     @staticmethod
-    def transactions(server: Server, zxid: int, claims: list[str], total: int
-                     ) -> dict[str, Any]:
-        """Failed ZooKeeper transactions over the workers' lifetime: the server's log
-        and, while the transport keeps them, the workers' claim counts."""
+    def transactions(server: Server, before: int, total: int) -> dict[str, Any]:
+        """ZooKeeper's transactions over the workers' lifetime, the failed ones
+        (conflicts) too, read from the server's log."""
         assert server.zk is not None
-        counts = txnlog.count(server.zk.data_dir, zxid, server.zxid())
-        out: dict[str, Any] = {"server_txns": {**asdict(counts), "failed": counts.failed},
-                               "failed_per_message": counts.failed / total,
-                               "txns_per_message": counts.transactions / total}
-        found = [json.load(open(path, encoding="utf-8")) for path in claims
-                 if os.path.exists(path)]
-        if found:
-            client = {key: sum(c[key] for c in found) for key in found[0]}
-            out.update(client_claims=client, conflicts_per_message=client["conflicts"] / total)
-        return out
+        counts = txnlog.count(server.zk.data_dir, before, zxid(server))
+        return {"server_txns": {**asdict(counts), "failed": counts.failed},
+                "failed_per_message": counts.failed / total,
+                "txns_per_message": counts.transactions / total}
 
     def latency(self, server: Server) -> dict[str, Any]:
-        """``shapes.py``'s measurement, idle and loaded, on this server."""
-        import shapes  # a script: imported only for this part
-        broker = shapes.Broker(server.name, server.url, server.backend, self.procs,
-                               self.work_dir, self.args)
+        """:mod:`common.latency`'s shapes, idle and loaded, on this server."""
+        probe = Latency(server.name, server.url, server.backend, self.procs, self.work_dir)
         out: dict[str, Any] = {}
         for rate, label in ((0.0, "idle"), (self.args.load, "loaded")):
             log(f"{server.name}: latency, {label}")
@@ -351,7 +233,7 @@ class Run:
             window = CpuWindow({"run": run_pids([os.getpgid(pid) for pid in server.pids],
                                                 [*server.pids, os.getpid()])})
             window.start()
-            for shape, figures in broker.latency(self.args.samples, rate).items():
+            for shape, figures in probe.measure(self.args.samples, rate).items():
                 out[f"{shape} {label}"] = figures
             window.stop()
             out["machine " + label].update(window.report(f"{server.name} latency {label}"))
@@ -379,7 +261,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the work dir")
     add_server_options(parser)
-    add_zk_option(parser)
     args = parser.parse_args(argv)
     quick = args.quick
     args.ks = [int(k) for k in (args.ks or ("1,4" if quick else "1,4,16")).split(",")]
@@ -387,22 +268,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # 1.5 s, and a host's stall of 100-200 ms moved its rate by a tenth.
     args.tasks = args.tasks or (600 if quick else 20000)
     args.single_tasks = args.single_tasks or (300 if quick else 10000)
-    args.pools = [p for p in args.pools.split(",") if p]
-    unknown = set(args.pools) - {pool for pool, _ in SINGLE}
-    if unknown:
-        parser.error(f"--pools: unknown {', '.join(sorted(unknown))}; "
-                     f"choose from {', '.join(pool for pool, _ in SINGLE)}")
+    args.pools = choose(parser, args.pools, [pool for pool, _ in SINGLE])
     args.samples = args.samples or (20 if quick else 200)
     if quick:   # checks the parts, measures nothing
         args.zk_warm_up = min(args.zk_warm_up, 2.0)
     if args.rounds < 1:
         parser.error(f"--rounds must be 1 or more (got {args.rounds})")
-    args.brokers = [b for b in args.brokers.split(",") if b]
-    args.only = [p for p in args.only.split(",") if p]
-    for value, known in ((args.brokers, BROKERS), (args.only, PARTS)):
-        for item in value:
-            if item not in known:
-                parser.error(f"unknown {item!r}: choose from {', '.join(known)}")
+    args.brokers = choose(parser, args.brokers, BROKERS)
+    args.only = choose(parser, args.only, PARTS)
     return args
 
 
@@ -414,13 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     if info["loadavg1_at_start"] > QUIET:
         log(f"WARNING: load average {info['loadavg1_at_start']:.2f} before the run: "
             "is something else running?")
-    work_dir = tempfile.mkdtemp(prefix="celery-zk-workers-")
-    if args.rounds > 1:
-        os.chmod(work_dir, 0o755)   # user rabbitmq reaches each round's dir through it
     rounds: list[dict[str, dict[str, Any]]] = []
-    run = Run(args, work_dir)
-    stops: list[Callable[[], None]] = []
-    try:
+    with bench_run("celery-zk-workers-", args.keep) as (procs, work_dir, stops):
+        if args.rounds > 1:
+            os.chmod(work_dir, 0o755)   # user rabbitmq reaches each round's dir through it
+        run = Run(args, work_dir, procs)
         for number in range(args.rounds):
             order = args.brokers if number % 2 == 0 else args.brokers[::-1]
             if args.rounds > 1:   # a server's files are made anew each round
@@ -432,14 +303,6 @@ def main(argv: list[str] | None = None) -> int:
                 run.broker(name, stops)
             # Reported in the brokers' order, whatever order the round ran them in.
             rounds.append({name: run.results[name] for name in args.brokers})
-    finally:
-        run.procs.stop_all()
-        for stop in reversed(stops):
-            stop()
-        if args.keep:
-            log(f"work dir kept: {work_dir}")
-        else:
-            shutil.rmtree(work_dir, ignore_errors=True)
     results = rounds[0] if len(rounds) == 1 else median_of(rounds)
     print(render(results, info, args, rounds))
     if args.json:

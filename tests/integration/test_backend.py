@@ -267,7 +267,7 @@ def test_a_burst_right_after_start_makes_the_shard_directories_once(
     worker(concurrency=pool)
     sys.path.insert(0, str(ROOT / "benchmarks"))   # as test_bench_workers
     try:
-        import txnlog
+        from common import txnlog
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     host, port = zookeeper_server.host, zookeeper_server.port

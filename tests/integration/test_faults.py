@@ -588,7 +588,7 @@ def test_result_backend_always_retry_rides_out_an_outage(
         app.close()
 
 
-# -- found by the nemesis (benchmarks/nemesis.py, docs/nemesis.md) ------------------
+# -- found by the nemesis (benchmarks/nemesis, docs/nemesis.md) ---------------------
 @pytest.mark.slow
 def test_a_worker_restarted_under_its_name_hears_broadcasts_after_the_old_session_ends(
         zookeeper_server: Any, zk_chroot: str, start_worker: Any, task_log: Path) -> None:

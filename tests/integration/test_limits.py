@@ -23,9 +23,9 @@ TIMED = "proj.app.timed"
 
 
 def _load_spans() -> Any:
-    """benchmarks/spans.py, which benchmarks/limits.py counts with too (by path:
-    benchmarks/ is not a package)."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "spans.py"
+    """benchmarks/common/spans.py, which benchmarks/limits.py counts with too (by
+    path: it needs nothing else of benchmarks/)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "common" / "spans.py"
     spec = importlib.util.spec_from_file_location("celery_zk_bench_spans", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -1,6 +1,6 @@
 """The nemesis's short mode: every fault kind once on a real ensemble, nothing lost.
 
-Runs ``benchmarks/nemesis.py --short`` (2-4 minutes: network namespaces, a
+Runs ``benchmarks/nemesis --short`` (2-4 minutes: network namespaces, a
 three-member ensemble, three ``celery worker`` hosts, a steady publisher;
 see docs/nemesis.md) and asserts what its checker found. Needs root, for the
 namespaces.
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-NEMESIS = ROOT / "benchmarks" / "nemesis.py"
+NEMESIS = ROOT / "benchmarks" / "nemesis"   # a package, run as a directory
 SEED = int(os.environ.get("CELERY_ZK_NEMESIS_SEED", "27"))
 #: Before pytest's own timeout (below), so a hung run's output is shown.
 RUN_TIMEOUT = 600

@@ -1,4 +1,6 @@
-"""workers.py's pure parts: the cross-process tally and the options."""
+"""The benchmarks' pure parts: the cross-process tally, percentiles, verdicts and
+workers.py's options and report. The benchmarks themselves are run by hand
+(benchmarks/README.md), never as tests."""
 from __future__ import annotations
 
 import multiprocessing
@@ -13,6 +15,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 @pytest.fixture
 def benchmarks() -> Iterator[None]:
+    """benchmarks/ on sys.path: it is the import root of its scripts and packages."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
         yield
@@ -21,13 +24,13 @@ def benchmarks() -> Iterator[None]:
 
 
 def _run(path: str, indexes: list[int]) -> None:
-    from tally import record
+    from common.tally import record
     for index in indexes:
         record(path, index)
 
 
 def test_tally_counts_tasks_of_many_processes(benchmarks: None, tmp_path: Path) -> None:
-    from tally import Tally
+    from common.tally import Tally
     tally = Tally(str(tmp_path / "t"), 10)
     assert not tally.started() and not tally.done()
     ctx = multiprocessing.get_context("fork")   # as a prefork pool makes its children
@@ -47,7 +50,7 @@ def test_tally_counts_tasks_of_many_processes(benchmarks: None, tmp_path: Path) 
 
 
 def test_tally_is_not_done_until_every_index_ran(benchmarks: None, tmp_path: Path) -> None:
-    from tally import Tally
+    from common.tally import Tally
     tally = Tally(str(tmp_path / "t"), 3)
     proc = multiprocessing.get_context("fork").Process(target=_run, args=(tally.path, [0, 2]))
     proc.start()
@@ -73,7 +76,7 @@ def test_workers_options(benchmarks: None) -> None:
 
 def test_workers_rounds_report_medians_and_each_rounds_own_ratio(benchmarks: None) -> None:
     import workers
-    from workers_report import median_of, render, round_targets
+    from common.report import median_of, render, round_targets
 
     assert workers.parse_args(["--rounds", "3"]).rounds == 3
     with pytest.raises(SystemExit):
@@ -101,3 +104,21 @@ def test_workers_rounds_report_medians_and_each_rounds_own_ratio(benchmarks: Non
     args = workers.parse_args(["--ks", "4", "--rounds", "3", "--only", "scaling"])
     text = render(merged, {"nproc": 2}, args, rounds)
     assert "the median of 3 rounds" in text and "rounds' own ratios" in text
+
+
+def test_percentile_nearest_rank(benchmarks: None) -> None:
+    from common.figures import percentile
+    values = [float(v) for v in range(1, 201)]
+    assert percentile(values, 50) == 100.0
+    assert percentile(values, 99) == 198.0
+    assert percentile([7.0], 99) == 7.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_verdict_bounds_are_inclusive(benchmarks: None) -> None:
+    from common.report import verdict
+    assert verdict(2.0, "<=", 2.0) == "PASS"
+    assert verdict(2.01, "<=", 2.0) == "MISS"
+    assert verdict(1.0, ">=", 1.0) == "PASS"
+    assert verdict(0.99, ">=", 1.0) == "MISS"

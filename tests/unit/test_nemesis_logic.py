@@ -18,14 +18,11 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 @pytest.fixture(scope="module")
 def nemesis() -> Iterator[dict[str, ModuleType]]:
-    sys.path.insert(0, str(BENCHMARKS))
+    sys.path.insert(0, str(BENCHMARKS))   # the import root of the nemesis package
     try:
-        import nemesis_checker
-        import nemesis_history
-        import nemesis_recovery
-        import nemesis_schedule
-        yield {"checker": nemesis_checker, "history": nemesis_history,
-               "recovery": nemesis_recovery, "schedule": nemesis_schedule}
+        from nemesis import checker, history, recovery, schedule
+        yield {"checker": checker, "history": history, "recovery": recovery,
+               "schedule": schedule}
     finally:
         sys.path.remove(str(BENCHMARKS))
 
@@ -83,9 +80,9 @@ def test_a_journal_keeps_whole_lines_only(nemesis: dict[str, ModuleType],
 
 def test_a_requeued_message_is_the_same_message(nemesis: dict[str, ModuleType]) -> None:
     identity = nemesis["checker"].message_identity
-    first = identity("c18eb3c2e983aa0f428aabf68~m8-0000000000-2618ea8b75ad4d22-0000000004")
-    again = identity("c18eb3c2f5ca2b78b12cb5393~m8-0000000000-2618ea8b75ad4d22-r0000000004")
-    other = identity("c18eb3c2f5ca2b78b12cb5393~m8-0000000000-3618ea8b75ad4d22-0000000004")
+    first = identity("n8-0000000000-2618ea8b75ad4d22-0000000004")
+    again = identity("n8-0000000000-2618ea8b75ad4d22-r0000000004")
+    other = identity("n8-0000000000-3618ea8b75ad4d22-0000000004")
     assert first == again != other
 
 
@@ -96,9 +93,9 @@ def _execution(task_id: str, host: str, t: float, tag: str, redelivered: bool = 
     return [start, {**start, "e": "end", "t": t + 0.01}] if end else [start]
 
 
-TAG = "c1~m9-0000000000-aaaa-0000000001"
-REQUEUED = "c2~m9-0000000000-aaaa-r0000000001"
-SECOND = "c2~m9-0000000000-bbbb-0000000002"
+TAG = "n9-0000000000-aaaa-0000000001"
+REQUEUED = "n9-0000000000-aaaa-r0000000001"
+SECOND = "n9-0000000000-bbbb-0000000002"
 
 
 def _check(nemesis: dict[str, ModuleType], publisher: list[dict[str, Any]],
@@ -182,7 +179,7 @@ def test_a_chord_body_runs_after_its_parts(nemesis: dict[str, ModuleType]) -> No
     publisher = [{"e": "publish", "kind": "chord", "id": "body", "seq": 1, "t": 1.0,
                   "parts": ["p1", "p2"], "group": "g"}]
     executions = (_execution("p1", "w1", 2, TAG) + _execution("p2", "w2", 5, SECOND)
-                  + _execution("body", "w1", 3, "c1~m9-0000000000-cccc-0000000003"))
+                  + _execution("body", "w1", 3, "n9-0000000000-cccc-0000000003"))
     report = _check(nemesis, publisher, executions)
     assert report["chords"]["count"] == 1
     assert "ran before parts ['p2']" in report["chords"]["violations"][0]["why"]

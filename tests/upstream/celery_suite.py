@@ -83,8 +83,9 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     junit = args.junit or work / "junit.xml"
     started = time.monotonic()
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from common import Processes, RedisServer  # the benchmarks' launcher, stopped by pid
+    sys.path.insert(0, str(ROOT / "benchmarks"))   # the benchmarks' import root
+    from common.processes import Processes  # the benchmarks' launcher, stopped by pid
+    from common.servers import RedisServer
 
     procs = Processes()
     try:

@@ -1,0 +1,76 @@
+"""The numbers a run prints: log lines, nearest-rank percentiles, samples, rates, tables."""
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def log(msg: str, tag: str = "bench") -> None:
+    print(f"[{tag} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def percentile(values: list[float], pct: float) -> float:
+    """Nearest-rank percentile (p99 of 200 samples is the 198th smallest)."""
+    if not values:
+        raise ValueError("no samples")
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * pct // 100))  # ceil
+    return ordered[int(rank) - 1]
+
+
+def table(rows: list[list[str]]) -> list[str]:
+    """Aligned columns, a rule under the first row; the first column left-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w)
+                       for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def write_json(path: str, data: Any) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2)
+
+
+def pause() -> None:
+    """20-50 ms between latency samples, so the receiving side is idle each time."""
+    time.sleep(random.uniform(0.020, 0.050))
+
+
+def sample(once: Callable[[], float], samples: int, warm_up: int = 5) -> list[float]:
+    """Milliseconds of ``samples`` calls after ``warm_up`` uncounted ones (connections,
+    queue declarations), each followed by a pause."""
+    for _ in range(warm_up):
+        once()
+        pause()
+    values = []
+    for _ in range(samples):
+        values.append(once() * 1000)
+        pause()
+    return values
+
+
+def threaded_rate(call: Callable[[int], object], total: int, threads: int,
+                  then: Callable[[], None] | None = None) -> float:
+    """Calls per second: ``threads`` threads at once, each calling ``call(index)`` for
+    ``index`` in ``range(total // threads)``; the clock runs from the first start until
+    every thread has returned and ``then`` (if given) has too."""
+    per = total // threads
+
+    def run() -> None:
+        for index in range(per):
+            call(index)
+
+    pool = [threading.Thread(target=run) for _ in range(threads)]
+    t0 = time.perf_counter()
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    if then is not None:
+        then()
+    return per * threads / (time.perf_counter() - t0)

@@ -1,0 +1,299 @@
+"""The measured servers: ZooKeeper as users run it, ``redis-server`` and a private RabbitMQ node.
+
+Each on free ports, started by :func:`start_server` (one, for scripts that
+run the brokers back to back) or :func:`start_servers` (all at once), each
+with its stop on a list the caller unwinds, also after an error or Ctrl-C.
+zk is ZooKeeper's defaults with production JVM flags and ``forceSync``,
+warmed up first (:func:`warm_up_zookeeper`, then a worker under the steady
+load: :func:`common.load.warm_up_with_load`); Redis runs without persistence,
+or with ``redis-aof`` every write synced; RabbitMQ is Debian's
+``rabbitmq-server`` in the foreground, durable queues as Celery declares them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from celery_zk.server import SERVER_JVM_FLAGS, ZooKeeperServer, four_letter_word, free_ports
+
+from .figures import log
+from .processes import Processes, tail
+
+REDIS_SERVER = "/usr/bin/redis-server"
+WARM_UP_SECONDS = 3.0
+
+
+def add_server_options(parser: argparse.ArgumentParser) -> None:
+    """The measured ZooKeeper's settings, and a celery_zk option for its URLs."""
+    parser.add_argument("--zk-force-sync", choices=("yes", "no"), default="yes",
+                        help="ZooKeeper's forceSync (fsync every write; default yes)")
+    parser.add_argument("--zk-warm-up", type=float, default=30.0, metavar="SECONDS",
+                        help="before measuring zk, run a worker under a steady load for "
+                             "this long: the server's JIT compiles its request path "
+                             "meanwhile, as a server running for days has (default 30)")
+    parser.add_argument("--zk-jvm-flag", action="append", default=[], metavar="FLAG",
+                        help="extra JVM flag for the ZooKeeper server, repeatable, e.g. "
+                             "-Dzookeeper.commitProcessor.numWorkerThreads=0")
+    parser.add_argument("--zk-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="celery_zk option for the zk broker and backend URLs, "
+                             "repeatable, e.g. handoff=false")
+
+
+def choose(parser: argparse.ArgumentParser, value: str, known: Sequence[str]) -> list[str]:
+    """The comma-separated names in ``value`` (``--brokers``, ``--only``), each one of
+    ``known``: else the parser's usage error."""
+    names = [name for name in value.split(",") if name]
+    for name in names:
+        if name not in known:
+            parser.error(f"unknown {name!r}: choose from {', '.join(known)}")
+    return names
+
+
+def measured_server(args: argparse.Namespace) -> ZooKeeperServer:
+    """A production-like server: full JIT, default GC, ZooKeeper's default tickTime."""
+    return ZooKeeperServer(extra_config={"forceSync": args.zk_force_sync},
+                           jvm_flags=(*SERVER_JVM_FLAGS, *args.zk_jvm_flag), tick_time=2000)
+
+
+def warm_up_zookeeper(hosts: str) -> None:
+    """A few seconds of the writes and reads the brokers do, so the JVM has loaded
+    its request path before the first measurement."""
+    from kazoo.client import KazooClient
+    log(f"warming up ZooKeeper for {WARM_UP_SECONDS:.0f}s")
+    client = KazooClient(hosts)
+    client.start()
+    try:
+        client.ensure_path("/bench-warm-up/owned")
+        deadline = time.monotonic() + WARM_UP_SECONDS
+        while time.monotonic() < deadline:
+            paths = [r.get() for r in [client.create_async("/bench-warm-up/m-", b"x" * 1000,
+                                                           sequence=True) for _ in range(50)]]
+            client.get_children("/bench-warm-up")
+            for path in paths:
+                txn = client.transaction()
+                txn.delete(path)
+                txn.create("/bench-warm-up/owned/" + path.rpartition("/")[2], b"x" * 1000)
+                txn.commit()
+        client.delete("/bench-warm-up", recursive=True)
+    finally:
+        client.stop()
+        client.close()
+
+
+def close_sessions(hosts: str) -> None:
+    """End this process's celery_zk sessions on ``hosts`` before their server stops:
+    kombu's pools keep connections for the life of the process, whose sessions
+    would retry against a stopped server."""
+    try:   # not a public name: the only one of celery_zk's internals named here
+        from celery_zk.zk.session import close_all
+    except ImportError:   # a checkout without it (the scripts measure other checkouts)
+        return
+    close_all(hosts)
+
+
+class RedisServer:
+    """``redis-server`` on a free port: no persistence (as most users run it), or with
+    ``durable`` an append-only file synced on every write (``appendfsync always``)."""
+
+    def __init__(self, procs: Processes, work_dir: str, durable: bool = False) -> None:
+        self.procs = procs
+        self.port = free_ports(1)[0]
+        self.durable = durable
+        self.dir = os.path.join(work_dir, f"redis-{self.port}")
+        self.log_path = os.path.join(work_dir, f"redis-{self.port}.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def start(self) -> RedisServer:
+        persistence = (["--appendonly", "yes", "--appendfsync", "always"] if self.durable
+                       else ["--appendonly", "no"])
+        os.makedirs(self.dir, exist_ok=True)
+        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
+                "--save", "", *persistence, "--daemonize", "no"]
+        self.proc = self.procs.spawn(args, self.log_path)
+        import redis
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                redis.Redis(port=self.port, socket_timeout=1).ping()
+                return self
+            except redis.RedisError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"redis-server did not start:\n{tail(self.log_path)}") from None
+                time.sleep(0.05)
+
+    def version(self) -> str:
+        import redis
+        return str(redis.Redis(port=self.port).info("server")["redis_version"])
+
+
+class RabbitServer:
+    """A private RabbitMQ node in the foreground (Debian's wrapper runs it as user
+    rabbitmq, so its directories are that user's)."""
+
+    def __init__(self, procs: Processes, work_dir: str) -> None:
+        if shutil.which("rabbitmq-server") is None:
+            raise RuntimeError("rabbitmq-server not found: install Debian's package "
+                               "(apt-get install rabbitmq-server), or leave rabbitmq out "
+                               "with --brokers")
+        self.procs = procs
+        self.port, dist = free_ports(2)
+        self.node = f"scale{self.port}@localhost"
+        self.base = os.path.join(work_dir, "rabbitmq")
+        os.chmod(work_dir, 0o755)   # mkdtemp's 0700 would keep user rabbitmq out
+        os.makedirs(os.path.join(self.base, "log"))
+        open(os.path.join(self.base, "enabled_plugins"), "w").write("[].")
+        shutil.chown(self.base, "rabbitmq", "rabbitmq")
+        for name in os.listdir(self.base):
+            shutil.chown(os.path.join(self.base, name), "rabbitmq", "rabbitmq")
+        self.env = dict(os.environ, RABBITMQ_NODE_PORT=str(self.port),
+                        RABBITMQ_NODENAME=self.node, RABBITMQ_DIST_PORT=str(dist),
+                        RABBITMQ_MNESIA_BASE=os.path.join(self.base, "mnesia"),
+                        RABBITMQ_LOG_BASE=os.path.join(self.base, "log"),
+                        RABBITMQ_ENABLED_PLUGINS_FILE=os.path.join(self.base, "enabled_plugins"),
+                        RABBITMQ_FEATURE_FLAGS_FILE=os.path.join(self.base, "feature_flags"))
+        self.out = os.path.join(work_dir, "rabbitmq.out")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.beam = 0   # the node's OS pid
+        self.epmd_before: set[int] = set()
+
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+
+    def ctl(self, *args: str, timeout: float = 60) -> str:
+        return subprocess.run(["rabbitmqctl", "-n", self.node, *args], env=self.env,
+                              capture_output=True, text=True, timeout=timeout).stdout
+
+    def start(self) -> RabbitServer:
+        self.epmd_before = epmd_pids()
+        self.proc = self.procs.spawn(["rabbitmq-server"], self.out, self.env)
+        deadline = time.monotonic() + 120
+        while True:   # await_startup fails at once until the node is known to epmd
+            result = subprocess.run(["rabbitmqctl", "-n", self.node, "await_startup",
+                                     "--timeout", "10"], env=self.env, capture_output=True,
+                                    text=True)
+            if result.returncode == 0:
+                self.beam = int(self.ctl("eval", "os:getpid().").strip().strip('"'))
+                return self
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"RabbitMQ did not start:\n{tail(self.out)}\n"
+                                   f"{result.stdout}{result.stderr}")
+            time.sleep(1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            subprocess.run(["rabbitmqctl", "-n", self.node, "stop"], env=self.env,
+                           capture_output=True, timeout=60)
+            self.procs.stop(self.proc)
+        if self.beam:   # su runs the node in a session of its own: wait for it by pid
+            deadline = time.monotonic() + 30
+            while os.path.exists(f"/proc/{self.beam}") and time.monotonic() < deadline:
+                time.sleep(0.2)
+            try:
+                os.kill(self.beam, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.beam = 0
+        # The node starts epmd for the whole host (a daemon: not our child): stop
+        # the ones that were not running before we started, by pid.
+        for pid in epmd_pids() - self.epmd_before:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def version(self) -> str:
+        return self.ctl("version").strip()
+
+    def memory(self) -> int:
+        """Bytes the node uses (its own total, as `rabbitmqctl status` reports)."""
+        out = self.ctl("eval", "erlang:memory(total).")
+        return int(out.strip().rstrip("."))
+
+
+def epmd_pids() -> set[int]:
+    found = subprocess.run(["pgrep", "-x", "epmd"], capture_output=True, text=True).stdout
+    return {int(pid) for pid in found.split()}
+
+
+@dataclass
+class Server:
+    """A broker's server, started: the URLs its clients use and how it stops."""
+
+    name: str
+    url: str
+    backend: str   # the broker's own kind of result backend (RabbitMQ: rpc://)
+    version: str
+    stop: Callable[[], None]
+    pids: list[int]   # the server's processes (their process groups count as the server)
+    zk: ZooKeeperServer | None = None
+
+
+def start_server(name: str, args: argparse.Namespace, procs: Processes, work_dir: str,
+                 stops: list[Callable[[], None]], root: str) -> Server:
+    """``name``'s server (``zk``, ``redis``, ``redis-aof`` or ``rabbitmq``), its stop
+    pushed on ``stops`` first (so it is stopped even if it fails to start); zk's
+    URLs under ``/{root}``, with ``--zk-option``."""
+    if name == "zk":
+        from .load import warm_up_with_load
+
+        zk = measured_server(args)
+
+        def stop_zk() -> None:
+            close_sessions(zk.hosts)
+            zk.close()
+        stops.append(stop_zk)
+        zk.start()
+        warm_up_zookeeper(zk.hosts)
+        query = "?" + "&".join(args.zk_option) if args.zk_option else ""
+        warm_up_with_load(procs, work_dir, f"{zk.url}/warm-up{query}", args.zk_warm_up)
+        srvr = four_letter_word(zk.host, zk.port or 0, "srvr").splitlines()[0]
+        return Server(name, f"{zk.url}/{root}{query}", f"{zk.url}/{root}-results{query}",
+                      srvr, stop_zk, [zk.pid or 0], zk)
+    if name in ("redis", "redis-aof"):
+        redis = RedisServer(procs, work_dir, durable=name == "redis-aof")
+
+        def stop_redis() -> None:
+            if redis.proc in procs.procs:
+                procs.stop_and_remove(redis.proc)
+        stops.append(stop_redis)
+        redis.start()
+        assert redis.proc is not None
+        return Server(name, redis.url(0), redis.url(1), f"Redis {redis.version()}",
+                      stop_redis, [redis.proc.pid])
+    if name != "rabbitmq":
+        raise ValueError(f"unknown broker {name!r}")
+    rabbit = RabbitServer(procs, work_dir)
+    stops.append(rabbit.stop)
+    log("starting RabbitMQ")
+    rabbit.start()
+    assert rabbit.proc is not None
+    return Server(name, rabbit.url(), "rpc://", f"RabbitMQ {rabbit.version()}", rabbit.stop,
+                  [rabbit.proc.pid, rabbit.beam])
+
+
+def start_servers(args: argparse.Namespace, procs: Processes, work_dir: str,
+                  stops: list[Callable[[], None]], root: str) -> dict[str, Server]:
+    """Every server of ``args.brokers`` at once (:func:`start_server`)."""
+    return {name: start_server(name, args, procs, work_dir, stops, root)
+            for name in args.brokers}
+
+
+def heap_used(pid: int) -> int:
+    """A JVM's live heap after a full GC, bytes (jcmd)."""
+    subprocess.run(["jcmd", str(pid), "GC.run"], capture_output=True, timeout=120)
+    out = subprocess.run(["jcmd", str(pid), "GC.heap_info"], capture_output=True,
+                         text=True, timeout=60).stdout
+    for line in out.splitlines():
+        if " used " in line and "total" in line:
+            return int(line.split(" used ")[1].split("K")[0]) * 1024
+    raise RuntimeError(f"no heap figure in: {out!r}")

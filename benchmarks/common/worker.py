@@ -1,0 +1,115 @@
+"""``celery -A common.app worker`` processes: started, awaited, stopped, or run for one drain.
+
+Every worker the scripts start is a real ``celery worker`` (``--without-mingle
+--without-gossip --without-heartbeat``, loglevel WARNING) running
+:mod:`common.app`, told its broker and its files by the environment.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from .processes import Processes, child_env, tail
+
+
+def announce_ready(variable: str) -> None:
+    """Once this process's worker consumes (``worker_ready``), write its pid to the
+    file the environment ``variable`` names: at loglevel WARNING a worker prints no
+    "ready." line to wait for."""
+    from celery.signals import worker_ready
+
+    def write(**_: Any) -> None:
+        path = os.environ.get(variable)
+        if path:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(str(os.getpid()))
+    worker_ready.connect(write, weak=False)
+
+
+def spawn_worker(procs: Processes, work_dir: str, name: str, broker: str, queue: str,
+                 backend: str | None = None, env: dict[str, str] | None = None,
+                 pool: str = "threads", concurrency: int = 4,
+                 wait: bool = True) -> subprocess.Popen[bytes]:
+    """Start ``celery -A common.app worker`` on ``queue`` (output in ``{name}.out``);
+    with ``wait``, return once it consumes (common.app's ready file)."""
+    ready = os.path.join(work_dir, f"{name}.ready")
+    out = os.path.join(work_dir, f"{name}.out")
+    args = [sys.executable, "-m", "celery", "-A", "common.app", "worker",
+            f"--pool={pool}", "-c", str(concurrency), "--loglevel=WARNING",
+            f"--hostname={name}@%h", "-Q", queue,
+            "--without-mingle", "--without-gossip", "--without-heartbeat"]
+    proc = procs.spawn(args, out, child_env({"BENCH_BROKER": broker,
+                                             "BENCH_BACKEND": backend or "",
+                                             "BENCH_READY_FILE": ready, **(env or {})}))
+    if wait:
+        try:
+            await_ready(work_dir, [proc], [name])
+        except RuntimeError:
+            procs.stop_and_remove(proc)
+            raise
+    return proc
+
+
+def await_ready(work_dir: str, workers: list[subprocess.Popen[bytes]], names: list[str]
+                ) -> None:
+    """Wait until each of ``workers`` (``spawn_worker(..., wait=False)``, named
+    ``names``) consumes; RuntimeError with its output if one exits or is late."""
+    deadline = time.monotonic() + 60 + 15 * len(workers)
+    for proc, name in zip(workers, names):
+        while not os.path.exists(os.path.join(work_dir, f"{name}.ready")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"worker {name} did not become ready (exit "
+                                   f"{proc.poll()}):\n"
+                                   f"{tail(os.path.join(work_dir, name + '.out'))}")
+            time.sleep(0.05)
+
+
+class Workers:
+    """The ``celery -A common.app worker`` processes of one run, named ``{prefix}{n}``,
+    each running for one ``with`` block."""
+
+    def __init__(self, procs: Processes, work_dir: str, prefix: str = "bench") -> None:
+        self.procs, self.work_dir, self.prefix = procs, work_dir, prefix
+        self.started = 0
+
+    @contextmanager
+    def worker(self, broker: str, queue: str, backend: str | None = None,
+               env: dict[str, str] | None = None, wait: bool = True, pool: str = "threads"
+               ) -> Iterator[tuple[subprocess.Popen[bytes], float]]:
+        """A worker on ``queue``; yields (process, time.time() at spawn)."""
+        self.started += 1
+        name = f"{self.prefix}{self.started}"
+        spawned = time.time()
+        proc = spawn_worker(self.procs, self.work_dir, name, broker, queue, backend=backend,
+                            env=env, pool=pool, wait=wait)
+        try:
+            yield proc, spawned
+            if proc.poll() is not None:
+                out = os.path.join(self.work_dir, f"{name}.out")
+                raise RuntimeError(f"worker exited early ({proc.returncode}):\n{tail(out)}")
+        finally:
+            self.procs.stop_and_remove(proc)
+
+    def drain(self, broker: str, queue: str, total: int, timeout: float, label: str,
+              poll: float = 0.02) -> tuple[dict[str, Any], float]:
+        """A worker started on ``queue`` runs ``total`` distinct ``bench.drain`` tasks
+        (a backlog already there, or arriving); returns common.app's report (first,
+        last, elapsed, distinct, executions) and time.time() at the worker's spawn."""
+        done = os.path.join(self.work_dir, f"{self.prefix}{self.started + 1}.drain.json")
+        env = {"BENCH_DRAIN_TOTAL": str(total), "BENCH_DRAIN_FILE": done}
+        with self.worker(broker, queue, env=env, wait=False) as (proc, spawned):
+            deadline = time.monotonic() + timeout
+            while not os.path.exists(done):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{label}: drain worker exited ({proc.returncode})")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{label}: {total} tasks not drained in {timeout:.0f}s")
+                time.sleep(poll)
+        with open(done, encoding="utf-8") as fh:
+            return json.load(fh), spawned

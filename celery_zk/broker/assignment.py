@@ -43,7 +43,7 @@ ASSIGN_OPS = 1000
 
 @dataclass
 class ClaimCounts:
-    """What this process's assignments cost (for benchmarks and monitoring)."""
+    """What this process's assignments cost (for tests and diagnostics)."""
 
     transactions: int = 0   # assignment and claim multis sent
     conflicts: int = 0      # of those, refused (a consumer or a message gone meanwhile)

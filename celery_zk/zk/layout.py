@@ -47,7 +47,7 @@ def _queue_dir(root: str, queue: str, *below: str) -> str:
     """``{root}/queues/{escaped queue}[/below...]``: cached, since a message's
     paths (its body, its inbox entry, its bucket) are built a few times per
     delivery from these few directories (9% of a prefork parent's Python time
-    before it was, in a drain; benchmarks/README.md)."""
+    before it was, in a drain)."""
     return join(root, "queues", escape(queue), *below)
 
 

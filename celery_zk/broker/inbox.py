@@ -55,6 +55,7 @@ __all__ = ["Inbox"]
 
 logger = logging.getLogger(__name__)
 
+
 class Inbox:
     """One connection's inbox on one queue, shared by its channels."""
 

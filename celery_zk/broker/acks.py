@@ -167,6 +167,19 @@ class Acks:
         """How many acks of messages in ``inbox`` (a path) are held back."""
         return self._held_in.get(inbox, 0)
 
+    def running_low(self, inbox: str, waiting: int, credit: int) -> None:
+        """``inbox`` (a path) has ``waiting`` messages to deliver of ``credit``:
+        when it runs low and what the dispatcher counts in it is above half its
+        credit only because of acks held back, they go now, not in ACK_HOLD.
+        The dispatcher refills the inbox only once it sees them, so the refill
+        overlaps what is left instead of following it. Only then: an inbox
+        that never fills (a worker's remote-control queue, looked at on every
+        turn of its event loop; a trickle handed over one message at a time)
+        sent every ack alone."""
+        half = credit // 2
+        if waiting <= half and waiting + self.holds_acks(inbox) > half:
+            self.queues.deferred.flush()
+
     def acks_landed(self, timeout: float) -> bool:
         """Wait for the acks sent on the background thread (big messages, and
         retries after a lost reply): a connection that closes deletes its

@@ -180,18 +180,8 @@ class Inbox:
         self._in_hand, self._slots = in_hand, max(1, slots)
         self._learn(consumer_id)
         self._read_bodies(limit)
-        transport = self.transport
-        waiting, half = len(self.buffer) + len(self.pending), (
-            self.member.credit or self.options.claim_batch) // 2
-        if waiting <= half and waiting + transport.acks.holds_acks(self._inbox_path()) > half:
-            # Running low, and what the dispatcher counts in our inbox is above
-            # half our credit only because of acks held back: it refills the
-            # inbox only once it sees them, so they go now, not in ACK_HOLD,
-            # and the refill overlaps what is left instead of following it.
-            # Only then: an inbox that never fills (a worker's remote-control
-            # queue, looked at on every turn of its event loop; a trickle
-            # handed over one message at a time) sent every ack alone.
-            transport.queues.deferred.flush()
+        self.transport.acks.running_low(self._inbox_path(), len(self.buffer) + len(self.pending),
+                                        self.member.credit or self.options.claim_batch)
         if self.buffer:
             return
         if self.pending:

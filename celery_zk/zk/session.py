@@ -135,7 +135,7 @@ class SharedSession:
             if self.closed:
                 raise ConnectionClosedError("celery_zk: this ZooKeeper session was closed")
             if self._client is None:
-                require_add_watch(self.settings)   # 3.6 or newer: a clear error if not
+                require_add_watch(self.settings, timeout)   # 3.6 or newer, or a clear error
                 client = make_client(self.settings, timeout)
                 client.add_listener(self._on_state)
                 self._client = client

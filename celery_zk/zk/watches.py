@@ -223,7 +223,7 @@ def watches_of(session: Any) -> TreeWatches:
     return watches
 
 
-def require_add_watch(settings: ZKSettings) -> None:
+def require_add_watch(settings: ZKSettings, timeout: float | None = None) -> None:
     """Raise :class:`~celery_zk.exceptions.ZKServerTooOld` when the ensemble's
     servers do not know ``addWatch`` (ZooKeeper before 3.6); asked once per
     process and ensemble.
@@ -233,17 +233,13 @@ def require_add_watch(settings: ZKSettings) -> None:
     still in its pipeline, then closes the connection), and kazoo, seeing the
     reply's xid out of order, gives up on the client for good. So the
     question is never asked on a shared session: a client of its own asks
-    it, and is thrown away. When it cannot be asked now (the servers are
-    away) nothing is decided: the next session asks again.
+    it, and is thrown away (``timeout``: its connect timeout; a client that
+    cannot connect raises as the session's own would). When it cannot be asked
+    for another reason nothing is decided: the next session asks again.
     """
     if settings.hosts in _known:
         return
-    try:
-        probe = make_client(settings)
-    except Exception as exc:   # the shared session will meet the same trouble
-        log_failure(logger, exc, "celery_zk: could not ask %s whether it has addWatch",
-                    settings.hosts, level=logging.DEBUG)
-        return
+    probe = make_client(settings, timeout)
     try:
         kazoo_compat.send(probe, AddWatch(PROBE_PATH, _PERSISTENT_RECURSIVE)).get(
             timeout=settings.options.connect_timeout)
@@ -254,9 +250,9 @@ def require_add_watch(settings: ZKSettings) -> None:
             f"persistent watches, ZooKeeper {NEEDED}'s addWatch). Upgrade the "
             "ensemble (3.4 and 3.5 are end of life), or stay on celery_zk 0.3, which "
             "falls back to one-shot watches.") from None
-    except Exception as exc:
-        log_failure(logger, exc, "celery_zk: could not ask %s whether it has addWatch",
-                    settings.hosts, level=logging.DEBUG)
+    except Exception:   # the same: the shared session's requests will say it
+        logger.debug("celery_zk: could not ask %s whether it has addWatch", settings.hosts,
+                     exc_info=True)
         return
     finally:
         dispose_later(probe)

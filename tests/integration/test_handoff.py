@@ -608,14 +608,14 @@ def test_handed_work_that_takes_every_slot_keeps_the_offer_for_a_moment(
     Slots still taken after BUSY_GRACE withdraw it."""
     import celery.worker.state as worker_state
 
-    import celery_zk.broker.inbox as inbox_module
+    import celery_zk.broker.offer as offer_module
     import celery_zk.compat.celery as celery_compat
 
     class Running:   # a task request in Celery's worker state (kept weakly)
         pass
 
     monkeypatch.setattr(celery_compat, "pool_slots", lambda: 2)
-    monkeypatch.setattr(inbox_module, "BUSY_GRACE", 0.5)   # long enough to look at
+    monkeypatch.setattr(offer_module, "BUSY_GRACE", 0.5)   # long enough to look at
     queue = Queue("burst", Exchange("burst", "direct"), "burst")
     got: list[Any] = []
     with Connection(zk_url) as conn, consumer(conn, queue, got), \

@@ -271,19 +271,23 @@ def test_foreign_and_undecodable_nodes_are_dead_lettered(conn: Connection, zk_ur
     producer = Producer(conn.channel())
     producer.publish({"ok": 1}, exchange=queue.exchange, routing_key="junk", declare=[queue])
     zk_client.create(layout.unowned("junk") + "/something-else", b"hello")
-    # A message name of celery_zk before buckets, flat in unowned/: read, but undecodable.
-    zk_client.create(layout.unowned("junk") + "/m0-0123456789abcdef-", b"{not json",
-                     sequence=True)
-    # Inside a bucket: a name that is not a message, and one of another bucket.
+    # Inside a bucket: a name that is not a message, one of another bucket, and
+    # a message whose body does not decode.
     bucket = first_bucket_path(zk_client, layout, "junk")
     zk_client.create(bucket + "/x-junk", b"hi")
-    zk_client.create(bucket + "/m0-0000000077-0123456789abcdef-0000000001", b"{}")
+    zk_client.create(bucket + "/n0-0000000077-0123456789abcdef-0000000001", b"")
+    broken = f"n9-0000000000-{'ab' * 8}-0000000999"
+    zk_client.create(layout.body("junk", parse_message_name(broken)), b"{not json")
+    zk_client.create(f"{bucket}/{broken}")
+    # A message stored by celery_zk before 0.2: left for `celery zk upgrade`.
+    legacy = zk_client.create(layout.unowned("junk") + "/m0-0123456789abcdef-", b"{}",
+                              sequence=True)
     producer.publish({"ok": 2}, exchange=queue.exchange, routing_key="junk")
     got = [b for b, _ in drain(conn, queue, 2)]
     assert got == [{"ok": 1}, {"ok": 2}]
     dead = zk_client.get_children(layout.dead("junk"))
-    assert sorted(n.split("-")[0] for n in dead) == ["m0", "p9", "p9", "something"], dead
-    assert waiting(zk_client, layout, "junk") == []
+    assert sorted(n.split("-")[0] for n in dead) == ["n9", "p9", "p9", "something"], dead
+    assert waiting(zk_client, layout, "junk") == [] and zk_client.exists(legacy)
 
 
 def test_oversized_message_is_refused_before_writing(zk_url: str,
@@ -358,7 +362,7 @@ def test_stored_message_is_plain_json(conn: Connection, zk_url: str,
     (name,) = waiting(zk_client, layout, "plain")
     assert name.startswith("n5-")   # the name, empty; the body is stored apart, once
     message = parse_message_name(name)
-    assert message is not None and message.body_apart
+    assert message is not None and not message.chunked
     assert zk_client.get(layout.unowned_message("plain", name))[0] == b""
     body = layout.body("plain", message)
     assert body is not None

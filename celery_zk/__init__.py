@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kombu.transport import TRANSPORT_ALIASES
 
-__version__ = "0.3.3"   # as setup.cfg says (test_package_layout checks)
+__version__ = "0.4.0"   # as setup.cfg says (test_package_layout checks)
 
 from .broker.groups import install_when_imported
 

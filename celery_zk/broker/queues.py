@@ -19,7 +19,8 @@ from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 from kazoo.protocol.states import ZnodeStat
 
-from ..zk.client import Deferred, log_failure, multi_failure, reply_or_retry
+from ..zk.background import Deferred
+from ..zk.client import log_failure, multi_failure, reply_or_retry
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
 from ..zk.names import (

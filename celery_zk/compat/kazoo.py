@@ -15,7 +15,7 @@ event none of its own watchers asked for. :mod:`celery_zk.zk.watches` and
   watcher of its own on the event's path (then it gets the event too);
 * ``ConnectionHandler._socket``: :func:`abort_connect` shuts down the socket
   of a client being stopped while it waits for a server that never answers
-  (:func:`celery_zk.zk.release.give_up`): kazoo's connect
+  (:func:`celery_zk.zk.background.give_up`): kazoo's connect
   attempt reads the server's reply for up to ``session_timeout`` s and looks
   at nothing else meanwhile, so its ``stop()`` waited that long.
 

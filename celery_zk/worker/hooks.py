@@ -17,8 +17,8 @@ from celery.signals import worker_init, worker_shutting_down
 from ..broker import transport as transport_module
 from ..compat import celery as celery_compat
 from ..features.revokes import load_into_worker
+from ..zk.background import give_up_when_cut_off
 from ..zk.process import current_pid
-from ..zk.release import give_up_when_cut_off
 from .child_gate import backend_handle, stamp, start_in_child
 from .start_gate import close_all, start_gate
 

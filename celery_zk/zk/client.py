@@ -31,7 +31,6 @@ from kazoo.security import OPEN_ACL_UNSAFE, make_digest_acl
 from ..exceptions import ZKAuthError, ZKConfigurationError, ZKConnectionError
 from .config import ZKSettings
 from .handler import PollingHandler
-from .process import current_pid
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +234,7 @@ def not_connected(client: KazooClient) -> ConnectionLoss | ConnectionClosedError
     """What a request made while ``client`` is not connected raises:
     ConnectionLoss, which kazoo's retry repeats until it is connected again,
     or ConnectionClosedError once it was stopped (given up at a shutdown, see
-    :func:`celery_zk.zk.release.give_up_when_cut_off`): no retry brings it back."""
+    :func:`celery_zk.zk.background.give_up_when_cut_off`): no retry brings it back."""
     if client.client_state == KeeperState.CLOSED:
         return ConnectionClosedError("celery_zk: this ZooKeeper client was stopped")
     return ConnectionLoss("not connected to ZooKeeper")
@@ -371,81 +370,6 @@ class RedoThread(Generic[T]):
             if thread is threading.current_thread() or left <= 0:
                 return False
             thread.join(left)
-
-
-class Deferred:
-    """Background writes held back briefly, so they do not delay the write that matters.
-
-    ZooKeeper syncs its log to disk once per batch of writes, and a write that
-    arrives while a sync is under way waits for it to finish. An ack or an
-    offer sent the moment a message is delivered starts such a sync just
-    before the task writes its reply or result, which then waits a whole
-    extra sync. Held back ``delay`` seconds (or until this process publishes,
-    see :meth:`flush`), they go after that write, or with it.
-
-    One daemon thread per instance sends them when due, started on first use
-    (and again after a fork): starting a thread per batch would cost the
-    delivering thread more than the wait saves. ``send`` callables must not
-    block: each only enqueues a request.
-    """
-
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
-        self._pending: list[Callable[[], None]] = []
-        self._due: float | None = None
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._pid = 0
-        self._closed = False
-
-    def later(self, send: Callable[[], None], delay: float | None = None) -> None:
-        """Send ``send`` within ``delay`` seconds (default: the instance's)."""
-        with self._cond:
-            self._pending.append(send)
-            due = monotonic() + (self.delay if delay is None else delay)
-            if self._due is None or due < self._due:
-                self._due = due
-                self._cond.notify()
-            if self._thread is None or self._pid != current_pid():
-                self._pid = current_pid()
-                self._closed = False
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name="celery_zk-deferred")
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while self._due is None and not self._closed:
-                    self._cond.wait()
-                if self._closed and self._due is None:
-                    return
-                assert self._due is not None
-                remaining = self._due - monotonic()
-                if remaining > 0 and not self._closed:
-                    self._cond.wait(remaining)
-                    continue
-            self.flush()
-
-    def flush(self) -> None:
-        """Send everything held back now (after a publish; before closing)."""
-        with self._cond:
-            pending, self._pending = self._pending, []
-            self._due = None
-        for send in pending:
-            try:
-                send()
-            except Exception:   # a closed client: what was held back is redone or recovered
-                logging.getLogger(__name__).debug("celery_zk: deferred write failed",
-                                                  exc_info=True)
-
-    def close(self) -> None:
-        """Send what is held back and let the thread end."""
-        self.flush()
-        with self._cond:
-            self._closed = True
-            self._thread = None
-            self._cond.notify()
 
 
 def _tls_hint(settings: ZKSettings) -> str:

@@ -23,8 +23,8 @@ A session loss (expiry) still affects every user of the process, which is the
 liveness the design relies on: each one re-creates what it owns.
 
 Ephemeral nodes several leases need are :mod:`.held`'s; what is released
-in the background (a garbage-collected handle's lease, and at a worker's
-shutdown a session cut off too long) :mod:`.release`'s.
+in the background (held-back writes, a garbage-collected handle's lease,
+and at a worker's shutdown a session cut off too long) :mod:`.background`'s.
 
 Fork safety: the registry is per process. A handle used in a child after
 ``fork()`` takes a lease on the child's own session and never touches the
@@ -44,12 +44,12 @@ from typing import Any, TypeVar
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import ConnectionClosedError, NoNodeError
 
-from .client import CONNECTION_ERRORS, Deferred, check_root, log_failure, make_client
+from .background import Deferred, release_later
+from .background import start as start_background
+from .client import CONNECTION_ERRORS, check_root, log_failure, make_client
 from .config import ZKSettings
 from .held import HeldNodes
 from .process import current_pid
-from .release import release_later
-from .release import start as start_release_thread
 from .watches import require_add_watch
 
 __all__ = ["AfterExpiry", "ClientHandle", "SharedSession", "session_key",
@@ -186,7 +186,7 @@ class SharedSession:
     def release(self, lease: _Lease, wait: bool) -> None:
         """End a lease: delete what it owned, drop its counts, and close the
         session after the last one. ``wait=False`` (a garbage-collected handle)
-        hands the work to the release thread."""
+        hands the work to the background thread."""
         if not wait:
             release_later(lease)
             return
@@ -226,7 +226,7 @@ class SharedSession:
                 callback()
             except Exception:
                 logger.exception("celery_zk: a session close hook failed")
-        self.deferred.close()
+        self.deferred.flush()
         client, self._client = self._client, None
         if client is not None and self.pid == current_pid():
             try:
@@ -377,7 +377,7 @@ def _register(settings: ZKSettings) -> SharedSession:
         if _registry_pid != current_pid():   # a new process: nothing inherited is ours
             _registry.clear()
             _registry_pid = current_pid()
-            start_release_thread(sessions)
+            start_background(sessions)
             Finalize(None, close_all, exitpriority=10)   # after unconfirmed flushes (100)
         key = session_key(settings)
         session = _registry.get(key)

@@ -460,7 +460,7 @@ def test_a_worker_shutdown_stops_drain_events_waiting(
     from celery.signals import worker_shutting_down
 
     import celery_zk.broker.transport as transport_module
-    import celery_zk.zk.release as release_module
+    import celery_zk.zk.background as release_module
 
     # The signal marks this whole process as shutting down; later tests run
     # in it too (a session cut off for 2 s would be given up: test_start_gate

@@ -15,7 +15,8 @@ from kazoo.exceptions import (
     RuntimeInconsistency,
 )
 
-from celery_zk.zk.client import Deferred, RedoThread, log_failure, multi_failure
+from celery_zk.zk.background import Deferred
+from celery_zk.zk.client import RedoThread, log_failure, multi_failure
 
 log = logging.getLogger("celery_zk.test")
 
@@ -46,7 +47,7 @@ def test_anything_else_keeps_its_traceback(caplog: pytest.LogCaptureFixture) -> 
     assert record.getMessage() == "could not ack m1"
 
 
-def test_deferred_sends_after_the_delay_in_order_on_one_thread() -> None:
+def test_deferred_sends_after_the_delay_in_order_on_the_background_thread() -> None:
     deferred = Deferred(0.05)
     sent: list[tuple[int, str]] = []
     for _batch in range(3):
@@ -59,15 +60,11 @@ def test_deferred_sends_after_the_delay_in_order_on_one_thread() -> None:
             time.sleep(0.005)
         assert time.monotonic() - start >= 0.05
         assert [n for n, _ in sent] == [0, 1, 2]
-        assert {name for _, name in sent} == {"celery_zk-deferred"}
+        assert {name for _, name in sent} == {"celery_zk-background"}
         sent.clear()
-    thread = deferred._thread   # this one's: other sessions of the process have theirs
-    assert thread is not None and thread.is_alive()
     deferred.later(lambda: sent.append((9, "")))
-    deferred.close()   # sends at once, and the thread ends
+    deferred.flush()   # sends at once
     assert sent == [(9, "")]
-    thread.join(2)
-    assert not thread.is_alive()
 
 
 def test_a_write_held_longer_goes_with_a_sooner_one() -> None:
@@ -91,7 +88,6 @@ def test_a_write_held_longer_goes_with_a_sooner_one() -> None:
     while len(sent) < 4 and time.monotonic() < deadline:
         time.sleep(0.005)
     assert sent[2:] == ["late", "soon"]
-    deferred.close()
 
 
 def test_deferred_flush_sends_now_and_survives_a_failing_send() -> None:
@@ -105,7 +101,6 @@ def test_deferred_flush_sends_now_and_survives_a_failing_send() -> None:
     deferred.later(lambda: sent.append(1))
     deferred.flush()
     assert sent == [1]
-    deferred.close()
 
 
 def test_a_redo_thread_can_be_waited_for() -> None:

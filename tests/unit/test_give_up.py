@@ -1,4 +1,4 @@
-"""celery_zk.zk.release.give_up_when_cut_off: when a shutting-down process
+"""celery_zk.zk.background.give_up_when_cut_off: when a shutting-down process
 gives a cut-off session up (the decision; the worker-level behaviour is in
 tests/integration/test_faults.py)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from kazoo.client import KazooClient
 
-from celery_zk.zk import release
+from celery_zk.zk import background as release
 from celery_zk.zk import session as sessions
 from celery_zk.zk.config import parse_url
 

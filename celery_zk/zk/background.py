@@ -1,6 +1,11 @@
-"""A process's releases in the background: the leases of handles that were
+"""The process's one background thread of ours: held-back writes sent when
+they are due (:class:`Deferred`), the leases of handles that were
 garbage-collected, and, once a worker shuts down, sessions cut off from
 ZooKeeper too long (:func:`give_up_when_cut_off`).
+
+It waits on a ``SimpleQueue``, whose ``put`` is reentrant: a finalizer (on
+any thread, kazoo's included) and a signal handler may hand it work. It is
+started with the process's first session (and again in a forked child).
 
 A worker shutting down while cut off from ZooKeeper gives its sessions up:
 kazoo holds a request made while it reconnects until it is connected again,
@@ -9,6 +14,8 @@ would wait for the outage to end.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import queue
 import threading
@@ -22,7 +29,7 @@ from ..compat import kazoo as kazoo_compat
 from .client import log_failure
 from .process import current_pid
 
-__all__ = ["give_up", "give_up_when_cut_off", "release_later", "start"]
+__all__ = ["Deferred", "give_up", "give_up_when_cut_off", "release_later", "start"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,24 +38,93 @@ logger = logging.getLogger(__name__)
 #: dropped connection to a live ensemble is made again well within it.
 SHUTDOWN_GRACE = 2.0
 
-_release_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+_WAKE = object()   # a timer was set: look at the timers again
+#: (when, order, callback) of what is due at a time (monotonic), earliest first.
+_timers: list[tuple[float, int, Callable[[], None]]] = []
+_timers_lock = threading.Lock()
+_order = itertools.count()
+_started = 0   # the pid whose thread runs
+_start_lock = threading.Lock()
+_sessions: Callable[[], list[Any]] = list
 
 
-def start(sessions: Callable[[], list[Any]]) -> None:
-    """Start this process's release thread; ``sessions()``: its open sessions."""
-    threading.Thread(target=_release_forever, args=(sessions,), name="celery_zk-release",
-                     daemon=True).start()
+def start(sessions: Callable[[], list[Any]] | None = None) -> None:
+    """Start this process's background thread unless it runs; ``sessions()``:
+    the process's open sessions (to give up at a shutdown)."""
+    global _started, _sessions
+    if sessions is not None:
+        _sessions = sessions
+    with _start_lock:
+        if _started != current_pid():
+            _started = current_pid()
+            threading.Thread(target=_run, name="celery_zk-background", daemon=True).start()
 
 
 def release_later(lease: Any) -> None:
-    """Release ``lease`` on the release thread (reentrant: safe from a weakref
+    """Release ``lease`` on the background thread (reentrant: safe from a weakref
     callback, on any thread, kazoo's included)."""
-    _release_queue.put(lease)
+    _queue.put(lease)
+
+
+def call_at(when: float, callback: Callable[[], None]) -> None:
+    """Call ``callback`` on the background thread at ``when`` (monotonic); not
+    from a finalizer or a signal handler (it takes a lock)."""
+    start()
+    with _timers_lock:
+        heapq.heappush(_timers, (when, next(_order), callback))
+    _queue.put(_WAKE)
+
+
+class Deferred:
+    """Background writes held back briefly, so they do not delay the write that matters.
+
+    ZooKeeper syncs its log to disk once per batch of writes, and a write that
+    arrives while a sync is under way waits for it to finish. An ack or an
+    offer sent the moment a message is delivered starts such a sync just
+    before the task writes its reply or result, which then waits a whole
+    extra sync. Held back ``delay`` seconds (or until this process publishes,
+    see :meth:`flush`), they go after that write, or with it, on the
+    background thread. ``send`` callables must not block: each only enqueues
+    a request.
+    """
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self._pending: list[Callable[[], None]] = []
+        self._due: float | None = None
+        self._lock = threading.Lock()
+
+    def later(self, send: Callable[[], None], delay: float | None = None) -> None:
+        """Send ``send`` within ``delay`` seconds (default: the instance's)."""
+        due = time.monotonic() + (self.delay if delay is None else delay)
+        with self._lock:
+            self._pending.append(send)
+            sooner = self._due is None or due < self._due
+            if sooner:
+                self._due = due
+        if sooner:
+            call_at(due, self._when_due)
+
+    def _when_due(self) -> None:
+        due = self._due
+        if due is not None and due <= time.monotonic():   # else flushed, or due later
+            self.flush()
+
+    def flush(self) -> None:
+        """Send everything held back now (after a publish; before closing)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._due = None
+        for send in pending:
+            try:
+                send()
+            except Exception:   # a closed client: what was held back is redone or recovered
+                logger.debug("celery_zk: deferred write failed", exc_info=True)
 
 
 #: Set (from a signal handler) once this process began to shut down.
 _shutting_down = False
-_GIVE_UP = object()   # wakes the release thread to watch for cut-off sessions
 #: While this says so, nothing is given up (see give_up_when_cut_off).
 _busy: Callable[[], bool] | None = None
 
@@ -70,34 +146,48 @@ def give_up_when_cut_off(busy: Callable[[], bool] | None = None) -> None:
     which does the same as after a kill: its ephemeral nodes go, and recovery
     gives its messages back (at-least-once).
 
-    Safe in a signal handler: it only sets a flag and wakes the release
+    Safe in a signal handler: it only sets a flag and wakes the background
     thread (``SimpleQueue.put`` is reentrant), which does the watching.
     """
     global _shutting_down, _busy
     _busy = busy
     _shutting_down = True
-    _release_queue.put(_GIVE_UP)
+    _queue.put(_WAKE)
 
 
-def _release_forever(sessions: Callable[[], list[Any]]) -> None:
-    """Releases leases whose handles were garbage-collected (their finalizers
-    may run on any thread, kazoo's included, so they only queue the lease);
+def _run() -> None:
+    """Sends what is due; releases leases whose handles were garbage-collected
+    (their finalizers may run on any thread, so they only queue the lease);
     once shutting down, also gives up sessions that stay cut off."""
     pid = current_pid()
     cut_off_since: dict[Any, float] = {}
     while True:
+        with _timers_lock:
+            wait = max(0.0, _timers[0][0] - time.monotonic()) if _timers else None
+        if _shutting_down:
+            wait = 0.1 if wait is None else min(wait, 0.1)
         try:
-            lease = _release_queue.get(timeout=0.1 if _shutting_down else None)
+            item = _queue.get(timeout=wait)
         except queue.Empty:
-            lease = None
+            item = None
         if pid != current_pid():
             return
+        now = time.monotonic()
+        with _timers_lock:
+            due = []
+            while _timers and _timers[0][0] <= now:
+                due.append(heapq.heappop(_timers)[2])
+        for callback in due:
+            try:
+                callback()
+            except Exception:   # one failure must not stop the others
+                logger.exception("celery_zk: a background call failed")
         if _shutting_down:
-            _give_up_cut_off(cut_off_since, sessions())
-        if lease is None or lease is _GIVE_UP:
+            _give_up_cut_off(cut_off_since, _sessions())
+        if item is None or item is _WAKE:
             continue
         try:
-            lease.session.release(lease, wait=True)
+            item.session.release(item, wait=True)
         except Exception as exc:
             log_failure(logger, exc, "celery_zk: releasing a dropped connection's session "
                         "share failed")

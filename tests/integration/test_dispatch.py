@@ -725,7 +725,7 @@ def test_held_acks_go_at_once_only_when_they_keep_the_inbox_from_a_refill(
 
     monkeypatch.setattr(acks, "ACK_HOLD", 60.0)   # only a flush sends them here
     work, idle = queue_of("work"), queue_of("idle")
-    # No offers: an offer is a deferred write too, and the Deferred's thread
+    # No offers: an offer is a deferred write too, and the background thread
     # sends everything held when one is due (5 ms), acks included. No
     # lookahead: the credit stays the prefetch.
     with Connection(f"{zk_url}?handoff=false&lookahead=1") as conn:

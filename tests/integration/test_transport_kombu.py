@@ -671,7 +671,7 @@ def test_a_closing_connection_sends_its_held_acks_before_it_deletes_its_node(
         zk_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Held-back acks go through the session's Deferred, whose flush takes
     what is pending under its lock and sends it outside. A flush on another
-    thread (the Deferred's own, or another connection's close) that took a
+    thread (the background one, or another connection's close) that took a
     connection's ack send and had not made it yet when that connection
     closed: the close found nothing pending, deleted its consumer node, and
     the ack, sent after, was refused by the node's check. Recovery then gave

@@ -28,6 +28,7 @@ from kazoo.protocol.states import KeeperState
 from kazoo.retry import KazooRetry, RetryFailedError
 from kazoo.security import OPEN_ACL_UNSAFE, make_digest_acl
 
+from ..compat import kazoo as kazoo_compat
 from ..exceptions import ZKAuthError, ZKConfigurationError, ZKConnectionError
 from .config import ZKSettings
 from .handler import PollingHandler
@@ -100,6 +101,7 @@ def make_client(settings: ZKSettings, connect_timeout: float | None = None) -> K
         handler=PollingHandler(silence=opts.session_timeout * 2 / 3),
         **kwargs,
     )
+    kazoo_compat.buffer_reads(client)   # many packets per recv(); kazoo's reads if it cannot
     why = _start(client, settings.hosts, timeout,
                  fail_fast=settings.hosts not in _reached)
     if why is None:

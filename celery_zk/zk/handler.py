@@ -17,6 +17,9 @@ as any other drop: it connects to the next server, the session kept.
 ``select`` is also one ``poll()`` where kazoo's own (since 2.7, to lift
 ``select()``'s limit of file descriptors) builds, uses and closes an epoll
 selector on every call: four system calls, about five times per request.
+And it knows of packets read ahead (:func:`celery_zk.compat.kazoo.buffer_reads`):
+while some wait in a buffer their socket is readable at once, or kazoo's
+loop would wait on a socket whose bytes were already taken.
 """
 from __future__ import annotations
 
@@ -36,6 +39,10 @@ _WRITE = select.POLLOUT
 #: Reported whatever was asked for: the socket is closed or failed, and the
 #: next read or write on it says how (kazoo's epoll-based select does the same).
 _TROUBLE = select.POLLERR | select.POLLHUP | select.POLLNVAL
+#: While packets wait in the read buffer, the other sockets (kazoo's wake-up
+#: for requests to send) are looked at every this many packets: a poll() per
+#: packet gave the GIL away once per watch event of a busy consumer's burst.
+HELD_PEEK = 8
 
 
 def _fd(fileobj: Any) -> int:
@@ -55,6 +62,9 @@ class PollingHandler(SequentialThreadingHandler):
         self.silence = silence
         #: (socket, when): the first write on it since the server was last heard.
         self.asked: tuple[Any, float] | None = None
+        #: A socket whose next bytes were read ahead and wait in a buffer (or None).
+        self.held: Any = None
+        self._held_looks = 0   # looks answered from the buffer in a row (HELD_PEEK)
 
     def select(self, rlist: Sequence[Any], wlist: Sequence[Any], xlist: Sequence[Any],
                timeout: float | None = None) -> tuple[list[Any], list[Any], list[Any]]:
@@ -63,6 +73,16 @@ class PollingHandler(SequentialThreadingHandler):
                 raise TypeError("timeout must be a number")
             if timeout < 0:
                 raise ValueError("timeout must be non-negative")
+        held = self.held
+        if held is not None and any(f is held for f in rlist):
+            # Its packets are here already: the rest without waiting, and only
+            # every few packets while the buffer drains.
+            self._held_looks += 1
+            if not wlist and self._held_looks % HELD_PEEK:
+                return [held], [], []
+            readable, writable = self._poll([f for f in rlist if f is not held], wlist, 0)
+            return [held, *readable], writable, []
+        self._held_looks = 0
         asked, overdue = self.asked, False
         if wlist and not rlist:   # kazoo about to write a request or a ping
             if asked is None or asked[0] is not wlist[0]:
@@ -75,7 +95,7 @@ class PollingHandler(SequentialThreadingHandler):
             timeout, overdue = (left if timeout is None else min(timeout, left)), left == 0
         readable, writable = self._poll(rlist, wlist, timeout)
         if asked is not None and any(f is asked[0] for f in readable):
-            self.asked = None   # the server speaks: what was asked is being answered
+            self.heard(asked[0])
         elif overdue:
             self.asked = None
             raise ConnectionDropped(
@@ -101,3 +121,17 @@ class PollingHandler(SequentialThreadingHandler):
         readable = [f for f in rlist if ready.get(_fd(f), 0) & (_READ | _TROUBLE)]
         writable = [f for f in wlist if ready.get(_fd(f), 0) & (_WRITE | _TROUBLE)]
         return readable, writable
+
+    def heard(self, sock: Any) -> None:
+        """Bytes came from ``sock``'s server: what was asked is being answered."""
+        asked = self.asked
+        if asked is not None and asked[0] is sock:
+            self.asked = None
+
+    def wait_readable(self, sock: Any, timeout: float | None) -> bool:
+        """Whether ``sock`` itself has bytes (or trouble) within ``timeout`` s,
+        whatever is held: for the reader that fills the buffer."""
+        poller = select.poll()
+        poller.register(_fd(sock), _READ)
+        wait = None if timeout is None else math.ceil(timeout * 1000)
+        return bool(poller.poll(wait))

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "celery_zk"
 #: Every private name of a dependency celery_zk touches; only compat/ may.
 FENCED = {
     "_call", "_read_watch_event", "_connection", "_data_watchers", "_child_watchers",
-    "_socket",
+    "_socket", "_read", "_socket_error_handling",
     "_apply_tasks", "_regen", "sanitize_url", "maybe_sanitize_url",
     "_delivered", "_dirty", "_flush", "_quick_ack", "_on_collect", "_active_queues",
     "_tag_to_queue", "_get_message_priority", "_deliver",
@@ -81,6 +81,33 @@ def test_kazoo_without_call_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert any("KazooClient._call" in p for p in kazoo_compat.missing())
     with pytest.raises(PrivateAPIChanged, match="KazooClient._call"):
         kazoo_compat.send(KazooClient(), object())
+
+
+def test_kazoo_without_its_reads_keeps_kazoos_own(monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Buffered reads are speed, not function: without the names kazoo reads as
+    it always did, said once in the log and by ``missing``."""
+    from kazoo.client import KazooClient
+    from kazoo.protocol.connection import ConnectionHandler
+
+    from celery_zk.zk.handler import PollingHandler
+
+    client = KazooClient(handler=PollingHandler())
+    assert kazoo_compat.buffer_reads(client)
+    assert isinstance(client._connection._read, kazoo_compat._BufferedReads)
+    # kazoo's own handler waits on the socket itself: never given our reads.
+    assert kazoo_compat.buffer_reads(KazooClient()) is False
+    monkeypatch.delattr(ConnectionHandler, "_socket_error_handling")
+    monkeypatch.setattr(kazoo_compat, "_told", [])
+    other = KazooClient(handler=PollingHandler())
+    own = other._connection._read
+    with caplog.at_level(logging.WARNING, logger="celery_zk.compat.kazoo"):
+        assert kazoo_compat.buffer_reads(other) is False
+        assert kazoo_compat.buffer_reads(other) is False
+    assert other._connection._read == own
+    assert caplog.text.count("two steps") == 1
+    [problem] = kazoo_compat.missing()
+    assert "ConnectionHandler._socket_error_handling" in problem and "two steps" in problem
 
 
 def test_a_changed_group_apply_tasks_is_left_alone(monkeypatch: pytest.MonkeyPatch,

@@ -29,6 +29,7 @@ from ..zk.client import (
     multi_failure,
     synced,
 )
+from ..zk.multi import Multi
 from ..zk.names import MessageName, parse_message_name, requeued_name
 from ..zk.payload import commit_deleting
 from . import big
@@ -110,7 +111,7 @@ class Acks:
             return False
         raise failure[1]
 
-    def _delete_ops(self, txn: TransactionRequest, owned_path: str) -> None:
+    def _delete_ops(self, txn: TransactionRequest | Multi, owned_path: str) -> None:
         """Add the deletes that end ``owned_path``: its name, then its body."""
         txn.delete(owned_path)
         txn.delete(self.body_of(owned_path))
@@ -213,7 +214,7 @@ class Acks:
 
     def _send_ack_batch(self, consumer_node: str, paths: list[str]) -> None:
         """One multi: the owner's session is alive (the check), and every message goes."""
-        txn = self.client.transaction()
+        txn = Multi(self.client)   # the hot multi: serialized in one pass
         txn.check(consumer_node, ANY_VERSION)
         for owned_path in paths:
             self._delete_ops(txn, owned_path)   # two operations each

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kazoo.client import KazooClient, TransactionRequest
+from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
 from ..features.affinity import Board, board_for
@@ -30,6 +30,7 @@ from ..features.locality import Waiting, choose
 from ..zk.client import multi_failure
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
+from ..zk.multi import Multi
 from ..zk.names import MessageName, order_key, parse_message_name
 from ..zk.session import SharedSession
 from .queues import ANY_VERSION, OP_OVERHEAD, REQUEST_BUDGET
@@ -276,13 +277,13 @@ class Assignment:
 
 
 def assignment(client: KazooClient, layout: Layout, queue: str, plan: dict[str, list[str]],
-           nodes: dict[str, str]) -> tuple[TransactionRequest, Assignment]:
+           nodes: dict[str, str]) -> tuple[Multi, Assignment]:
     """The multi that gives each consumer of ``plan`` its names; ``nodes``:
     each one's node under the queue's consumers/, which the multi checks.
     Stops adding consumers before :data:`ASSIGN_OPS` operations or
     :data:`REQUEST_BUDGET` bytes.
     """
-    txn = client.transaction()
+    txn = Multi(client)   # the hot multi: serialized in one pass
     done = Assignment(queue)
     budget = REQUEST_BUDGET
     for consumer, names in plan.items():

@@ -20,3 +20,19 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, client: Any, *names: str) -> li
             return __real(*args, **kwargs)
         monkeypatch.setattr(client, name, call)
     return calls
+
+
+def count_multis(monkeypatch: pytest.MonkeyPatch, client: Any) -> list[int]:
+    """The size of each ``multi`` ``client`` sends, kazoo's transactions and
+    celery_zk's ``Multi`` alike: both go through kazoo's request queue."""
+    from kazoo.protocol.serialization import Transaction
+
+    sizes: list[int] = []
+    real = client._call
+
+    def call(request: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(request, Transaction):
+            sizes.append(len(request.operations))
+        return real(request, *args, **kwargs)
+    monkeypatch.setattr(client, "_call", call)
+    return sizes

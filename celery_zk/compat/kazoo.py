@@ -1,10 +1,13 @@
-"""kazoo's private names, used for the requests kazoo has no method for.
+"""kazoo's private names: the requests kazoo has no method for, and reads of
+whole socket buffers.
 
 kazoo (2.9 to 2.11) cannot send ZooKeeper 3.6's ``addWatch``,
 ``removeWatches`` (python-zk/kazoo#715 is unmerged) or ``multiRead``, nor
 hand the events of a persistent watch to anyone: its connection drops an
 event none of its own watchers asked for. :mod:`celery_zk.zk.watches` and
-:mod:`celery_zk.zk.reads` therefore need these private names, all here:
+:mod:`celery_zk.zk.reads` (and :mod:`celery_zk.zk.multi`, which sends kazoo's own
+``Transaction`` serialized in one pass) therefore need these private names,
+all here:
 
 * ``KazooClient._call(request, async_result)``: queue a request kazoo has no
   method for on kazoo's own request queue (Zuul sends ``addWatch`` the same

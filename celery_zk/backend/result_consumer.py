@@ -26,6 +26,7 @@ were disconnected are not missed either.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,7 +39,6 @@ from kazoo.protocol.states import WatchedEvent
 from kombu.utils.functional import LRUCache
 
 from ..zk.client import CONNECTION_ERRORS, connected_retry
-from ..zk.process import current_pid
 from ..zk.session import weak_callback
 
 __all__ = ["ResultConsumer", "read_nodes"]
@@ -113,7 +113,7 @@ class ResultConsumer(BaseResultConsumer):
         self._early: dict[str, Any] = {}   # task id -> read a watch callback started
         self._client: KazooClient | None = None
         self._disconnected = False
-        self._pid = current_pid()
+        self._pid = os.getpid()
         #: Ids recently handed over as ready, for ZooKeeperBackend.is_cached().
         self.delivered: LRUCache = LRUCache(limit=DELIVERED_MAX)
 
@@ -240,7 +240,7 @@ class ResultConsumer(BaseResultConsumer):
 
     # -- internals ------------------------------------------------------------
     def _check_fork(self) -> None:
-        if self._pid != current_pid():
+        if self._pid != os.getpid():
             self._after_fork()
 
     def _ensure_client(self) -> KazooClient:

@@ -33,7 +33,6 @@ from ..zk.client import create_once, log_failure
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
 from ..zk.names import new_consumer_id, parse_consumer_name, parse_message_name
-from ..zk.process import current_pid
 from ..zk.session import ClientHandle, SharedSession, weak_callback
 from .acks import Acks
 from .autodelete import Sweeper
@@ -88,15 +87,15 @@ class ConsumerSession:
     # -- identity -------------------------------------------------------------------
     def ensure_registered(self) -> tuple[str, str]:
         """``(consumer id, node path)`` of a live registration, registering if needed."""
-        if self._valid and self._pid == current_pid():
+        if self._valid and self._pid == os.getpid():
             assert self.consumer_id and self.node_path
             return self.consumer_id, self.node_path
         with self._lock:
-            if not (self._valid and self._pid == current_pid()):
-                if self._pid != current_pid():  # forked: nothing of the parent's is ours
+            if not (self._valid and self._pid == os.getpid()):
+                if self._pid != os.getpid():  # forked: nothing of the parent's is ours
                     self._nodes = {}
                 self._register()
-                self._pid = current_pid()
+                self._pid = os.getpid()
                 self._valid = True
                 self._recovery = Recovery.of(self.handle.session, self.layout,
                                              self.handle.settings.options)
@@ -131,7 +130,7 @@ class ConsumerSession:
         if frozenset(queues) == self._queues:
             return
         self._queues = frozenset(queues)
-        if not (self._valid and self.node_path and self._pid == current_pid()
+        if not (self._valid and self.node_path and self._pid == os.getpid()
                 and self.handle.started):
             return   # registering writes it
         path = self.node_path
@@ -148,7 +147,7 @@ class ConsumerSession:
     @property
     def registered(self) -> bool:
         """Registered at some point (and not closed): re-register after an expiry."""
-        return self.consumer_id is not None and self._pid == current_pid()
+        return self.consumer_id is not None and self._pid == os.getpid()
 
     def node_of(self, consumer_id: str) -> str:
         """The session node of a consumer id this connection used, current or past.
@@ -175,7 +174,7 @@ class ConsumerSession:
         recovery, self._recovery = self._recovery, None
         if recovery is not None:
             recovery.leave(self)
-        if self._valid and self.node_path and self._pid == current_pid() and self.handle.started:
+        if self._valid and self.node_path and self._pid == os.getpid() and self.handle.started:
             try:
                 self.handle.client.delete(self.node_path)
             except Exception:  # releasing the lease (or the session's end) removes it

@@ -19,6 +19,7 @@ later ones.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from multiprocessing.util import Finalize
@@ -27,7 +28,6 @@ from typing import Any
 from celery.signals import worker_process_shutdown
 
 from ..zk.client import CONNECTION_ERRORS, RedoThread, multi_failure
-from ..zk.process import current_pid
 from .publish import NewMessage, Publisher
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class UnconfirmedPublisher:
     def __init__(self, publisher: Publisher, window: int = WINDOW) -> None:
         self.publisher = publisher
         self.window = window
-        self._pid = current_pid()
+        self._pid = os.getpid()
         self._cond = threading.Condition()
         self._in_flight = 0
         self._redo = self._redo_thread()
@@ -59,8 +59,8 @@ class UnconfirmedPublisher:
         message = self.publisher.new_message(queue, data, priority, affinity, size, task,
                                          limit_key)
         with self._cond:
-            if self._pid != current_pid():  # forked: the parent's replies never come here
-                self._pid, self._in_flight, self._redo = current_pid(), 0, self._redo_thread()
+            if self._pid != os.getpid():  # forked: the parent's replies never come here
+                self._pid, self._in_flight, self._redo = os.getpid(), 0, self._redo_thread()
                 _hook_exit()
             while self._in_flight >= self.window:
                 self._cond.wait()
@@ -113,7 +113,7 @@ class UnconfirmedPublisher:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every publish so far is stored. False if ``timeout`` ran out."""
         with self._cond:
-            if self._pid != current_pid():
+            if self._pid != os.getpid():
                 return True
             return self._cond.wait_for(lambda: self._in_flight == 0, timeout)
 
@@ -146,8 +146,8 @@ def _hook_exit() -> None:
     ``os._exit`` without running either: :func:`_flush_in_pool_child` covers it.
     """
     global _hooked_pid
-    if _hooked_pid != current_pid():
-        _hooked_pid = current_pid()
+    if _hooked_pid != os.getpid():
+        _hooked_pid = os.getpid()
         Finalize(None, flush_all, exitpriority=100)
 
 

@@ -44,7 +44,6 @@ from ..exceptions import CeleryZKError
 from ..zk.client import log_failure, multi_failure
 from ..zk.layout import Layout
 from ..zk.names import affinity_token, parse_holding_name
-from ..zk.process import current_pid
 from ..zk.session import SharedSession, weak_callback
 from ..zk.watches import NODE_CREATED, watches_of
 
@@ -192,7 +191,7 @@ class Board:
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()
         self._made: set[str] = set()   # holding paths this process made
-        self._pid = current_pid()
+        self._pid = os.getpid()
         # Bumped when the session ends: a sync that straddles it made nodes that
         # went with it. _unsaid: holdings to state again once connected.
         self._generation = 0
@@ -270,7 +269,7 @@ class Board:
         watches = watches_of(self.session)
         try:
             if (self._unsaid and (_held or self._made)) or (
-                    _held and (not self._made or self._pid != current_pid())):
+                    _held and (not self._made or self._pid != os.getpid())):
                 self.sync()   # after a session expiry or a failed sync, or in a forked child
             if self._loaded and watches.active(self.layout.affinity):
                 return
@@ -309,11 +308,11 @@ class Board:
     def sync(self) -> None:
         """Make this process's holding nodes match what it holds: one multi."""
         with self._sync_lock:
-            if self._pid != current_pid():   # forked: the parent's nodes are not ours
-                self._made, self._pid = set(), current_pid()
+            if self._pid != os.getpid():   # forked: the parent's nodes are not ours
+                self._made, self._pid = set(), os.getpid()
             generation = self._generation
             self._unsaid = True   # until this sync has landed
-            pid = current_pid()
+            pid = os.getpid()
             with _lock:
                 want = {self.layout.holding(token, WORKER, pid) for token in _held}
             create, delete = want - self._made, self._made - want

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -27,7 +28,6 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
 from ..zk.layout import Layout
 from ..zk.names import MessageName
-from ..zk.process import current_pid
 from .limits import QUEUE, TASK, Book, Limit, book_for, parse_rate
 
 __all__ = ["GIVE_MARGIN", "RATE_LIMITED", "START_MARGIN", "Gate", "hold_rate_at_start",
@@ -218,7 +218,7 @@ def _limits_of(app: Any) -> tuple[Any, Layout, Book] | None:
     """The lease, layout and limits of ``app``'s ``zk://`` broker; None when its
     broker is not ``zk://``. Looked up once per app and process (every task
     start asks: Celery's configuration lookups cost more than the check)."""
-    pid = current_pid()
+    pid = os.getpid()
     cached = _apps.get(app)
     if cached is not None and cached[0] == pid:
         return cached[1]

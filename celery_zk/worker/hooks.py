@@ -10,6 +10,7 @@ patched the pools too.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from celery.signals import worker_init, worker_shutting_down
@@ -18,7 +19,6 @@ from ..broker import transport as transport_module
 from ..compat import celery as celery_compat
 from ..features.revokes import load_into_worker
 from ..zk.background import give_up_when_cut_off
-from ..zk.process import current_pid
 from .child_gate import backend_handle, stamp, start_in_child
 from .start_gate import close_all, start_gate
 
@@ -57,7 +57,7 @@ class WorkerHooks:
         client = transport.handle.client
         # Again after a session expiry: the worker may have missed a broadcast
         # revoke meanwhile (its pidbox queue was swept with its holders).
-        loaded = (current_pid(), client.client_id[0] if client.client_id else 0)
+        loaded = (os.getpid(), client.client_id[0] if client.client_id else 0)
         if self._revokes_loaded_by != loaded:
             self._revokes_loaded_by = loaded
             load_into_worker(client, transport.layout)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -27,7 +28,6 @@ from kazoo.client import KazooClient, KazooState
 
 from ..compat import kazoo as kazoo_compat
 from .client import log_failure
-from .process import current_pid
 
 __all__ = ["Deferred", "give_up", "give_up_when_cut_off", "release_later", "start"]
 
@@ -56,8 +56,8 @@ def start(sessions: Callable[[], list[Any]] | None = None) -> None:
     if sessions is not None:
         _sessions = sessions
     with _start_lock:
-        if _started != current_pid():
-            _started = current_pid()
+        if _started != os.getpid():
+            _started = os.getpid()
             threading.Thread(target=_run, name="celery_zk-background", daemon=True).start()
 
 
@@ -159,7 +159,7 @@ def _run() -> None:
     """Sends what is due; releases leases whose handles were garbage-collected
     (their finalizers may run on any thread, so they only queue the lease);
     once shutting down, also gives up sessions that stay cut off."""
-    pid = current_pid()
+    pid = os.getpid()
     cut_off_since: dict[Any, float] = {}
     while True:
         with _timers_lock:
@@ -170,7 +170,7 @@ def _run() -> None:
             item = _queue.get(timeout=wait)
         except queue.Empty:
             item = None
-        if pid != current_pid():
+        if pid != os.getpid():
             return
         now = time.monotonic()
         with _timers_lock:
@@ -215,7 +215,7 @@ def give_up(session: Any, cut_off_for: float) -> None:
     shuts down: each request waiting for a reconnect fails now, and every
     later one at once (:func:`give_up_when_cut_off`)."""
     client = session.current_client
-    if client is None or session.pid != current_pid() or session.given_up:
+    if client is None or session.pid != os.getpid() or session.given_up:
         return
     session.given_up = True
     logger.warning(

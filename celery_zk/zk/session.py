@@ -33,6 +33,7 @@ parent's client (closing it would end the parent's session).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import uuid
 import weakref
@@ -49,7 +50,6 @@ from .background import start as start_background
 from .client import CONNECTION_ERRORS, check_root, log_failure, make_client
 from .config import ZKSettings
 from .held import HeldNodes
-from .process import current_pid
 from .watches import require_add_watch
 
 __all__ = ["AfterExpiry", "ClientHandle", "SharedSession", "session_key",
@@ -112,7 +112,7 @@ class SharedSession:
         self.leases = 0
         self.closed = False
         self.given_up = False   # cut off while shutting down: see give_up
-        self.pid = current_pid()
+        self.pid = os.getpid()
         self.deferred = Deferred(DEFERRED_WRITE_DELAY)
         self._client: KazooClient | None = None
         self._lock = threading.RLock()
@@ -190,7 +190,7 @@ class SharedSession:
         if not wait:
             release_later(lease)
             return
-        if self.pid != current_pid():
+        if self.pid != os.getpid():
             return   # the parent's session, inherited by fork: not ours to touch
         try:
             if self._client is not None and not self.closed:
@@ -228,7 +228,7 @@ class SharedSession:
                 logger.exception("celery_zk: a session close hook failed")
         self.deferred.flush()
         client, self._client = self._client, None
-        if client is not None and self.pid == current_pid():
+        if client is not None and self.pid == os.getpid():
             try:
                 client.stop()
             finally:
@@ -258,12 +258,12 @@ class ClientHandle:
     # -- the lease ------------------------------------------------------------------
     def _current(self) -> _Lease:
         lease = self._lease
-        if lease is not None and self._pid == current_pid() and not lease.session.closed:
+        if lease is not None and self._pid == os.getpid() and not lease.session.closed:
             return lease
         with self._lock:
             lease = self._lease
-            if lease is None or self._pid != current_pid() or lease.session.closed:
-                if lease is not None and self._pid == current_pid():
+            if lease is None or self._pid != os.getpid() or lease.session.closed:
+                if lease is not None and self._pid == os.getpid():
                     self._end(lease, wait=True)   # its session closed under it
                 session = _register(self.settings)
                 try:
@@ -277,7 +277,7 @@ class ClientHandle:
                 lease = session._lease(self)
                 self._finalizer = weakref.finalize(self, session.release, lease, False)
                 self._finalizer.atexit = False   # at exit the registry closes every session
-                self._lease, self._pid = lease, current_pid()
+                self._lease, self._pid = lease, os.getpid()
             return lease
 
     @property
@@ -296,7 +296,7 @@ class ClientHandle:
     def started(self) -> bool:
         """This process holds a lease (and so a connected client) through this handle."""
         lease = self._lease
-        return lease is not None and self._pid == current_pid() and not lease.session.closed
+        return lease is not None and self._pid == os.getpid() and not lease.session.closed
 
     @property
     def token(self) -> str:
@@ -311,7 +311,7 @@ class ClientHandle:
         """End the lease now (deleting what it owns); a later use takes a new one."""
         with self._lock:
             lease, self._lease = self._lease, None
-            if lease is not None and self._pid == current_pid():
+            if lease is not None and self._pid == os.getpid():
                 self._end(lease, wait=True)
 
     def _end(self, lease: _Lease, wait: bool) -> None:
@@ -339,7 +339,7 @@ class ClientHandle:
 
     def release_held(self, path: str) -> None:
         lease = self._lease
-        if lease is not None and self._pid == current_pid():
+        if lease is not None and self._pid == os.getpid():
             lease.held.discard(path)
             lease.session.held.release(lease.token, path)
 
@@ -374,9 +374,9 @@ def _register(settings: ZKSettings) -> SharedSession:
     """The session for ``settings``, with one more lease counted on it."""
     global _registry_pid
     with _registry_lock:
-        if _registry_pid != current_pid():   # a new process: nothing inherited is ours
+        if _registry_pid != os.getpid():   # a new process: nothing inherited is ours
             _registry.clear()
-            _registry_pid = current_pid()
+            _registry_pid = os.getpid()
             start_background(sessions)
             Finalize(None, close_all, exitpriority=10)   # after unconfirmed flushes (100)
         key = session_key(settings)
@@ -402,7 +402,7 @@ def _unregister(session: SharedSession) -> None:
 def sessions() -> list[SharedSession]:
     """This process's open sessions (for tests and diagnostics)."""
     with _registry_lock:
-        return list(_registry.values()) if _registry_pid == current_pid() else []
+        return list(_registry.values()) if _registry_pid == os.getpid() else []
 
 
 def close_all(hosts: str | None = None) -> int:

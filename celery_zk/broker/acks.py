@@ -30,7 +30,7 @@ from ..zk.client import (
     synced,
 )
 from ..zk.multi import Multi
-from ..zk.names import MessageName, parse_message_name, requeued_name
+from ..zk.names import MessageName, parse_message_name, requeued_name, without_body
 from ..zk.payload import commit_deleting
 from . import big
 from .dead import wrap
@@ -382,7 +382,8 @@ class Acks:
                 return False
             raise failure[1]
         queue, message = self._message(owned_path)
-        name = layout.split_owned_path(owned_path)[2]
+        # Without a handed name's copy of its body: the dead node holds the body.
+        name = without_body(layout.split_owned_path(owned_path)[2])
         return self._move_to_dead(owned_path, layout.dead_message(queue, name), reason,
                                   self.body_of(owned_path),
                                   (queue, message.uid) if message.chunked else None)

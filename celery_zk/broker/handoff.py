@@ -29,7 +29,11 @@ Why it is safe:
 
 The handed name's sequence is zero: the message was handed over while its
 queue was empty, so if it is requeued it goes back ahead of everything that
-arrived since (see :func:`celery_zk.zk.layout.handed_name`).
+arrived since (see :func:`celery_zk.zk.names.handed_name`). The name also
+carries a copy of the body when the body is small and the consumer's offer
+says it takes one there (``~b``: every consumer from 0.3 on): the watch
+event that tells the consumer of the message brings the body too, and the
+delivery needs no read.
 """
 from __future__ import annotations
 
@@ -45,7 +49,14 @@ from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
 
 from ..zk.client import RedoThread, connected_retry, log_failure, multi_failure, synced
 from ..zk.layout import Layout
-from ..zk.names import handed_name, offer_name, parse_offer_name
+from ..zk.names import (
+    BODY_APART,
+    OFFER_TAKES_BODY,
+    encode_body,
+    handed_name,
+    offer_name,
+    parse_offer_name,
+)
 from ..zk.session import ClientHandle
 from .publish import NewMessage
 from .queues import Queues
@@ -137,9 +148,12 @@ class HandOff:
         if parsed is None:
             return False
         layout, client, queue = self.layout, self.client, message.queue
+        consumer_id, token = parsed
+        body = (encode_body(message.data)
+                if token.endswith(OFFER_TAKES_BODY) and message.kind == BODY_APART else None)
         name = handed_name(message.inverted_priority, message.generation, message.uid,
-                           message.kind, message.task, message.limit_key)
-        owned = layout.inbox_message(queue, parsed[0], name)
+                           message.kind, message.task, message.limit_key, body)
+        owned = layout.inbox_message(queue, consumer_id, name)
 
         lost = False
 

@@ -8,7 +8,8 @@ inbox: a persistent watch that names each new entry.
 
 For each new entry it reads the body from ``bodies/``, many in one
 ``multiRead`` (:mod:`celery_zk.zk.reads`), and delivers in the queue's
-order. Only it deletes from its inbox (acks, in :mod:`celery_zk.broker.acks`),
+order. A message handed over with a copy of its body in its name needs no
+read. Only it deletes from its inbox (acks, in :mod:`celery_zk.broker.acks`),
 so nothing it does can conflict.
 
 How much the inbox may hold, and what goes back when the channel takes
@@ -37,7 +38,7 @@ from ..zk.client import (
     reply_or_retry,
     synced,
 )
-from ..zk.names import parse_message_name, sort_messages
+from ..zk.names import inline_body, parse_message_name, sort_messages
 from ..zk.reads import read_many
 from ..zk.session import weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED
@@ -75,6 +76,7 @@ class Inbox:
         self.buffer = Ready()                 # read, not delivered yet
         self.order = DeliveryOrder()          # where what arrives goes (see broker.ready)
         self.arrivals: deque[str] = deque()   # names the tree watch reported
+        self.heard_at = 0.0   # when the watch last reported an arrival (monotonic)
         self.departures: deque[str] = deque()   # and those it saw go
         self.stale = True   # list the inbox before trusting the watch
         self._watching = False   # our watch on the inbox was added
@@ -92,6 +94,7 @@ class Inbox:
         if not name or "/" in name:
             return
         if event_type == NODE_CREATED:
+            self.heard_at = time.monotonic()   # the server spoke: see _learn
             self.arrivals.append(name)
             self.transport.wake()
         elif event_type == NODE_DELETED:
@@ -285,6 +288,14 @@ class Inbox:
             # Named with sequence zero; so is the first message of a bucket (one
             # in bucket_size), which then resets the offers' wait once.
             handed = handed or (message.seq == 0 and not message.requeued)
+            body = inline_body(name)
+            if body is not None:
+                # Handed over with a copy of its body in its name: nothing to
+                # read. The server last spoke to us when the latest event came.
+                self.buffer.push(Claimed(self.queue, name,
+                                         layout.inbox_message(self.queue, consumer_id, name),
+                                         body, self.heard_at), key)
+                continue
             to_read.append((key, name, layout.body(self.queue, message)))
         to_read.sort()
         # The bodies in one multiRead per batch, not one request each.

@@ -196,7 +196,6 @@ class Recovery:
         self.sweeper = Sweeper(layout, self.queues)
         self._members: weakref.WeakSet[ConsumerSession] = weakref.WeakSet()
         self._live: list[str] = []
-        self._told: set[str] = set()   # queues whose unknown inbox entries were said
         self._wake = threading.Event()
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -297,14 +296,9 @@ class Recovery:
             names = client.retry(client.get_children, inbox)
         except NoNodeError:
             return 0
-        known = [name for name in names if parse_message_name(name) is not None]
-        if len(known) < len(names) and queue not in self._told:
-            self._told.add(queue)   # names of 0.3 with a copy of the body, left in place
-            logger.error("celery_zk: a dead consumer's inbox in queue %r holds entries this "
-                         "release does not know (handed over by celery_zk 0.3); run "
-                         "`celery -A proj zk upgrade` once to requeue them", queue)
         moved = self.acks.requeue_many([layout.inbox_message(queue, consumer_id, name)
-                                        for name in known])
+                                        for name in names
+                                        if parse_message_name(name) is not None])
         try:
             client.retry(client.delete, inbox)
         except (NoNodeError, NotEmptyError):

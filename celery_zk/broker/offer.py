@@ -7,10 +7,8 @@ the consumer has nothing to deliver and its worker's pool a free slot, and
 withdrawn when the work it is given fills the pool:
 
 * Work from the dispatcher that takes every slot says the queue has a
-  backlog: withdrawn at once, and the next offer waits until the consumer
-  has been dry for :data:`OFFER_AFTER` (doubled with each such withdrawal):
-  an offer made between refills would be withdrawn again within moments,
-  two synced writes for nothing. A message handed over ends the wait.
+  backlog: withdrawn at once, and offered again when the consumer is dry
+  with a slot free.
 * Work handed over that takes every slot withdraws it only once that has
   lasted :data:`BUSY_GRACE`: short tasks free a slot sooner, and withdrawing
   sends every message published meanwhile through the dispatcher.
@@ -31,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..zk.client import CONNECTION_ERRORS, log_failure
+from ..zk.names import OFFER_TAKES_BODY
 from .handoff import HandOff
 from .publish import new_uid
 
@@ -44,10 +43,6 @@ LOOK_AGAIN = (0.005, 1.0)
 #: Seconds a consumer keeps its offer while every pool slot is taken by what
 #: publishers handed over (a burst of a trickle, not a backlog).
 BUSY_GRACE = 0.02
-#: Seconds a consumer waits, dry and with a free pool slot, before its next
-#: offer once one was withdrawn because the dispatcher's work filled its slots;
-#: each next such withdrawal twice as long, up to the second.
-OFFER_AFTER = (0.01, 1.0)
 
 
 class Offer:
@@ -67,9 +62,7 @@ class Offer:
         self._look_in = LOOK_AGAIN[0]   # the next look-again's delay
         self._look_at = 0.0             # when the one asked for is due
         self._look_timer: Any = None    # and its timer, cancelled by a delivery
-        self._idle_since: float | None = None   # dry (nothing to deliver) since
         self._busy_since: float | None = None   # every pool slot taken since
-        self._offer_after = 0.0
 
     @property
     def outstanding(self) -> bool:
@@ -77,26 +70,17 @@ class Offer:
 
     # -- when -------------------------------------------------------------------
     def dry(self, consumer_id: str, in_hand: int, slots: int, may: bool) -> None:
-        """Nothing to deliver: offer, once the wait after a backlog is over and a
-        pool slot is free (``may``: consuming, fewer delivered than slots, the
-        inbox watched); else look again when either may have changed."""
+        """Nothing to deliver: offer if a pool slot is free (``may``: consuming,
+        fewer delivered than slots, the inbox watched); else look again when
+        that may have changed."""
         if in_hand < slots:
             self._busy_since = None
         elif self.outstanding:
             self._withdraw_when_busy()   # every slot taken: a handed message would wait
         if not may or self.outstanding:
             return
-        # Dry since: after a backlog a consumer refilled within moments makes no
-        # offer it would withdraw; one that stayed dry while its tasks ran has
-        # no backlog behind it.
-        now = time.monotonic()
-        if self._idle_since is None:
-            self._idle_since = now
-        wait = self._idle_since + self._offer_after - now
         if in_hand >= slots:
-            self._look_again(wait)
-            return
-        if wait > 0 and self._look_again(wait):
+            self._look_again()
             return
         self._look_in = LOOK_AGAIN[0]
         self.make(consumer_id)   # a free slot: let a publisher hand us the next one
@@ -113,36 +97,27 @@ class Offer:
             if handed:
                 self._withdraw_when_busy()
             else:
-                self._offer_after = min(max(self._offer_after * 2, OFFER_AFTER[0]),
-                                        OFFER_AFTER[1])
                 self.withdraw(wait=False)
-        if handed or not busy:
-            # Offers are taken, or the dispatcher's work leaves a slot free (no
-            # backlog behind it, a steady trickle): offer at once.
-            self._offer_after = 0.0
 
     def delivering(self) -> None:
         """A message is delivered: busy again, no look needed."""
         self._look_in = LOOK_AGAIN[0]
-        self._idle_since = None
         if self._look_timer is not None:
             self._look_timer.cancel()
             self._look_timer, self._look_at = None, 0.0
 
-    def _look_again(self, wait: float) -> bool:
-        """Come back when ``wait`` is over and, while our worker still runs tasks
-        we delivered (acked as they started), after a delay doubled each time:
-        nothing else tells us when they are done. False without an event loop."""
+    def _look_again(self) -> None:
+        """Come back while our worker still runs tasks we delivered (acked as
+        they started), after a delay doubled each time: nothing else tells us
+        when they are done. Nothing without an event loop."""
         now = time.monotonic()
         if now < self._look_at:
-            return True   # asked for already
-        delay = max(self._look_in, wait)
+            return   # asked for already
+        delay = self._look_in
         self._look_in = min(self._look_in * 2, LOOK_AGAIN[1])
         timer = self._look_again_timer(delay)
-        if timer is None:
-            return False
-        self._look_timer, self._look_at = timer, now + delay
-        return True
+        if timer is not None:
+            self._look_timer, self._look_at = timer, now + delay
 
     def _withdraw_when_busy(self) -> None:
         """Every slot is taken by handed work: withdraw once that has lasted
@@ -166,8 +141,8 @@ class Offer:
 
     # -- the offer node ---------------------------------------------------------
     def make(self, consumer_id: str) -> None:
-        """Offer to take messages."""
-        token = new_uid()
+        """Offer to take messages, with their bodies in their names."""
+        token = new_uid() + OFFER_TAKES_BODY
         with self._lock:
             if self.token is not None:
                 return   # made meanwhile (an ack's thread, the consuming one)

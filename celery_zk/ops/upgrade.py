@@ -1,13 +1,9 @@
-"""``celery zk upgrade``: messages stored by earlier releases, stored as every
-other one is.
+"""``celery zk upgrade``: messages stored before 0.2, stored as every other one is.
 
 Before 0.2 a message kept its body inside its own node (an ``m`` name, flat
 in ``unowned/`` or, from 0.1.x, in a bucket), and a claimed one was flat in
-``owned/`` (``{consumer}~{name}``). 0.3 handed a message over with a copy of
-its body in its inbox entry's name (``{name}~{body}``; its body node was
-written too): a 0.3 worker that died holding one leaves it to this upgrade.
-Nothing in the message path reads them any more (a dispatcher, or the
-recovery leader, that finds one says so, once, and leaves it). This
+``owned/`` (``{consumer}~{name}``). Nothing in the message path reads them
+any more (a dispatcher that finds one says so, once, and leaves it). This
 moves each to today's form in one multi: the old node deleted (its version
 checked, so a concurrent change fails it), the body created in ``bodies/``
 and the name in the bucket the old name states, marked requeued with its
@@ -34,7 +30,6 @@ from ..zk.names import (
     parse_bucket_name,
     parse_consumer_name,
     parse_legacy_name,
-    parse_message_name,
     requeued_name,
     unescape,
 )
@@ -74,30 +69,20 @@ def upgrade(queues: Queues) -> Upgrade:
                 done.moved[queue] = done.moved.get(queue, 0) + 1
         owned = layout.owned(queue)
         for name in _children(client, owned):
-            owner, sep, rest = name.partition(OWNER_SEP)
-            if not sep and parse_consumer_name(name) == name:   # an inbox: 0.3's names in it
-                entries = [(f"{owned}/{name}/{entry}", entry.partition(OWNER_SEP)[0], False)
-                           for entry in _children(client, f"{owned}/{name}")
-                           if OWNER_SEP in entry]
-            else:   # claimed flat by 0.1
-                entries = [(f"{owned}/{name}", rest, True)] if sep else []
-            for path, old_name, body_inside in entries:
-                message = (parse_legacy_name(old_name) if body_inside
-                           else parse_message_name(old_name))
-                if message is None:
-                    continue
-                if owner in live:
-                    done.owned_by_live[queue] = done.owned_by_live.get(queue, 0) + 1
-                elif _store_anew(queues, queue, path, message, body_inside):
-                    done.moved[queue] = done.moved.get(queue, 0) + 1
+            owner, sep, rest = name.partition(OWNER_SEP)   # claimed flat by 0.1
+            message = parse_legacy_name(rest) if sep else None
+            if message is None:
+                continue
+            if owner in live:
+                done.owned_by_live[queue] = done.owned_by_live.get(queue, 0) + 1
+            elif _store_anew(queues, queue, f"{owned}/{name}", message):
+                done.moved[queue] = done.moved.get(queue, 0) + 1
     return done
 
 
-def _store_anew(queues: Queues, queue: str, old: str, message: MessageName,
-                body_inside: bool = True) -> bool:
-    """One multi: ``old`` goes, its body (``body_inside``: the data of ``old``;
-    else it is in bodies/ already) and its name (requeued, in its place) come;
-    False when it was gone or changed meanwhile (then nothing was done)."""
+def _store_anew(queues: Queues, queue: str, old: str, message: MessageName) -> bool:
+    """One multi: ``old`` goes, its body and its name (requeued, in its place)
+    come; False when it was gone or changed meanwhile (then nothing was done)."""
     client, layout = queues.client, queues.layout
     try:
         data, stat = client.retry(client.get, old)
@@ -113,15 +98,14 @@ def _store_anew(queues: Queues, queue: str, old: str, message: MessageName,
         txn.delete(old, version=stat.version)
         for path in missing:
             txn.create(path)
-        if body_inside:
-            txn.create(layout.body(queue, message), data)
+        txn.create(layout.body(queue, message), data)
         txn.create(f"{bucket}/{requeued_name(message)}")
 
     failure = multi_failure(queues.commit(build))
     if failure is None:
         return True
     if failure[0] > 0 and isinstance(failure[1], NodeExistsError):
-        return _store_anew(queues, queue, old, message, body_inside)   # a directory made
+        return _store_anew(queues, queue, old, message)   # a directory made meanwhile
     logger.warning("celery_zk: %s was not upgraded (%s); run the upgrade again",
                    old, type(failure[1]).__name__)
     return False

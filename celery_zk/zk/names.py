@@ -24,11 +24,14 @@ drawn in ``docs/design.md``.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import hashlib
 import re
 import time
 import uuid
+import zlib
 from typing import NamedTuple
 
 MAX_PRIORITY = 9
@@ -67,8 +70,19 @@ _BUCKET_RE = re.compile(r"^p(\d)-(\d{10})$")
 _CONSUMER_RE = re.compile(r"^(c[0-9a-f]{1,32})(?:-\d{10})?$")
 _PAYLOAD_RE = re.compile(r"^([a-z])~([^/~]+)~([0-9a-f]{1,32})~(\d{1,12})$")
 _HOLDING_RE = re.compile(r"^([^/~]+)~([0-9a-f]{1,32})-(\d{1,10})$")
-# An offer's token of a release before 0.4 may end in "~b".
 _OFFER_RE = re.compile(r"^(c[0-9a-f]{1,32})~([0-9a-f]{1,32}(?:~b)?)$")
+#: An offer's token ends so when its consumer takes a body from a handed name
+#: (every consumer from 0.3 on, which reads the names its watch reports).
+OFFER_TAKES_BODY = OWNER_SEP + "b"
+#: A handed message's name may carry a copy of its body, ``{name}~{body}``:
+#: zlib, then unpadded base64url (no "/", no "~", nothing to escape).
+INLINE_SEP = OWNER_SEP
+_INLINE_RE = re.compile(r"[A-Za-z0-9_-]+")
+#: Most characters of a body copied into a handed name. A Celery task's body
+#: is a few hundred; the watch event that names the entry brings it, so its
+#: delivery needs no read (one-way p50 idle 1.14, loaded 1.21 times as long
+#: without: docs/performance.md). Far below jute.maxbuffer.
+INLINE_CHARS = 2048
 # Characters that cannot appear raw in a node name, or that we use as separators.
 _ESCAPE_RE = re.compile(r"[%/,~\x00-\x1f\x7f]")
 #: Longest affinity key kept readable in a message name; a longer one is named
@@ -225,12 +239,60 @@ def requeued_name(message: MessageName) -> str:
             + f"r{message.order:0{SEQ_DIGITS}d}")
 
 
-@functools.lru_cache(maxsize=1 << 14)
 def parse_message_name(name: str) -> MessageName | None:
     """Parse a waiting-message name; ``None`` for nodes celery_zk did not write.
-    Cached: a message's name is parsed where it is listed, sorted, given,
-    read, delivered and acked, a dozen times between publish and ack; the
-    result is immutable. The cache holds about a listing's worth (~4 MB)."""
+    A handed message's copy of its body (:func:`inline_body`) is not part of
+    what the name says: it is cut off first, so the cache never holds it."""
+    return _parse_message_name(without_body(name))
+
+
+def without_body(name: str) -> str:
+    """``name`` without the copy of its body a handed message's name may
+    carry; any other name as it is, the same object."""
+    cut = _body_at(name)
+    return name if cut < 0 else name[:cut]
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _body_at(name: str) -> int:
+    """Where the copy of a body in ``name`` starts (its ``~``), or -1. Cached:
+    a handed name is cut where it is read, delivered, acked and where its
+    task starts, and matching a body that long takes microseconds."""
+    cut = name.find(INLINE_SEP)
+    if cut < 0 or _parse_message_name(name[:cut]) is None or not _INLINE_RE.fullmatch(
+            name, cut + 1):
+        return -1
+    return cut
+
+
+def inline_body(name: str) -> bytes | None:
+    """The body copied into a handed message's name, or ``None`` (none there,
+    or it does not decode: the consumer then reads the body node)."""
+    thin = without_body(name)
+    if thin is name:
+        return None
+    text = name[len(thin) + 1:]
+    try:
+        return zlib.decompress(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
+    except (binascii.Error, ValueError, zlib.error):
+        return None
+
+
+def encode_body(data: bytes) -> str | None:
+    """A body as it goes into a handed name; ``None`` when longer than
+    :data:`INLINE_CHARS`."""
+    if len(data) > INLINE_CHARS * 4:   # no hope of fitting: do not compress it
+        return None
+    text = base64.urlsafe_b64encode(zlib.compress(data)).rstrip(b"=").decode()
+    return text if len(text) <= INLINE_CHARS else None
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _parse_message_name(name: str) -> MessageName | None:
+    """:func:`parse_message_name` of a name without a body. Cached: a message's
+    name is parsed where it is listed, sorted, given, read, delivered and
+    acked, a dozen times between publish and ack; the result is immutable.
+    The cache holds about a listing's worth (~4 MB)."""
     match = _MESSAGE_RE.match(name)
     if not match:
         return None
@@ -245,7 +307,7 @@ def parse_legacy_name(name: str) -> MessageName | None:
     once upgraded: its body in bodies/, a flat one in bucket 0."""
     if not name.startswith("m"):
         return None
-    message = parse_message_name("n" + name[1:])
+    message = _parse_message_name("n" + name[1:])
     if message is not None:
         return message
     match = _LEGACY_FLAT_RE.match(name)
@@ -264,12 +326,19 @@ def is_legacy(name: str) -> bool:
 OrderKey = tuple[tuple[int, int, int, bool, int], str]
 
 
-@functools.lru_cache(maxsize=1 << 14)
 def order_key(name: str) -> OrderKey | None:
     """``(sort_key, name)`` of a message name; ``None`` for nodes celery_zk did not
-    write. Cached like the parse: a dispatcher orders a bucket's thousands of
-    names at each listing, then looks each one up again as it is given."""
-    message = parse_message_name(name)
+    write. Cached like the parse (on the name without a body's copy): a
+    dispatcher orders a bucket's thousands of names at each listing, then
+    looks each one up again as it is given."""
+    thin = without_body(name)
+    key = _order_key(thin)
+    return key if thin is name or key is None else (key[0], name)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _order_key(name: str) -> OrderKey | None:
+    message = _parse_message_name(name)
     return None if message is None else (message.sort_key, name)
 
 
@@ -289,16 +358,18 @@ def sort_messages(names: list[str]) -> tuple[list[str], list[str]]:
 
 def handed_name(inverted_priority: int, generation: int, uid: str,
                 kind: str = BODY_APART, task: str | None = None,
-                limit_key: str | None = None) -> str:
-    """The name a message handed straight to an idle consumer gets.
+                limit_key: str | None = None, body: str | None = None) -> str:
+    """The name a message handed straight to an idle consumer gets, with
+    ``body`` (:func:`encode_body`) as a copy of its body if given.
 
     It never waited in a bucket, so it has no sequence: zero. Its body is in
     the bucket of ``generation`` like any other's, and a requeue puts it at
     the front of that bucket: it was handed over while the queue was empty,
     ahead of its priority's later arrivals, where it belongs.
     """
-    return (message_prefix(inverted_priority, generation, uid, kind=kind, task=task,
+    name = (message_prefix(inverted_priority, generation, uid, kind=kind, task=task,
                            limit_key=limit_key) + "0" * SEQ_DIGITS)
+    return name if body is None else f"{name}{INLINE_SEP}{body}"
 
 
 def offer_name(consumer_id: str, token: str) -> str:

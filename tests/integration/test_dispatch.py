@@ -502,14 +502,13 @@ def test_a_dead_consumers_deep_inbox_goes_back_a_batch_per_multi(
     assert rest == list(range(total))
 
 
-def test_messages_of_earlier_releases_wait_for_the_upgrade_and_then_run_in_order(
+def test_messages_stored_before_0_2_wait_for_the_upgrade_and_then_run_in_order(
         zk_url: str, zk_client: KazooClient, caplog: pytest.LogCaptureFixture) -> None:
     """Nothing in the message path reads the forms of celery_zk before 0.2 (a
     body in its node: waiting in a bucket or flat in unowned/, or claimed flat
-    in owned/), nor 0.3's handed name with a copy of its body in a dead
-    worker's inbox: a dispatcher finding one says so once and leaves it.
-    `celery zk upgrade` stores them anew, each in its place, and they run; a
-    claimed one only once its owner's session has ended."""
+    in owned/): a dispatcher finding one says so once and leaves it. `celery
+    zk upgrade` stores them anew, each in its place, and they run; a claimed
+    one only once its owner's session has ended."""
     layout = layout_of(zk_url)
     queue = queue_of("upgrade")
     with Connection(zk_url) as earlier:   # declared by an earlier release, which made
@@ -540,18 +539,12 @@ def test_messages_of_earlier_releases_wait_for_the_upgrade_and_then_run_in_order
         held = f"m9-0000000000-{'b' * 16}-0000000000"
         zk_client.create(f"{layout.owned('upgrade')}/c00dead~{held}", stored("owned-old"))
         alive = f"m9-0000000000-{'d' * 16}-0000000001"
-        # Handed over by 0.3 with a copy of its body in the name, to a 0.3
-        # worker that died: its body node was written too.
-        handed = f"n9-0000000000-{'e' * 16}-0000000000"
-        zk_client.create(f"{layout.owned('upgrade')}/c00dead2/{handed}~QUJD", makepath=True)
-        zk_client.create(layout.body("upgrade", parse_message_name(handed)),
-                         stored("handed-by-0.3"), makepath=True)
         live_id, _ = conn.transport.session.ensure_registered()
         zk_client.create(f"{layout.owned('upgrade')}/{live_id}~{alive}",
                          stored("owned-by-a-live-one"))
         publish(conn, queue, ["new"])
         got: list[Any] = []
-        with caplog.at_level(logging.ERROR, logger="celery_zk.broker"), \
+        with caplog.at_level(logging.ERROR, logger="celery_zk.broker.dispatcher"), \
                 Consumer(conn, [queue], prefetch_count=1,
                          callbacks=[lambda body, message: (got.append(body["v"]),
                                                            message.ack())]):
@@ -559,21 +552,20 @@ def test_messages_of_earlier_releases_wait_for_the_upgrade_and_then_run_in_order
             with pytest.raises(socket.timeout):
                 conn.drain_events(timeout=1)
         assert got == ["new"]
-        # Said once by the dispatcher, once by the recovery leader.
-        assert caplog.text.count("celery -A proj zk upgrade") == 2, caplog.text
+        assert caplog.text.count("celery -A proj zk upgrade") == 1, caplog.text
 
         done = upgrade(conn.transport.queues)
-        assert done.moved == {"upgrade": 4} and done.owned_by_live == {"upgrade": 1}
+        assert done.moved == {"upgrade": 3} and done.owned_by_live == {"upgrade": 1}
         assert upgrade(conn.transport.queues).moved == {}   # again: nothing to do
         assert {"offers", "consumers", "chunks"} <= set(
             zk_client.get_children(layout.queue("upgrade")))
         with Consumer(conn, [queue], prefetch_count=1,
                       callbacks=[lambda body, message: (got.append(body["v"]),
                                                         message.ack())]):
-            drain_until(conn, got, 5, 30)
-    # Each in its place, by its first sequence: the owned and the handed one's
-    # 0 (then by uid), the flat one's (in bucket 0 now) 1 or 2, the waiting one's 5.
-    assert got == ["new", "owned-old", "handed-by-0.3", "flat-old", "waiting-old"]
+            drain_until(conn, got, 4, 30)
+    # Each in its place, by its first sequence: the owned one's 0, the flat
+    # one's (in bucket 0 now) 1 or 2, the waiting one's 5.
+    assert got == ["new", "owned-old", "flat-old", "waiting-old"]
     assert waiting(zk_client, layout, "upgrade") == []
 
 

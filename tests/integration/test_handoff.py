@@ -16,7 +16,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk.broker.offer import Offer
 from celery_zk.zk.layout import Layout
-from celery_zk.zk.names import offer_name, parse_message_name
+from celery_zk.zk.names import inline_body, offer_name, parse_message_name
 
 from .queues import body_path, owned, stored_body, waiting
 from .queues import unowned_creations as creations
@@ -136,11 +136,12 @@ def count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return paths
 
 
-def test_a_handed_message_is_read_in_one_request(
+def test_a_handed_message_brings_its_body_in_its_name(
         conn: Connection, zk_url: str, zk_client: KazooClient,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The inbox watch's event names the entry; its body is read in one
-    request. The start gate's time of the server's last answer is that read's."""
+    """The inbox watch's event names the entry, and the name holds a copy of
+    the body: delivered without a read. The start gate's time of the server's
+    last answer is the offer's create, not nothing."""
     from celery_zk.compat.celery import READ_AT
 
     reads = count_reads(monkeypatch)
@@ -157,11 +158,46 @@ def test_a_handed_message_is_read_in_one_request(
     assert body == payload and message.headers == {"task": "proj.add"}
     name = message.delivery_tag.rpartition("/")[2]
     assert parse_message_name(name).seq == 0   # handed over
-    assert len(reads) == 1 and reads[0].endswith(body_path(LAYOUT, "inline", name))
+    assert inline_body(name) is not None, "the handed name carries no body"
+    assert reads == [], f"read although its name carried the body: {reads}"
     assert 0 < delivered_at - message.properties[READ_AT] < 5
     # Acked as any message: the entry and the one body node go.
     wait_until(lambda: owned(zk_client, LAYOUT, "inline") == [], 5, 0.02, "not acked")
     assert zk_client.exists(body_path(LAYOUT, "inline", name)) is None
+
+
+def test_the_longest_name_with_a_body_is_a_node_name(zk_client: KazooClient) -> None:
+    """ZooKeeper takes (and lists, and deletes) an inbox entry whose name
+    carries the longest body copy there may be."""
+    from celery_zk.zk.names import INLINE_CHARS, handed_name
+
+    name = handed_name(0, 1, "ab" * 8, body="A" * INLINE_CHARS)
+    zk_client.ensure_path("/longest")
+    zk_client.create(f"/longest/{name}")
+    assert zk_client.get_children("/longest") == [name]
+    zk_client.delete(f"/longest/{name}")
+
+
+def test_a_body_too_big_for_a_name_is_handed_over_and_read(
+        conn: Connection, zk_url: str, zk_client: KazooClient,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import base64
+    import os
+
+    reads = count_reads(monkeypatch)
+    queue = Queue("thick", Exchange("thick", "direct"), "thick")
+    got: list[Any] = []
+    payload = base64.b64encode(os.urandom(6000)).decode()   # does not compress
+    with consumer(conn, queue, got):
+        expect_idle(conn)
+        wait_until(lambda: offers(zk_client, "thick"), 5, 0.02, "no offer was made")
+        publish(zk_url, queue, payload)
+        conn.drain_events(timeout=5)
+    body, message = got[0]
+    name = message.delivery_tag.rpartition("/")[2]
+    assert body == payload and parse_message_name(name).seq == 0
+    assert inline_body(name) is None and "~" not in name
+    assert len(reads) == 1
 
 
 def test_no_offers_with_handoff_off(zk_url: str, zk_client: KazooClient) -> None:
@@ -377,9 +413,13 @@ def test_a_publisher_faster_than_the_dispatcher_hands_over_again_once_its_waitin
             handoff._store("fast", ())   # behind: the first waits in line
             sent = 0
             deadline = time.monotonic() + 10
-            while unowned_creations(zk_client, "fast") == sent and sent < 2000:
+            while unowned_creations(zk_client, "fast") == sent and sent < 500:
                 producer.publish(sent, exchange=queue.exchange, routing_key="fast")
                 sent += 1
+                # Every 10 ms: more often than 0.3's gap, and seldom enough for
+                # the consumer to run dry and offer (a publisher always ahead
+                # of it makes a backlog, where nobody offers).
+                time.sleep(0.01)
                 assert time.monotonic() < deadline, "never handed over again"
             in_line = unowned_creations(zk_client, "fast")
             assert in_line < sent, "every message waited in line"
@@ -502,13 +542,13 @@ def test_rpc_results_over_zk_are_handed_to_the_waiting_client(
         app.close()
 
 
-def test_offers_back_off_while_the_dispatcher_gives_the_work(
+def test_an_offer_withdrawn_for_the_dispatchers_work_is_made_again_once_dry(
         zk_url: str, zk_client: KazooClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A consumer whose offer is withdrawn because the dispatcher gave it work
-    (the queue has a backlog, as in a drain) waits longer before its next
-    offer; once a publisher hands it a message it offers early again."""
-    from celery_zk.broker.offer import OFFER_AFTER
-
+    """A consumer whose offer is withdrawn because the dispatcher's work filled
+    its pool (the queue has a backlog, as in a drain) offers again once it is
+    dry with a slot free, and a publisher then hands it the next message.
+    (A wait before that offer, doubled per withdrawal, gained no drain and no
+    latency: docs/performance.md, removed in 0.4.)"""
     queue = Queue("backlog", Exchange("backlog", "direct"), "backlog")
     got: list[Any] = []
     with Connection(zk_url) as conn, consumer(conn, queue, got), \
@@ -527,14 +567,10 @@ def test_offers_back_off_while_the_dispatcher_gives_the_work(
             run_until(offering, "no offer")
             publish(waiting_url, queue, n)
             run_until(lambda n=n: len(got) == n + 1, "not delivered")
-            # The first waited in its bucket as sequence 0, as a handed one is
-            # named: no wait after it. Then the first wait, doubled each time.
-            assert inbox.offer._offer_after == (OFFER_AFTER[0] * 2 ** (n - 1) if n else 0.0)
         run_until(offering, "no offer")
         publish(zk_url, queue, "handed")
         run_until(lambda: len(got) == 5, "not delivered")
-        assert unowned_creations(zk_client, "backlog") == 4
-        assert inbox.offer._offer_after == 0.0
+        assert unowned_creations(zk_client, "backlog") == 4   # the fifth went straight
 
 
 def test_work_that_leaves_a_pool_slot_free_keeps_the_offer(
@@ -546,7 +582,6 @@ def test_work_that_leaves_a_pool_slot_free_keeps_the_offer(
     import celery.worker.state as worker_state
 
     import celery_zk.compat.celery as celery_compat
-    from celery_zk.broker.offer import OFFER_AFTER
 
     class Running:   # a task request in Celery's worker state (kept weakly)
         pass
@@ -588,13 +623,6 @@ def test_work_that_leaves_a_pool_slot_free_keeps_the_offer(
             run_until(no_offer_for_a_while, "")
             worker_state.reserved_requests.discard(running.pop())   # one ended
             run_until(lambda: offers(zk_client, "steady"), "no offer with a slot free again")
-            # Work that leaves a slot free says there is no backlog: the wait a
-            # backlog left (as after a drain) ends.
-            worker_state.reserved_requests.discard(running.pop())
-            inbox.offer._offer_after = OFFER_AFTER[1]
-            publish(waiting_url, queue, "fourth")
-            run_until(lambda: len(got) == 6, "not delivered")
-            assert inbox.offer._offer_after == 0.0
         finally:
             for request in running:
                 worker_state.reserved_requests.discard(request)

@@ -1,21 +1,26 @@
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 
 from celery_zk.zk.layout import Layout
 from celery_zk.zk.names import (
+    INLINE_CHARS,
     binding_name,
     bucket_name,
     clamp_priority,
+    encode_body,
     escape,
     handed_name,
+    inline_body,
     inverted,
     is_legacy,
     message_prefix,
     new_consumer_id,
     offer_name,
+    order_key,
     parse_binding_name,
     parse_bucket_name,
     parse_consumer_name,
@@ -26,6 +31,7 @@ from celery_zk.zk.names import (
     result_shard,
     sort_messages,
     unescape,
+    without_body,
 )
 
 
@@ -171,7 +177,7 @@ def test_offer_and_handed_names() -> None:
     offer = offer_name("c0123456789ab", "abcdef0123456789")
     assert offer == "c0123456789ab~abcdef0123456789"
     assert parse_offer_name(offer) == ("c0123456789ab", "abcdef0123456789")
-    # An offer of 0.3, which said it took a body in a handed name.
+    # An offer that takes a body in a handed name (every one from 0.3 on).
     assert parse_offer_name(offer + "~b") == ("c0123456789ab", "abcdef0123456789~b")
     assert parse_offer_name("x~y") is None and parse_offer_name("c01") is None
     handed = parse_message_name(handed_name(inverted(7), 3, "abcdef0123456789"))
@@ -344,3 +350,28 @@ def test_a_worker_starting_gets_an_id_of_its_own() -> None:
     signals.worker_init.send(sender=None)
     assert affinity.WORKER != before and len(affinity.WORKER) == 12
 
+
+
+def test_a_handed_name_carries_its_body_and_says_what_the_thin_name_says() -> None:
+    body = b'{"body": "W1tdLCB7fV0=", "headers": {"task": "proj.add"}}' * 8
+    thin = handed_name(inverted(3), 5, "abcdef0123456789", task="0a1b2c3d")
+    fat = handed_name(inverted(3), 5, "abcdef0123456789", task="0a1b2c3d",
+                      body=encode_body(body))
+    assert fat.startswith(thin + "~") and inline_body(fat) == body
+    assert without_body(fat) == thin and parse_message_name(fat) == parse_message_name(thin)
+    assert order_key(fat) == (order_key(thin)[0], fat)   # type: ignore[index]
+    # A requeue names it thin: the copy stays out of the queue's listings.
+    assert requeued_name(parse_message_name(fat)) == requeued(thin)  # type: ignore[arg-type]
+    layout = Layout("/r")
+    assert layout.split_owned_path(layout.inbox_message("q", "c0123456789ab", fat)) == (
+        "q", "c0123456789ab", fat)
+    # Names without a copy, and 0.1's flat owned names (consumer~name), are left alone.
+    assert inline_body(thin) is None and without_body(thin) is thin
+    flat = f"c0123456789ab~{new(0, 'a' * 16, 4)}"
+    assert without_body(flat) is flat and parse_message_name(flat) is None
+    # A copy that does not decode is no body: the consumer reads the body node.
+    assert inline_body(thin + "~AAAA") is None and parse_message_name(thin + "~AAAA")
+    assert parse_message_name(thin + "~not/base64!") is None
+    # What does not fit stays out of the name.
+    assert encode_body(os.urandom(3000)) is None and encode_body(os.urandom(9000)) is None
+    assert len(encode_body(body) or "") < INLINE_CHARS

@@ -192,7 +192,7 @@ def one_run(args: argparse.Namespace, hosts: str, work: str, run: str,
 
 
 def _holds(client: Any, key: str) -> bool:
-    """Whether a holding node of ``key`` exists (celery_zk.zk.layout.holding)."""
+    """Whether a holding node of ``key`` exists (celery_zk.features.affinity.holding)."""
     from kazoo.exceptions import NoNodeError
     try:
         return any(name.startswith(f"{key}~") for shard in client.get_children("/affinity")

@@ -19,7 +19,8 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 from kazoo.protocol.paths import join
 
-from celery_zk.zk.layout import Layout, parse_consumer_name
+from celery_zk.zk.layout import Layout
+from celery_zk.zk.names import parse_consumer_name
 
 Lookup = Callable[[KazooClient, str, str], "list[int]"]
 

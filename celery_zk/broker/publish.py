@@ -124,7 +124,7 @@ class Publisher:
                     affinity: str | None = None, size: int | None = None,
                     task: str | None = None, limit_key: str | None = None) -> NewMessage:
         """A message ready to publish (its size checked, its node named);
-        ``affinity``: its key's :func:`~celery_zk.zk.layout.affinity_token`;
+        ``affinity``: its key's :func:`~celery_zk.zk.names.affinity_token`;
         ``size``: its body's size, checked against the limit (default: all of
         ``data``)."""
         self.check_size(len(data) if size is None else size,

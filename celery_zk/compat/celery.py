@@ -38,7 +38,7 @@
   calls :func:`drop_unstarted_thread_tasks` the instant its session is lost.
   A task a pool thread takes up while the worker is cut off or just back from
   a pause is asked about at its start instead (:func:`gate_thread_task_starts`,
-  :mod:`celery_zk.broker.start_gate`): that relies on ``on_apply``'s
+  :mod:`celery_zk.worker.start_gate`): that relies on ``on_apply``'s
   parameters (:data:`ON_APPLY_PARAMETERS`) and on ``apply_target`` calling
   ``accept_callback`` before the task, outside its ``try``; a start refused
   there ends ``apply_target`` before the task, as a cancelled future would.
@@ -62,7 +62,7 @@
   a revoke the parent heard too late (docs/nemesis.md, B12).
   :func:`hand_prefork_tasks_through` makes a child call a starter of ours,
   told what the parent knew at the hand-over, in place of the tracer, and the
-  starter calls the tracer (:mod:`celery_zk.broker.child_gate`); the starter
+  starter calls the tracer (:mod:`celery_zk.worker.child_gate`); the starter
   is pickled by reference as the tracer is. Celery binds the pool's
   ``apply_async`` into each task's request class when its consumer starts,
   so this is installed with the worker's first connection. Fallback: no

@@ -1,7 +1,7 @@
 """Data-affinity scheduling: a worker prefers the messages whose data it holds.
 
 A task published with an affinity key carries it in its message node's name
-(``m{P}-{gen}-{uid}@{key}-{seq}``, :func:`~celery_zk.zk.layout.affinity_token`)::
+(``n{P}-{gen}-{uid}@{key}-{seq}``, :func:`~celery_zk.zk.names.affinity_token`)::
 
     process.apply_async((path,), headers={"zk_affinity": "dataset-42"})
 

@@ -19,7 +19,7 @@ worker, so it can hold a limit for all of them at once:
 A message over a limit waits where it is, in its place among its priority;
 the dispatcher gives the messages behind it that no limit holds, so other
 tasks of the queue are not held up. Messages carry their task's name (a
-hash, :func:`~celery_zk.zk.layout.task_token`) and their concurrency key in
+hash, :func:`~celery_zk.zk.names.task_token`) and their concurrency key in
 their node name, so the dispatcher limits from names alone.
 
 Limits live under ``{root}/limits/``: set from the app's configuration

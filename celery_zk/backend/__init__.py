@@ -4,6 +4,7 @@ expiry.
 ``celery_zk.backend:ZooKeeperBackend`` is the public path (the
 ``celery.result_backends`` entry point).
 """
+from . import autoexpire  # noqa: F401  (connects its worker signals)
 from .backend import ZooKeeperBackend
 
 __all__ = ["ZooKeeperBackend"]

@@ -10,10 +10,11 @@ Features
 * Groups are saved under ``groups/``; chords count their finished header tasks
   with a native counter (:mod:`celery_zk.backend.chord`), so Celery never runs the
   polling ``chord_unlock`` task.
-* ``result_expires`` is honoured by :meth:`ZooKeeperBackend.cleanup` (what
-  ``celery beat``'s ``backend_cleanup`` calls) through an index of nodes by the
-  hour they were written: cleanup reads only expired hours, never the done
-  area.
+* ``result_expires`` is honoured by :meth:`ZooKeeperBackend.cleanup` through
+  an index of nodes by the hour they were written: cleanup reads only expired
+  hours, never the done area. Workers run it by themselves, one at a time per
+  root (:mod:`celery_zk.backend.autoexpire`); beat's ``backend_cleanup`` may
+  call it too.
 * A result larger than ``chunk_size`` is stored as chunks written before its
   done node, which then holds a small manifest
   (:mod:`celery_zk.backend.payloads`); every read returns the whole value. One
@@ -88,7 +89,7 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
     ResultConsumer = ResultConsumer
 
     supports_native_join = True
-    supports_autoexpire = False  # beat's backend_cleanup calls cleanup()
+    supports_autoexpire = True  # workers clean (autoexpire), beat need not
     supports_result_compression = True  # node data is stored as raw bytes
     implements_incr = True
 

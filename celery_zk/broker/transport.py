@@ -80,6 +80,10 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   connection its own session.
 * ``max_result_size`` (int, 16777216): the result backend's (see
   :mod:`celery_zk.backend.payloads`).
+* ``expire_every`` (float, 600.0): how often, in seconds, a worker looks
+  whether its root's expired results are due for a cleanup (the result
+  backend's; 0: only when ``cleanup()`` is called, see
+  :mod:`celery_zk.backend.autoexpire`).
 """
 from __future__ import annotations
 

@@ -167,6 +167,12 @@ def _result_metrics(status: Status) -> Iterator[Any]:
     yield expired
     yield chunked
     yield chunked_bytes
+    if status.results.cleaned_at is not None:
+        cleaned = GaugeMetricFamily("celery_zk_results_cleaned_timestamp_seconds",
+                                    "When the workers' last round of deleting expired "
+                                    "results ended (seconds since the epoch).")
+        cleaned.add_metric([], status.results.cleaned_at)
+        yield cleaned
 
 
 def _server_metrics(status: Status) -> Iterator[Any]:

@@ -62,7 +62,9 @@ def format_status(status: Status, url: str) -> str:
         r = status.results
         parts += ["", f"results under {r.root}: {r.results:,} results, {r.groups:,} groups, "
                       f"{r.chords:,} chords; {r.expired:,} past result_expires; "
-                      f"{r.chunked:,} stored in chunks ({_size(r.chunked_bytes)})"]
+                      f"{r.chunked:,} stored in chunks ({_size(r.chunked_bytes)}); "
+                      + (f"expired ones last deleted {age(now - r.cleaned_at)} ago"
+                         if r.cleaned_at is not None else "expired ones never deleted yet")]
     if status.servers:
         parts.append("")
         rows = []

@@ -37,6 +37,7 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
+from ..backend.autoexpire import cleaned_at
 from ..backend.expiry import bucket_expired
 from ..broker import big
 from ..broker.liveness import consumer_nodes
@@ -103,6 +104,7 @@ class ResultsStatus:
     expired: int = 0         # index entries in hours past result_expires
     chunked: int = 0         # results/groups stored in chunks (orphans included)
     chunked_bytes: int = 0   # their bytes, as their containers' names say
+    cleaned_at: float | None = None   # when the workers' last cleanup round ended
 
 
 @dataclass
@@ -254,6 +256,7 @@ def _results(client: KazooClient, layout: Layout, result_expires: float | None,
     chords = _reply_or_none(client.exists_async(layout.chords))
     status.chords = chords.numChildren if chords is not None else 0
     status.chunked, status.chunked_bytes = _payload_bytes(client, layout)
+    status.cleaned_at = cleaned_at(client.exists_async(layout.expiry).get())
     if result_expires:
         cutoff = now - result_expires
         hours = [int(n[1:]) for n in _children(client, layout.expiry)

@@ -91,6 +91,7 @@ class ZKOptions:
     max_message_size: int = 16_777_216   # RabbitMQ 4's default
     chunk_size: int = 131_072     # MIN_CHUNK_SIZE to MAX_CHUNK_SIZE
     max_result_size: int = 16_777_216
+    expire_every: float = 600.0   # 0: results expire only when cleanup() is called
     acl: str = "auto"             # or "open"
     read_only_users: str = ""     # user:password,...
     use_ssl: bool = False

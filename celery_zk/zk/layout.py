@@ -18,6 +18,7 @@ from .names import (
     CHORD_LAZY,
     CHORD_SENT,
     CHORD_SIZE,
+    EXPIRY_CLEANER,
     OWNER_SEP,
     PAYLOAD_ENTRY,
     RESULT_SHARDS_HEX,
@@ -371,6 +372,13 @@ class Layout:
     @property
     def expiry(self) -> str:
         return join(self.root, "expiry")
+
+    @property
+    def expiry_cleaner(self) -> str:
+        """The ephemeral lock of the one process cleaning this root now
+        (:mod:`celery_zk.backend.autoexpire`); when the last round ended
+        is when :attr:`expiry` itself was last written."""
+        return join(self.expiry, EXPIRY_CLEANER)
 
     def expiry_bucket(self, hour: int) -> str:
         return join(self.expiry, f"h{hour:010d}")

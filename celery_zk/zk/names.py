@@ -54,6 +54,7 @@ CHUNK_NAME = "c{index:06d}"
 MAX_CHUNKS = 10 ** 6
 PAYLOAD_ENTRY = "p" + OWNER_SEP   # an expiry index entry naming a payload container
 REVOKED_TASK, REVOKED_STAMP = "t" + OWNER_SEP, "s" + OWNER_SEP   # kinds under revoked/
+EXPIRY_CLEANER = OWNER_SEP + "cleaner"   # under expiry/, beside its hours (h...)
 
 #: The first letter of a message name: how its body is stored in bodies/.
 BODY_APART = "n"    # whole, written once; the name alone moves

@@ -113,4 +113,4 @@ def test_backend_is_async_with_native_join_and_incr() -> None:
     assert backend.supports_native_join
     assert backend.implements_incr
     assert backend.apply_chord == backend._apply_chord_incr
-    assert not backend.supports_autoexpire  # so beat schedules backend_cleanup
+    assert backend.supports_autoexpire  # workers clean (backend/autoexpire.py); beat need not

@@ -26,6 +26,7 @@ from ..features.limits import limit_tokens
 from ..features.revokes import RevokeStore, control_command
 from ..zk.client import CONNECTION_ERRORS
 from ..zk.names import ONCE_PROPERTY, parse_message_name
+from . import queue_arguments
 from .connection import ZKConnection
 from .liveness import consumer_count
 from .ready import Claimed
@@ -370,11 +371,16 @@ class Channel(virtual.Channel):
         transport = self.connection
         if queue in transport.declared_queues:
             return
-        if kwargs.get("auto_delete") or kwargs.get("exclusive"):
+        temporary = bool(kwargs.get("auto_delete") or kwargs.get("exclusive"))
+        queue_arguments.warn_unhonoured(queue, kwargs.get("arguments"), temporary)
+        if temporary:
             transport.auto_delete.declare(queue)  # held while this session lives
         else:
             transport.queues.declare(queue, json.dumps({"auto_delete": False}).encode())
         transport.declared_queues.add(queue)
+
+    def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> Any:
+        return queue_arguments.prepare(arguments, **kwargs)
 
     def queue_declare(self, queue: str | None = None, passive: bool = False,
                       **kwargs: Any) -> Any:
@@ -470,3 +476,4 @@ class Channel(virtual.Channel):
             for queue in list(self._consuming):
                 self._stop_consuming(queue)
         super().close()
+

@@ -845,3 +845,31 @@ def test_a_message_published_once_is_stored_once(zk_url: str) -> None:
             assert ONCE_PROPERTY not in message.properties
             message.ack()
     assert got == [0, 2, 3, 4]
+
+
+def test_unhonoured_queue_arguments_warn_once_and_the_queue_works(
+        zk_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Queue(max_length=...) and x-message-ttl are not honoured yet: one warning
+    per queue naming them, none for x-max-priority, and the queue still works."""
+    limited = Queue("limited", Exchange("limited", "direct"), "limited", max_length=10,
+                    max_priority=9, queue_arguments={"x-message-ttl": 1000})
+    with Connection(zk_url) as conn:
+        channel = conn.channel()
+        with caplog.at_level("WARNING", logger="celery_zk"):
+            limited(channel).declare()
+            limited(conn.channel()).declare()   # a second channel, the same process
+        warnings = [r.getMessage() for r in caplog.records if "does not honour" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert "x-max-length, x-message-ttl" in warnings[0]
+        assert "x-max-priority" not in warnings[0]
+        Producer(channel).publish({"n": 1}, exchange=limited.exchange, routing_key="limited",
+                                  declare=[limited])
+        message = limited(channel).get(no_ack=True)
+        assert message is not None and message.payload == {"n": 1}
+        # kombu's remote control sets both on its auto-delete reply queues: they go
+        # with the session, so nothing is said.
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="celery_zk"):
+            Queue("replies", Exchange("replies", "direct"), "replies", auto_delete=True,
+                  expires=10, message_ttl=300)(channel).declare()
+        assert not [r for r in caplog.records if "does not honour" in r.getMessage()]

@@ -55,7 +55,6 @@ class Cleaner:
         self.backend = backend
         self.every = every
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def clean_if_due(self) -> bool:
         """One look; True when this process ran a round."""
@@ -91,15 +90,11 @@ class Cleaner:
     def _unlock(self) -> None:
         try:
             self.backend.client.delete(self.backend.layout.expiry_cleaner)
-        except NoNodeError:
-            pass
-        except CONNECTION_ERRORS:
-            pass   # ephemeral: it goes with the session
+        except (NoNodeError, *CONNECTION_ERRORS):
+            pass   # gone already, or ephemeral: it goes with the session
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="celery_zk-expiry",
-                                        daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name="celery_zk-expiry", daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()

@@ -476,4 +476,3 @@ class Channel(virtual.Channel):
             for queue in list(self._consuming):
                 self._stop_consuming(queue)
         super().close()
-

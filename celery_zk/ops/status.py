@@ -259,8 +259,8 @@ def _results(client: KazooClient, layout: Layout, result_expires: float | None,
     status.cleaned_at = cleaned_at(client.exists_async(layout.expiry).get())
     if result_expires:
         cutoff = now - result_expires
-        hours = [int(n[1:]) for n in _children(client, layout.expiry)
-                 if n.startswith("h") and n[1:].isdigit()]
+        hours = [hour for hour in map(layout.parse_expiry_bucket,
+                                      _children(client, layout.expiry)) if hour is not None]
         status.expired = sum(
             _sharded_count(client, layout.shards(layout.expiry_bucket(hour)))
             for hour in hours if bucket_expired(hour, cutoff))

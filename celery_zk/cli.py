@@ -160,9 +160,11 @@ def _report(ctx: click.Context, transport: Any, queues: tuple[str, ...]) -> Stat
         raise click.ClickException(
             f"no queue {', '.join(map(repr, unknown))} under {transport.layout.root!r}; "
             f"queues there: {', '.join(sorted(known)) or 'none'}")
+    options = transport.settings.options
     # The queues just listed: collect() need not list them again.
     return collect(transport.handle.client, transport.layout, transport.settings.hosts,
-                   results_layout, expires, queues or known, results_client=results_client)
+                   results_layout, expires, queues or known, results_client=results_client,
+                   budget=(options.budget_nodes, options.budget_bytes))
 
 
 #: Every command that talks to ZooKeeper takes it.

@@ -41,6 +41,13 @@ class ResultTooLarge(MessageTooLarge, EncodeError):
     """
 
 
+class StorageFull(CeleryZKError):
+    """A publish met the root's storage budget (options ``budget_nodes``,
+    ``budget_bytes``) and waited ``budget_wait`` seconds in vain, or the
+    servers' own quota refused it. Nothing was written; the message says what
+    is full and what to do (``docs/operations.md``)."""
+
+
 class PayloadError(CeleryZKError):
     """A chunked payload (celery_zk.zk.payload) cannot be written or read whole:
     its bytes do not match their manifest, or a container is not where it

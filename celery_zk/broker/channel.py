@@ -14,6 +14,7 @@ import sys
 from queue import Empty
 from typing import Any
 
+from kazoo.exceptions import QuotaExceededError
 from kombu.serialization import loads
 from kombu.transport import virtual
 from kombu.transport.virtual.base import queue_declare_ok_t
@@ -287,6 +288,14 @@ class Channel(virtual.Channel):
 
     # -- publishing ---------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        transport = self.connection
+        transport.budget.check(transport.handle.client, queue)   # waits while full
+        try:
+            self._store(queue, message)
+        except QuotaExceededError as exc:   # the servers enforce the root's quota
+            raise transport.budget.refused(exc) from exc
+
+    def _store(self, queue: str, message: dict[str, Any]) -> None:
         affinity = affinity_of(message)   # first: a bad key must fail before any write
         transport = self.connection
         publisher = transport.publisher

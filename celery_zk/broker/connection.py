@@ -16,6 +16,7 @@ from ..zk.watches import TreeWatches
 from .acks import Acks
 from .autodelete import AutoDeleteQueues
 from .bindings import Bindings
+from .budget import Budget
 from .handoff import HandOff
 from .liveness import ConsumerSession
 from .publish import NewMessage, Publisher
@@ -33,6 +34,7 @@ class ZKConnection(Protocol):
     handle: ClientHandle
     queues: Queues
     publisher: Publisher
+    budget: Budget
     acks: Acks
     session: ConsumerSession
     bindings: Bindings

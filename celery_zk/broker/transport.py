@@ -84,6 +84,10 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   whether its root's expired results are due for a cleanup (the result
   backend's; 0: only when ``cleanup()`` is called, see
   :mod:`celery_zk.backend.autoexpire`).
+* ``budget_nodes`` (int, 400000), ``budget_bytes`` (int, 134217728),
+  ``budget_wait`` (float, 60.0): the storage budget of the root, counted by
+  the servers' quota; over it a publish waits, then fails with
+  ``StorageFull`` (see :mod:`celery_zk.broker.budget`).
 """
 from __future__ import annotations
 
@@ -119,6 +123,7 @@ from ..zk.watches import TreeWatches, watches_of
 from .acks import Acks
 from .autodelete import AutoDeleteQueues
 from .bindings import Bindings
+from .budget import budget_for
 from .channel import Channel
 from .eventloop import Waker
 from .groups import held_by_this_thread, install_when_imported
@@ -189,6 +194,7 @@ class Transport(virtual.Transport):
         self.layout = Layout(self.settings.root)
         self.queues = Queues(self.handle, self.layout, self.settings.options)
         self.publisher = Publisher(self.queues)
+        self.budget = budget_for(self.settings.hosts, self.layout, self.settings.options)
         self.acks = Acks(self.queues)
         self.bindings = Bindings(self.handle, self.layout, self.wake)
         self.auto_delete = AutoDeleteQueues(self.handle, self.layout, self.queues)

@@ -67,6 +67,7 @@ class StatusCollector(Collector):
         yield from _queue_metrics(status)
         yield from _consumer_metrics(status)
         yield from _limit_metrics(status)
+        yield from _budget_metrics(status)
         yield from _result_metrics(status)
         yield from _server_metrics(status)
         took = GaugeMetricFamily("celery_zk_scrape_duration_seconds",
@@ -145,6 +146,31 @@ def _consumer_metrics(status: Status) -> Iterator[Any]:
     count = GaugeMetricFamily("celery_zk_consumers", "Live consuming connections.")
     count.add_metric([], len(status.consumers))
     yield count
+
+
+def _budget_metrics(status: Status) -> Iterator[Any]:
+    budget = status.budget
+    if budget is None:
+        return
+    used = GaugeMetricFamily("celery_zk_budget_used", "What the root holds, as the "
+                             "servers' quota counts it.", labels=["unit"])
+    ceiling = GaugeMetricFamily("celery_zk_budget_limit", "The storage budget "
+                                "(budget_nodes, budget_bytes; 0: none).", labels=["unit"])
+    for unit, held, limit in (("znodes", budget.nodes, budget.max_nodes),
+                              ("bytes", budget.bytes, budget.max_bytes)):
+        if held is not None:
+            used.add_metric([unit], held)
+        ceiling.add_metric([unit], limit)
+    blocked = GaugeMetricFamily("celery_zk_publishers_blocked",
+                                "Publisher processes waiting for the budget now.")
+    blocked.add_metric([], len(budget.blocked))
+    yield from (used, ceiling, blocked)
+    if budget.blocked_since is not None:
+        since = GaugeMetricFamily("celery_zk_publishers_blocked_since_seconds",
+                                  "When the longest-blocked publisher began waiting "
+                                  "(seconds since the epoch).")
+        since.add_metric([], budget.blocked_since)
+        yield since
 
 
 def _result_metrics(status: Status) -> Iterator[Any]:

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .dead_letters import DeadLetter
 from .limits import LimitStatus
-from .status import Status
+from .status import BudgetStatus, Status
 
 __all__ = ["format_dead", "format_limits", "format_status"]
 
@@ -30,6 +30,26 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(line, widths)).rstrip()
              for line in [header, *rows]]
     return "\n".join(lines)
+
+
+def format_budget(budget: BudgetStatus, now: float) -> str:
+    def share(held: int | None, limit: int, show: Callable[[int], str]) -> str:
+        text = "?" if held is None else show(held)
+        return f"{text} of {show(limit)}" if limit else f"{text} (no limit)"
+    if budget.nodes is None:
+        line = ("storage budget: not counted (the root has no quota yet: a publisher "
+                "makes it, or see docs/operations.md)")
+    else:
+        line = (f"storage budget: {share(budget.nodes, budget.max_nodes, '{:,} znodes'.format)}"
+                f", {share(budget.bytes, budget.max_bytes, _size)}")
+    if budget.blocked:
+        since = budget.blocked_since or now
+        queues = sorted({str(b.get("queue")) for b in budget.blocked})
+        line += (f"; FULL: {len(budget.blocked)} publisher process(es) blocked for "
+                 f"{age(now - since)} (queues {', '.join(queues)})")
+    else:
+        line += "; no publisher blocked"
+    return line
 
 
 def format_status(status: Status, url: str) -> str:
@@ -56,6 +76,8 @@ def format_status(status: Status, url: str) -> str:
         parts.append(table(["CONSUMER", "HOST", "PID", "QUEUES", "OWNED", "UP"], rows))
     else:
         parts.append("no consumers")
+    if status.budget is not None:
+        parts += ["", format_budget(status.budget, now)]
     if status.limits:
         parts += ["", format_limits(status.limits)]
     if status.results is not None:

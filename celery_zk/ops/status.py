@@ -21,6 +21,9 @@ report costs a few pipelined round trips per queue, whatever its backlog.
   (one listing per shard in use, pipelined), which carry each payload's size.
   The bytes of plain (unchunked) results are not counted: that would be a
   stat per result; ``mntr``'s ``zk_approximate_data_size`` has the total.
+* The storage budget: the root's znodes and bytes as the servers' quota
+  counts them (one read), against the budget; the publishers it holds back
+  now, with since when (the ephemeral nodes under ``blocked/``).
 * Cluster-wide limits, their use and what waits on them
   (:mod:`celery_zk.ops.limits`).
 * The server: ``mntr`` (or ``srvr``, the one four-letter word ZooKeeper
@@ -28,6 +31,7 @@ report costs a few pipelined round trips per queue, whatever its backlog.
 """
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -40,6 +44,7 @@ from kazoo.exceptions import NoNodeError
 from ..backend.autoexpire import cleaned_at
 from ..backend.expiry import bucket_expired
 from ..broker import big
+from ..broker.budget import Use
 from ..broker.liveness import consumer_nodes
 from ..server.launcher import four_letter_word
 from ..zk.client import reply_or_retry
@@ -55,7 +60,7 @@ from ..zk.names import (
 )
 from .limits import LimitStatus, limit_statuses
 
-__all__ = ["ConsumerStatus", "QueueStatus", "ResultsStatus", "Status", "collect",
+__all__ = ["BudgetStatus", "ConsumerStatus", "QueueStatus", "ResultsStatus", "Status", "collect",
            "server_health"]
 
 #: mntr keys worth showing (ZooKeeper 3.5+ names); the rest stay in --json.
@@ -108,6 +113,19 @@ class ResultsStatus:
 
 
 @dataclass
+class BudgetStatus:
+    max_nodes: int           # 0: no limit
+    max_bytes: int
+    nodes: int | None = None   # None: the root has no quota, so nothing counts it
+    bytes: int | None = None
+    blocked: list[dict[str, Any]] = field(default_factory=list)   # host, pid, queue, since
+
+    @property
+    def blocked_since(self) -> float | None:
+        return min((b["since"] for b in self.blocked), default=None)
+
+
+@dataclass
 class Status:
     root: str
     queues: list[QueueStatus]
@@ -116,6 +134,7 @@ class Status:
     servers: dict[str, dict[str, Any]]
     took: float = 0.0
     limits: list[LimitStatus] = field(default_factory=list)
+    budget: BudgetStatus | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -130,6 +149,7 @@ class Status:
                        for q in self.queues],
             "consumers": [c.__dict__ for c in self.consumers],
             "results": self.results.__dict__ if self.results is not None else None,
+            "budget": self.budget.__dict__ if self.budget is not None else None,
             "servers": self.servers,
             "took_seconds": round(self.took, 3),
         }
@@ -138,10 +158,12 @@ class Status:
 def collect(client: KazooClient, layout: Layout, hosts: str,
             results_layout: Layout | None = None, result_expires: float | None = None,
             queues: Iterable[str] | None = None, health: bool = True,
-            results_client: KazooClient | None = None) -> Status:
+            results_client: KazooClient | None = None,
+            budget: tuple[int, int] | None = None) -> Status:
     """One report. ``queues``: only these (all by default); ``results_layout``:
     the zk result backend's root, if it has one (read through ``results_client``
-    when the backend is on other servers)."""
+    when the backend is on other servers); ``budget``: its
+    ``(budget_nodes, budget_bytes)``."""
     started = time.monotonic()
     names = sorted(queues) if queues is not None else queue_names(client, layout)
     now = time.time()
@@ -158,7 +180,27 @@ def collect(client: KazooClient, layout: Layout, hosts: str,
     limits = limit_statuses(client, layout, names,
                             {q.name: q.waiting_total for q in queue_status}, now)
     return Status(layout.root, queue_status, consumers, results, servers,
-                  time.monotonic() - started, limits)
+                  time.monotonic() - started, limits,
+                  _budget(client, layout, *budget) if budget is not None else None)
+
+
+def _budget(client: KazooClient, layout: Layout, max_nodes: int,
+            max_bytes: int) -> BudgetStatus:
+    status = BudgetStatus(max_nodes, max_bytes)
+    stats = _reply_or_none(client.get_async(layout.quota_stats))
+    use = Use.parse(stats[0]) if stats is not None else None
+    if use is not None:
+        status.nodes, status.bytes = use.nodes, use.size
+    names = _children(client, layout.blocked)
+    for reply in [client.get_async(layout.listed(layout.blocked, n)) for n in names]:
+        got = _reply_or_none(reply)
+        try:
+            meta = json.loads(got[0]) if got is not None else None
+        except ValueError:
+            meta = None
+        if isinstance(meta, dict) and isinstance(meta.get("since"), (int, float)):
+            status.blocked.append(meta)
+    return status
 
 
 def queue_names(client: KazooClient, layout: Layout) -> list[str]:

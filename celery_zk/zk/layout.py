@@ -21,6 +21,9 @@ from .names import (
     EXPIRY_CLEANER,
     OWNER_SEP,
     PAYLOAD_ENTRY,
+    QUOTA_LIMITS,
+    QUOTA_ROOT,
+    QUOTA_STATS,
     RESULT_SHARDS_HEX,
     REVOKED_STAMP,
     REVOKED_TASK,
@@ -379,6 +382,33 @@ class Layout:
         (:mod:`celery_zk.backend.autoexpire`); when the last round ended
         is when :attr:`expiry` itself was last written."""
         return join(self.expiry, EXPIRY_CLEANER)
+
+    # -- the storage budget (celery_zk.broker.budget) ----------------------------
+    @property
+    def quota_limits(self) -> str:
+        """ZooKeeper's quota on the root: its limits (hard ones, where the
+        server enforces quotas, at a margin above the budget)."""
+        return QUOTA_ROOT + self.root + "/" + QUOTA_LIMITS
+
+    @property
+    def quota_stats(self) -> str:
+        """Nodes and bytes under the root, counted by the server itself."""
+        return QUOTA_ROOT + self.root + "/" + QUOTA_STATS
+
+    def ancestor_quotas(self) -> list[str]:
+        """The limits node a quota on a path above the root would have: such a
+        quota counts our nodes, and one of ours below it would take them away."""
+        parts = self.root.strip("/").split("/")[:-1]
+        return [QUOTA_ROOT + "".join("/" + p for p in parts[:i]) + "/" + QUOTA_LIMITS
+                for i in range(len(parts) + 1)]
+
+    @property
+    def blocked(self) -> str:
+        """Ephemeral nodes of the publishers the budget holds back now."""
+        return join(self.root, "blocked")
+
+    def blocked_publisher(self, publisher: str) -> str:
+        return join(self.blocked, escape(publisher))
 
     def expiry_bucket(self, hour: int) -> str:
         return join(self.expiry, f"h{hour:010d}")

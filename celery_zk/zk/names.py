@@ -55,6 +55,11 @@ MAX_CHUNKS = 10 ** 6
 PAYLOAD_ENTRY = "p" + OWNER_SEP   # an expiry index entry naming a payload container
 REVOKED_TASK, REVOKED_STAMP = "t" + OWNER_SEP, "s" + OWNER_SEP   # kinds under revoked/
 EXPIRY_CLEANER = OWNER_SEP + "cleaner"   # under expiry/, beside its hours (h...)
+#: ZooKeeper's own quota nodes for a path P: ``{QUOTA_ROOT}{P}/{QUOTA_LIMITS}``
+#: (what an operator or celery_zk set) and ``.../{QUOTA_STATS}`` (the count of
+#: nodes and bytes under P, kept by every server in memory).
+QUOTA_ROOT = "/zookeeper/quota"
+QUOTA_LIMITS, QUOTA_STATS = "zookeeper_limits", "zookeeper_stats"
 
 #: The first letter of a message name: how its body is stored in bodies/.
 BODY_APART = "n"    # whole, written once; the name alone moves

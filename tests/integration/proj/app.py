@@ -80,7 +80,8 @@ def add(x: int, y: int) -> int:
 
 
 @app.task
-def record(value: object) -> object:
+def record(value: object, payload: str = "") -> object:
+    """``payload``: ignored; it makes the message as big as a test needs."""
     _record("record", value)
     return value
 

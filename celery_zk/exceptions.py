@@ -48,6 +48,11 @@ class StorageFull(CeleryZKError):
     is full and what to do (``docs/operations.md``)."""
 
 
+class QueueFull(CeleryZKError):
+    """A publish to a queue at its ``x-max-length`` with ``x-overflow``
+    ``reject-publish``. Nothing was written."""
+
+
 class PayloadError(CeleryZKError):
     """A chunked payload (celery_zk.zk.payload) cannot be written or read whole:
     its bytes do not match their manifest, or a container is not where it

@@ -414,6 +414,16 @@ class Acks:
         return self._move_to_dead(self.layout.unowned_message(queue, name),
                                   self.layout.dead_message(queue, name), reason)
 
+    def dead_letter_waiting(self, queue: str, name: str, reason: str) -> bool:
+        """Move a waiting message (its name as listed, and its body) to dead/."""
+        message = parse_message_name(name)
+        if message is None:
+            return self.dead_letter_unowned(queue, name, reason)
+        return self._move_to_dead(self.layout.unowned_message(queue, name),
+                                  self.layout.dead_message(queue, name), reason,
+                                  self.layout.body(queue, message),
+                                  (queue, message.uid) if message.chunked else None)
+
     def _move_to_dead(self, source: str, target: str, reason: str,
                       body: str | None = None,
                       chunks_of: tuple[str, str] | None = None) -> bool:

@@ -154,20 +154,22 @@ class AutoDeleteQueues(Sweeper):
     def __init__(self, handle: ClientHandle, layout: Layout, queues: Queues) -> None:
         super().__init__(layout, queues)
         self.handle = handle
-        self.held: set[str] = set()
+        #: The queues this connection holds, with the data each was declared with.
+        self.held: dict[str, bytes] = {}
         #: Call from any thread but kazoo's: holds every queue again after an expiry.
         self.restore = AfterExpiry(handle, self._restore)
 
     def _holder(self, client: KazooClient, queue: str) -> str:
         return self.layout.holder(queue, client.retry(_session_id, client), self.handle.token)
 
-    def declare(self, queue: str) -> None:
-        """Declare ``queue`` (if needed) and hold it for this connection."""
+    def declare(self, queue: str, meta: bytes = META) -> None:
+        """Declare ``queue`` (if needed) and hold it for this connection;
+        ``meta``: its node's data (celery_zk.broker.queue_arguments.meta)."""
         client = self.handle.client
         for _ in range(DELETE_ATTEMPTS):
             holder = self._holder(client, queue)
             self.handle.own(holder)   # a connection dropped without close() deletes it too
-            if self.queues.declare(queue, META, holder=holder):
+            if self.queues.declare(queue, meta, holder=holder):
                 break
             try:  # it existed: add our holder to it
                 client.retry(client.create, holder, ephemeral=True)
@@ -182,13 +184,13 @@ class AutoDeleteQueues(Sweeper):
                         "Delete it or use another name to make it auto-delete.", queue)
                     return
                 # swept between our two requests: declare it again
-        self.held.add(queue)
+        self.held[queue] = meta
 
     def _restore(self, client: KazooClient) -> None:
         # The old session's holders went with it; a leader may even have deleted
         # the queues meanwhile (they had no holder): declare each one again.
-        for queue in list(self.held):
-            self.declare(queue)
+        for queue, meta in list(self.held.items()):
+            self.declare(queue, meta)
         if self.held:
             logger.info("celery_zk: holding %d auto-delete queue(s) again after session "
                         "expiry", len(self.held))

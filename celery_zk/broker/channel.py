@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from queue import Empty
 from typing import Any
 
@@ -252,6 +253,13 @@ class Channel(virtual.Channel):
             # a message may wait in the inbox, its lookahead, before delivery).
             properties[celery_compat.READ_AT] = claimed.read_at
             properties[RATE_LIMITED] = self._rate_limited()
+            why = queue_arguments.expired(
+                properties, claimed.stored_at,
+                self.connection.queue_limits.of(claimed.queue).message_ttl, time.time())
+            if why is not None:   # never delivered
+                self.connection.queue_limits.expire(claimed.owned_path, claimed.queue, why)
+                self.connection.settled(claimed.owned_path)
+                return None
             parsed = parse_message_name(claimed.name)
             if parsed is not None and parsed.requeued:
                 # The name says it was requeued (by a reject, a shutdown or a dead owner).
@@ -290,10 +298,12 @@ class Channel(virtual.Channel):
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         transport = self.connection
         transport.budget.check(transport.handle.client, queue)   # waits while full
+        transport.queue_limits.before_publish(queue)   # x-max-length, reject-publish
         try:
             self._store(queue, message)
         except QuotaExceededError as exc:   # the servers enforce the root's quota
             raise transport.budget.refused(exc) from exc
+        transport.queue_limits.after_publish(queue)   # drop-head
 
     def _store(self, queue: str, message: dict[str, Any]) -> None:
         affinity = affinity_of(message)   # first: a bad key must fail before any write
@@ -381,11 +391,15 @@ class Channel(virtual.Channel):
         if queue in transport.declared_queues:
             return
         temporary = bool(kwargs.get("auto_delete") or kwargs.get("exclusive"))
-        queue_arguments.warn_unhonoured(queue, kwargs.get("arguments"), temporary)
+        arguments = dict(kwargs.get("arguments") or {})
+        declared = queue_arguments.Limits.of(queue, arguments)   # bad values: before a write
+        queue_arguments.warn_unhonoured(queue, arguments, temporary)
+        meta = queue_arguments.meta(arguments, temporary)
         if temporary:
-            transport.auto_delete.declare(queue)  # held while this session lives
-        else:
-            transport.queues.declare(queue, json.dumps({"auto_delete": False}).encode())
+            transport.auto_delete.declare(queue, meta)  # held while this session lives
+        elif not transport.queues.declare(queue, meta):   # it existed: its own stay
+            queue_arguments.warn_kept(queue, declared,
+                                      transport.queue_limits.of(queue, fresh=True))
         transport.declared_queues.add(queue)
 
     def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> Any:
@@ -421,7 +435,7 @@ class Channel(virtual.Channel):
         self.state.queue_bindings_delete(queue)
         transport.queues.delete(queue)
         transport.declared_queues.discard(queue)
-        transport.auto_delete.held.discard(queue)
+        transport.auto_delete.held.pop(queue, None)
         self._stop_consuming(queue)
 
     # -- exchanges and bindings ---------------------------------------------------

@@ -20,6 +20,7 @@ from .budget import Budget
 from .handoff import HandOff
 from .liveness import ConsumerSession
 from .publish import NewMessage, Publisher
+from .queue_limits import QueueLimits
 from .queues import Queues
 from .unconfirmed import UnconfirmedPublisher
 
@@ -35,6 +36,7 @@ class ZKConnection(Protocol):
     queues: Queues
     publisher: Publisher
     budget: Budget
+    queue_limits: QueueLimits
     acks: Acks
     session: ConsumerSession
     bindings: Bindings

@@ -325,15 +325,15 @@ class Inbox:
             message = parse_message_name(name)
             assert message is not None
             try:
-                data, _ = reply_or_retry(client, read, client.get,
-                                         layout.body(self.queue, message))
+                data, stat = reply_or_retry(client, read, client.get,
+                                            layout.body(self.queue, message))
                 data = big.read_body(client, layout, self.queue, message, data)
             except (NoNodeError, ChunkMissing):
                 self._lost(owned, name)
                 continue
             # When the read was sent: the server answered after it (start gates
             # judge freshness by it, however long the message then waits here).
-            self.buffer.push(Claimed(self.queue, name, owned, data, sent), key)
+            self.buffer.push(Claimed(self.queue, name, owned, data, sent, stat.ctime / 1e3), key)
         if moved:   # once a batch has landed, not per delivery
             self._pending_moved()
 
@@ -394,13 +394,13 @@ class Inbox:
             assert message is not None
             sent = time.monotonic()
             try:
-                data, _ = client.retry(client.get, layout.body(self.queue, message))
+                data, stat = client.retry(client.get, layout.body(self.queue, message))
                 data = big.read_body(client, layout, self.queue, message, data)
             except (NoNodeError, ChunkMissing):
                 self._lost(owned, name)
                 continue
             self.delivered.add(name)
-            return Claimed(self.queue, name, owned, data, sent)
+            return Claimed(self.queue, name, owned, data, sent, stat.ctime / 1e3)
         return None
 
     def _claim(self, client: KazooClient, name: str, consumer_id: str) -> str | None:

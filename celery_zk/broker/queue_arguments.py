@@ -2,29 +2,105 @@
 
 kombu turns ``Queue(max_length=..., message_ttl=..., expires=...)`` into
 arguments only for a transport that asks it to (a virtual transport's
-default drops them), so the transport asks, as py-amqp's does, and every
-argument reaches :func:`warn_unhonoured`. celery_zk honours
-``x-max-priority`` in effect (every queue has priorities 0-9), and on an
-auto-delete or exclusive queue ``x-expires`` and ``x-message-ttl`` (the queue
-and what it holds go with the session that declared it: kombu's remote
-control and Celery's event queues set both); any other is named in one
-warning per queue and process, so a limit or a lifetime never stops working
-in silence.
+default drops them), so the transport asks, as py-amqp's does.
+
+Honoured: ``x-max-priority`` (every queue has priorities 0-9),
+``x-message-ttl`` and a message's own ``expiration`` (an expired message is
+never delivered), ``x-max-length`` with ``x-overflow`` (``drop-head``,
+``reject-publish``; :mod:`celery_zk.broker.max_length`), and on an
+auto-delete or exclusive queue ``x-expires`` (the queue goes with the
+session that declared it). They are stored with the queue at its first
+declaration, so every process sees the same; as RabbitMQ, a later
+declaration cannot change them (a warning says so). Any other argument is
+named in one warning per queue and process, so a limit or a lifetime never
+stops working in silence.
 """
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
-__all__ = ["HONOURED", "HONOURED_BY_TEMPORARY", "prepare", "warn_unhonoured"]
+from ..exceptions import ZKConfigurationError
+
+__all__ = ["DROP_HEAD", "REJECT_PUBLISH", "Limits", "expired", "prepare", "warn_unhonoured"]
 
 logger = logging.getLogger(__name__)
 
-HONOURED = frozenset({"x-max-priority"})
-HONOURED_BY_TEMPORARY = HONOURED | {"x-expires", "x-message-ttl"}
+DROP_HEAD, REJECT_PUBLISH = "drop-head", "reject-publish"
+#: reject-publish-dlx: refused as reject-publish (the publisher keeps the message).
+_OVERFLOWS = {DROP_HEAD: DROP_HEAD, REJECT_PUBLISH: REJECT_PUBLISH,
+              "reject-publish-dlx": REJECT_PUBLISH}
+STORED = ("x-message-ttl", "x-max-length", "x-overflow")
+HONOURED = frozenset({"x-max-priority", *STORED})
+HONOURED_BY_TEMPORARY = HONOURED | {"x-expires"}
 _warned: set[tuple[str, str]] = set()
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a queue's stored arguments ask of every publisher and consumer."""
+
+    message_ttl: float | None = None   # seconds
+    max_length: int | None = None
+    overflow: str = DROP_HEAD
+
+    @classmethod
+    def of(cls, queue: str, arguments: dict[str, Any]) -> Limits:
+        """From declared arguments; a bad value is a clear error before anything is stored."""
+        def number(name: str) -> int | None:
+            value = arguments.get(name)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ZKConfigurationError(
+                    f"Queue {queue!r}: {name} must be a whole number of at least 0 (as "
+                    f"RabbitMQ requires), not {value!r}. Nothing was declared.")
+            return value
+        ttl, length = number("x-message-ttl"), number("x-max-length")
+        overflow = arguments.get("x-overflow", DROP_HEAD)
+        if overflow not in _OVERFLOWS:
+            raise ZKConfigurationError(
+                f"Queue {queue!r}: x-overflow must be one of {', '.join(_OVERFLOWS)}, not "
+                f"{overflow!r}. Nothing was declared.")
+        return cls(None if ttl is None else ttl / 1000, length, _OVERFLOWS[overflow])
+
+    @classmethod
+    def stored(cls, meta: bytes) -> Limits:
+        """From a queue node's data (a queue declared before 0.4 has none)."""
+        try:
+            arguments = json.loads(meta or b"{}").get("arguments") or {}
+            return cls.of("", arguments)
+        except (ValueError, AttributeError, ZKConfigurationError):
+            return cls()
+
+
+def meta(arguments: Any, auto_delete: bool) -> bytes:
+    """A queue node's data: whether it is auto-delete, and its stored arguments."""
+    kept = {name: value for name, value in dict(arguments or {}).items() if name in STORED}
+    return json.dumps({"auto_delete": auto_delete, "arguments": kept}).encode()
+
+
+def expired(properties: dict[str, Any], stored_at: float | None, ttl: float | None,
+            now: float) -> str | None:
+    """Why a message stored at ``stored_at`` (the server's clock, seconds) is
+    expired by ``now``, or None: the queue's ``ttl`` or its own ``expiration``
+    (milliseconds, as AMQP and kombu give it), whichever ends first."""
+    if stored_at is None:
+        return None
+    reasons = []
+    if ttl is not None and now >= stored_at + ttl:
+        reasons.append(f"the queue's x-message-ttl of {ttl * 1000:g} ms")
+    try:
+        own = float(properties.get("expiration") or "nan") / 1000
+    except (TypeError, ValueError):
+        own = float("nan")
+    if own == own and now >= stored_at + own:   # not nan
+        reasons.append(f"its expiration of {own * 1000:g} ms")
+    return " and ".join(reasons) or None
 
 
 def prepare(arguments: Any, **options: Any) -> dict[str, Any]:
@@ -46,3 +122,13 @@ def warn_unhonoured(queue: str, arguments: Any, temporary: bool) -> None:
                    "yet: the queue works without it (docs/configuration.md, 'Queue arguments'). "
                    "Remove it from the declaration to silence this.",
                    queue, ", ".join(unhonoured))
+
+
+def warn_kept(queue: str, declared: Limits, kept: Limits) -> None:
+    """A declaration whose limits differ from those stored with the queue."""
+    if declared != kept and (queue, "") not in _warned:
+        _warned.add((queue, ""))
+        logger.warning("celery_zk: queue %r was declared with %s, but it exists with %s, "
+                       "which stay (as RabbitMQ, a declaration does not change a queue's "
+                       "arguments). Delete the queue to declare it anew.", queue,
+                       declared, kept)

@@ -258,10 +258,10 @@ class Queues:
                 names = client.retry(client.get_children, layout.bucket(queue, bucket))
             except NoNodeError:
                 continue
-            removed += self._delete_waiting(queue, names)
+            removed += self.delete_waiting(queue, names)
         return removed
 
-    def _delete_waiting(self, queue: str, names: list[str]) -> int:
+    def delete_waiting(self, queue: str, names: list[str]) -> int:
         """Delete waiting messages (each name with its body), :data:`PURGE_BATCH`
         per multi; how many this call deleted."""
         layout = self.layout

@@ -38,6 +38,9 @@ class Claimed:
     data: bytes
     #: When the read of its body was sent (monotonic): the server answered after.
     read_at: float
+    #: When its body was stored (the server's clock, epoch seconds), for its
+    #: lifetime (x-message-ttl, expiration); None for one handed over just now.
+    stored_at: float | None = None
 
 #: A message's place in an inbox: its queue order (MessageName.sort_key, or for
 #: a handed one the place behind what arrived before it), then its arrival.

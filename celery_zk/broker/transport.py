@@ -55,7 +55,8 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
   another (see :mod:`celery_zk.features.affinity`); the oldest waiting message
   is given first once it has been the oldest this long. 0: never wait.
 * ``dead_letter_rejected`` (bool, False): keep messages rejected with
-  ``requeue=False`` under the queue's ``dead/`` directory.
+  ``requeue=False``, expired ones and those a queue's length drops under the
+  queue's ``dead/`` directory.
 * ``confirm_publish`` (bool, True): wait for ZooKeeper to store each message
   before a publish returns; False pipelines publishes (see
   :mod:`celery_zk.broker.unconfirmed`: faster, but a killed process loses what was
@@ -131,6 +132,7 @@ from .handoff import HandOff
 from .inbox import Inbox
 from .liveness import ConsumerSession
 from .publish import NewMessage, Publisher
+from .queue_limits import QueueLimits
 from .queues import Queues
 from .unconfirmed import UnconfirmedPublisher
 
@@ -196,6 +198,7 @@ class Transport(virtual.Transport):
         self.publisher = Publisher(self.queues)
         self.budget = budget_for(self.settings.hosts, self.layout, self.settings.options)
         self.acks = Acks(self.queues)
+        self.queue_limits = QueueLimits(self.queues, self.acks)
         self.bindings = Bindings(self.handle, self.layout, self.wake)
         self.auto_delete = AutoDeleteQueues(self.handle, self.layout, self.queues)
         self.session = ConsumerSession(self.handle, self.layout)

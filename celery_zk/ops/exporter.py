@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..features.limits import parse_rate
@@ -98,6 +98,12 @@ def _queue_metrics(status: Status) -> Iterator[Any]:
     chunked_bytes = GaugeMetricFamily("celery_zk_queue_chunked_bytes",
                                       "Bytes of the messages stored in chunks.",
                                       labels=["queue_name"])
+    undelivered = CounterMetricFamily("celery_zk_queue_undelivered",
+                                      "Messages the queue dropped undelivered: expired "
+                                      "(x-message-ttl, expiration) or over x-max-length.",
+                                      labels=["queue_name", "reason"])
+    max_length = GaugeMetricFamily("celery_zk_queue_max_length", "A queue's x-max-length.",
+                                   labels=["queue_name"])
     per_queue: dict[str, int] = {}
     for consumer in status.consumers:
         for name in consumer.queues:
@@ -112,7 +118,12 @@ def _queue_metrics(status: Status) -> Iterator[Any]:
         oldest.add_metric([queue.name], queue.oldest_age or 0.0)
         chunked.add_metric([queue.name], queue.chunked)
         chunked_bytes.add_metric([queue.name], queue.chunked_bytes)
-    yield from (length, consumers, by_priority, owned, dead, oldest, chunked, chunked_bytes)
+        undelivered.add_metric([queue.name, "expired"], queue.expired)
+        undelivered.add_metric([queue.name, "dropped"], queue.dropped)
+        if isinstance(queue.arguments.get("x-max-length"), int):
+            max_length.add_metric([queue.name], queue.arguments["x-max-length"])
+    yield from (length, consumers, by_priority, owned, dead, oldest, chunked, chunked_bytes,
+                undelivered, max_length)
 
 
 def _limit_metrics(status: Status) -> Iterator[Any]:

@@ -62,11 +62,14 @@ def format_status(status: Status, url: str) -> str:
                                                                    reverse=True))
             chunked = (f"{queue.chunked:,} ({_size(queue.chunked_bytes)})" if queue.chunked
                        else "-")
+            limits = " ".join(f"{k.removeprefix('x-')}={v}"
+                              for k, v in sorted(queue.arguments.items())) or "-"
             rows.append([queue.name, f"{queue.waiting_total:,}", priorities or "-",
                          f"{queue.owned_total:,}", f"{queue.dead:,}", str(queue.offers),
-                         age(queue.oldest_age), chunked])
+                         age(queue.oldest_age), chunked, limits,
+                         f"{queue.expired:,}/{queue.dropped:,}"])
         parts.append(table(["QUEUE", "WAITING", "BY PRIORITY", "OWNED", "DEAD", "IDLE",
-                            "OLDEST", "CHUNKED"], rows))
+                            "OLDEST", "CHUNKED", "LIMITS", "EXPIRED/DROPPED"], rows))
     else:
         parts.append("no queues")
     parts.append("")

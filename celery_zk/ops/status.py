@@ -8,6 +8,9 @@ report costs a few pipelined round trips per queue, whatever its backlog.
 * The oldest waiting message: the first name in line of each priority (one
   listing of its first non-empty bucket, at most ``bucket_size`` names) and
   that node's ``ctime``.
+* A queue's stored arguments (x-max-length, x-message-ttl, ...) and how many
+  messages it dropped undelivered (expired, over its length): its node's
+  data and its ``dropped`` node's.
 * Owned messages per consumer: the ``numChildren`` of each inbox
   (``owned/{consumer}/``); dead letters: ``dead/``'s ``numChildren``.
 * Consumers: the ephemeral ``consumers/`` nodes (host, pid, queues).
@@ -46,6 +49,7 @@ from ..backend.expiry import bucket_expired
 from ..broker import big
 from ..broker.budget import Use
 from ..broker.liveness import consumer_nodes
+from ..broker.queue_limits import dropped_counts
 from ..server.launcher import four_letter_word
 from ..zk.client import reply_or_retry
 from ..zk.layout import Layout
@@ -80,6 +84,9 @@ class QueueStatus:
     oldest_age: float | None = None   # seconds the first message in line has waited
     chunked: int = 0         # messages stored in chunks (waiting, owned or dead)
     chunked_bytes: int = 0   # their bodies' bytes
+    arguments: dict[str, Any] = field(default_factory=dict)   # stored: x-max-length, ...
+    expired: int = 0         # messages never delivered: expired (x-message-ttl, expiration)
+    dropped: int = 0         # or dropped over x-max-length (drop-head)
 
     @property
     def waiting_total(self) -> int:
@@ -145,7 +152,8 @@ class Status:
                         "owned": q.owned_total, "owned_by_consumer": q.owned,
                         "dead": q.dead, "idle_consumers": q.offers,
                         "oldest_waiting_seconds": q.oldest_age,
-                        "chunked": q.chunked, "chunked_bytes": q.chunked_bytes}
+                        "chunked": q.chunked, "chunked_bytes": q.chunked_bytes,
+                        "arguments": q.arguments, "expired": q.expired, "dropped": q.dropped}
                        for q in self.queues],
             "consumers": [c.__dict__ for c in self.consumers],
             "results": self.results.__dict__ if self.results is not None else None,
@@ -226,6 +234,8 @@ def _queue(client: KazooClient, layout: Layout, queue: str, now: float) -> Queue
     owned = client.get_children_async(layout.owned(queue))
     dead = client.exists_async(layout.dead(queue))
     offers = client.get_children_async(layout.offers(queue))
+    meta = client.get_async(layout.queue(queue))
+    undelivered = client.get_async(layout.queue_dropped(queue))
     first: dict[int, str] = {}   # priority -> its first non-empty bucket
     for bucket, reply in zip(buckets, stats):
         stat = reply_or_retry(client, reply, client.exists, layout.bucket(queue, bucket))
@@ -246,6 +256,15 @@ def _queue(client: KazooClient, layout: Layout, queue: str, now: float) -> Queue
     dead_stat = _reply_or_none(dead)
     status.dead = dead_stat.numChildren if dead_stat is not None else 0
     status.offers = sum(1 for n in _reply_or_empty(offers) if parse_offer_name(n))
+    data = _reply_or_none(meta)
+    try:
+        arguments = json.loads(data[0] or b"{}").get("arguments") if data else None
+    except (ValueError, AttributeError):
+        arguments = None
+    status.arguments = arguments if isinstance(arguments, dict) else {}
+    data = _reply_or_none(undelivered)
+    dropped = dropped_counts(data[0]) if data else {}
+    status.expired, status.dropped = dropped.get("expired", 0), dropped.get("dropped", 0)
     status.chunked, status.chunked_bytes = big.stored(client, layout, queue)
     status.oldest_age = _oldest_age(client, layout, queue, list(first.values()), now)
     return status

@@ -96,6 +96,11 @@ class Layout:
     def queue(self, queue: str) -> str:
         return _queue_dir(self.root, queue)
 
+    def queue_dropped(self, queue: str) -> str:
+        """How many messages the queue dropped undelivered (expired, over its
+        length): ``{"expired": n, "dropped": n}``."""
+        return _queue_dir(self.root, queue, "dropped")
+
     def unowned(self, queue: str) -> str:
         return _queue_dir(self.root, queue, "unowned")
 

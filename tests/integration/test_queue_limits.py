@@ -1,0 +1,115 @@
+"""Queue limits and message lifetimes as RabbitMQ defines them
+(celery_zk.broker.queue_arguments, celery_zk.broker.queue_limits), with real
+``celery worker`` processes (threads and prefork) against a real server."""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from kombu import Queue
+
+from celery_zk.exceptions import QueueFull
+
+from .workers import celery_cli, executed_values, wait_until
+
+RECORD = "proj.app.record"   # the test workers' task (tests/integration/proj/app.py)
+
+
+@pytest.fixture
+def client_app(zk_url: str) -> Iterator[Celery]:
+    app = Celery("limits", broker=zk_url, set_as_current=False)
+    yield app
+    app.close()
+
+
+def _queues(conf: dict[str, Any]) -> list[Queue]:
+    return [Queue(name, queue_arguments=arguments) for name, arguments in conf.items()]
+
+
+def _worker_conf(queues: dict[str, dict[str, Any]], dead_letter: bool = False) -> dict[str, Any]:
+    conf: dict[str, Any] = {"task_queues": {name: {"queue_arguments": arguments}
+                                            for name, arguments in queues.items()}}
+    if dead_letter:
+        conf["broker_transport_options"] = {"dead_letter_rejected": True}
+    return conf
+
+
+def _queue_status(url: str, queue: str) -> dict[str, Any]:
+    done = celery_cli(["zk", "status", "--json"], url)
+    return next(q for q in json.loads(done.stdout)["queues"] if q["name"] == queue)
+
+
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_max_length_drop_head_keeps_the_newest(client_app: Celery, zk_url: str, worker,
+                                                task_log: Path, pool: str) -> None:
+    arguments = {"lim": {"x-max-length": 5}}
+    client_app.conf.task_queues = _queues(arguments)
+    for index in range(20):   # no consumer yet: the oldest 15 are dropped
+        client_app.send_task(RECORD, args=[index], queue="lim")
+    status = _queue_status(zk_url, "lim")
+    assert status["waiting"] == 5 and status["dropped"] == 15
+    assert status["arguments"] == {"x-max-length": 5}
+    worker(log=task_log, pool=pool, queues="lim", conf=_worker_conf(arguments))
+    wait_until(lambda: len(executed_values(task_log)) >= 5, 60)
+    time.sleep(0.5)
+    assert executed_values(task_log) == {index: 1 for index in range(15, 20)}
+    text = celery_cli(["zk", "status"], zk_url).stdout
+    assert "max-length=5" in text and "0/15" in text
+
+
+def test_max_length_reject_publish_refuses_with_a_clear_error(
+        client_app: Celery, zk_url: str, worker, task_log: Path) -> None:
+    arguments = {"full": {"x-max-length": 3, "x-overflow": "reject-publish"}}
+    client_app.conf.task_queues = _queues(arguments)
+    for index in range(3):
+        client_app.send_task(RECORD, args=[index], queue="full")
+    with pytest.raises(QueueFull) as refused:
+        client_app.send_task(RECORD, args=[99], queue="full")
+    assert "'full'" in str(refused.value) and "x-max-length is 3" in str(refused.value)
+    assert "Nothing was written" in str(refused.value)
+    worker(log=task_log, pool="prefork", queues="full", conf=_worker_conf(arguments))
+    wait_until(lambda: len(executed_values(task_log)) >= 3, 60)
+    client_app.send_task(RECORD, args=[100], queue="full")   # room again: accepted
+    wait_until(lambda: 100 in executed_values(task_log), 60)
+    assert executed_values(task_log) == {0: 1, 1: 1, 2: 1, 100: 1}
+
+
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_expired_messages_are_never_delivered(client_app: Celery, zk_url: str, worker,
+                                              task_log: Path, pool: str) -> None:
+    """A queue's x-message-ttl and a task's ``expires`` (Celery sends it as the
+    message's expiration): the worker never receives them; they go to dead/
+    (dead_letter_rejected) and are counted."""
+    arguments = {"ttl": {"x-message-ttl": 1000}}
+    client_app.conf.task_queues = _queues(arguments)
+    old = [client_app.send_task(RECORD, args=[f"old-{i}"], queue="ttl").id for i in range(3)]
+    own = [client_app.send_task(RECORD, args=[f"own-{i}"], queue="celery", expires=1).id
+           for i in range(2)]
+    time.sleep(1.5)
+    fresh = client_app.send_task(RECORD, args=["fresh"], queue="ttl")
+    lasting = client_app.send_task(RECORD, args=["lasting"], queue="celery", expires=600)
+    w = worker(log=task_log, pool=pool, queues="ttl,celery",
+               conf=_worker_conf(arguments, dead_letter=True))
+    wait_until(lambda: {"fresh", "lasting"} <= set(executed_values(task_log)), 60)
+    wait_until(lambda: _queue_status(zk_url, "ttl")["expired"] == 3
+               and _queue_status(zk_url, "celery")["expired"] == 2, 30)
+    assert set(executed_values(task_log)) == {"fresh", "lasting"}
+    output = w.output()
+    assert fresh.id in output and lasting.id in output
+    assert not [task_id for task_id in old + own if task_id in output]   # never received
+    assert _queue_status(zk_url, "ttl")["dead"] == 3
+    dead = celery_cli(["zk", "dead", "list", "ttl"], zk_url).stdout
+    assert "expired: the queue's x-message-ttl of 1000 ms" in dead, dead
+
+
+def test_bad_queue_arguments_fail_before_anything_is_stored(client_app: Celery) -> None:
+    from celery_zk.exceptions import ZKConfigurationError
+
+    client_app.conf.task_queues = [Queue("bad", queue_arguments={"x-overflow": "drop-tail"})]
+    with pytest.raises(ZKConfigurationError, match="x-overflow must be one of"):
+        client_app.send_task(RECORD, args=[1], queue="bad")

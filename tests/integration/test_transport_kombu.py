@@ -849,10 +849,12 @@ def test_a_message_published_once_is_stored_once(zk_url: str) -> None:
 
 def test_unhonoured_queue_arguments_warn_once_and_the_queue_works(
         zk_url: str, caplog: pytest.LogCaptureFixture) -> None:
-    """Queue(max_length=...) and x-message-ttl are not honoured yet: one warning
-    per queue naming them, none for x-max-priority, and the queue still works."""
+    """Queue(max_length_bytes=...) and x-dead-letter-exchange are not honoured
+    yet: one warning per queue naming them, none for what is honoured
+    (x-max-priority, x-max-length, x-message-ttl), and the queue still works."""
     limited = Queue("limited", Exchange("limited", "direct"), "limited", max_length=10,
-                    max_priority=9, queue_arguments={"x-message-ttl": 1000})
+                    max_length_bytes=1000, max_priority=9,
+                    queue_arguments={"x-message-ttl": 60000, "x-dead-letter-exchange": "dlx"})
     with Connection(zk_url) as conn:
         channel = conn.channel()
         with caplog.at_level("WARNING", logger="celery_zk"):
@@ -860,8 +862,9 @@ def test_unhonoured_queue_arguments_warn_once_and_the_queue_works(
             limited(conn.channel()).declare()   # a second channel, the same process
         warnings = [r.getMessage() for r in caplog.records if "does not honour" in r.getMessage()]
         assert len(warnings) == 1, warnings
-        assert "x-max-length, x-message-ttl" in warnings[0]
-        assert "x-max-priority" not in warnings[0]
+        assert "x-dead-letter-exchange, x-max-length-bytes" in warnings[0]
+        for honoured in ("x-max-priority", "x-max-length,", "x-message-ttl"):
+            assert honoured not in warnings[0]
         Producer(channel).publish({"n": 1}, exchange=limited.exchange, routing_key="limited",
                                   declare=[limited])
         message = limited(channel).get(no_ack=True)

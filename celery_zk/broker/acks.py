@@ -368,8 +368,10 @@ class Acks:
                 done(owned_path)
         return moved
 
-    def remove(self, owned_path: str, dead_letter: bool, reason: str = "") -> bool:
-        """Drop an owned message, or move it to the queue's dead/ directory."""
+    def remove(self, owned_path: str, dead_letter: bool, reason: str = "",
+               expected: bool = False) -> bool:
+        """Drop an owned message, or move it to the queue's dead/ directory;
+        ``expected``: as its queue's arguments ask (logged at INFO, not ERROR)."""
         layout = self.layout
         if not dead_letter and self._big(owned_path):
             return self._end_big(owned_path)
@@ -386,7 +388,7 @@ class Acks:
         name = without_body(layout.split_owned_path(owned_path)[2])
         return self._move_to_dead(owned_path, layout.dead_message(queue, name), reason,
                                   self.body_of(owned_path),
-                                  (queue, message.uid) if message.chunked else None)
+                                  (queue, message.uid) if message.chunked else None, expected)
 
     def discard(self, owned_path: str) -> None:
         """Delete an owned message without waiting for the reply (no_ack consumers)."""
@@ -422,11 +424,12 @@ class Acks:
         return self._move_to_dead(self.layout.unowned_message(queue, name),
                                   self.layout.dead_message(queue, name), reason,
                                   self.layout.body(queue, message),
-                                  (queue, message.uid) if message.chunked else None)
+                                  (queue, message.uid) if message.chunked else None, True)
 
     def _move_to_dead(self, source: str, target: str, reason: str,
                       body: str | None = None,
-                      chunks_of: tuple[str, str] | None = None) -> bool:
+                      chunks_of: tuple[str, str] | None = None,
+                      expected: bool = False) -> bool:
         """Move ``source`` (and its ``body``, whose data is the message then) to
         ``target``, keeping the message behind a reason line. A big message
         (``chunks_of``: its queue and uid) keeps its chunks where they are: the
@@ -449,7 +452,8 @@ class Acks:
 
         failure = multi_failure(self.queues.commit(build))
         if failure is None:
-            logger.error("celery_zk: moved %s to %s: %s", source, target, reason)
+            logger.log(logging.INFO if expected else logging.ERROR,
+                       "celery_zk: moved %s to %s: %s", source, target, reason)
             return True
         if isinstance(failure[1], NodeExistsError):  # a retry after it committed
             return False

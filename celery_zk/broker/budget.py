@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 #: Seconds a publisher's view of the root's use may be old: what publishers
 #: write meanwhile is how far the budget may be overshot (docs/sizing.md).
 CHECK_EVERY = 0.5
+#: Queues whose kind (temporary or not) or limits a process remembers: reply
+#: queues take a new name each, so what is forgotten is read again.
+KNOWN_QUEUES = 1024
 #: Blocked publishers go on once the use is below this share of the budget.
 LOW_WATERMARK = 0.9
 #: The quota's hard limits, for servers that enforce them: above the budget,
@@ -110,7 +113,7 @@ class Budget:
         now = time.monotonic()
         if now >= self._due and not self._reading:
             self._due, self._reading = now + CHECK_EVERY, True
-            client.get_async(self.layout.quota_stats).rawlink(self._read)
+            client.get_async(self.layout.quota_stats).rawlink(self._took)
         if self.over and not self._is_temporary(client, queue):
             self._wait_below(client, queue)
 
@@ -165,7 +168,7 @@ class Budget:
             except NodeExistsError:
                 pass   # another process made it first
 
-    def _read(self, result: Any) -> None:
+    def _took(self, result: Any) -> None:
         """kazoo's callback thread: take the reply, never wait."""
         self._reading = False
         if result.successful():
@@ -250,7 +253,7 @@ class Budget:
                 known = bool(json.loads(data or b"{}").get("auto_delete"))
             except (KazooException, ValueError, AttributeError):
                 known = False
-            if len(self._temporary) > 1024:
+            if len(self._temporary) >= KNOWN_QUEUES:
                 self._temporary.clear()
             self._temporary[queue] = known
         return known

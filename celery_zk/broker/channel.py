@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
 from queue import Empty
 from typing import Any
 
@@ -253,11 +252,7 @@ class Channel(virtual.Channel):
             # a message may wait in the inbox, its lookahead, before delivery).
             properties[celery_compat.READ_AT] = claimed.read_at
             properties[RATE_LIMITED] = self._rate_limited()
-            why = queue_arguments.expired(
-                properties, claimed.stored_at,
-                self.connection.queue_limits.of(claimed.queue).message_ttl, time.time())
-            if why is not None:   # never delivered
-                self.connection.queue_limits.expire(claimed.owned_path, claimed.queue, why)
+            if self.connection.queue_limits.expired(claimed, properties):   # not delivered
                 self.connection.settled(claimed.owned_path)
                 return None
             parsed = parse_message_name(claimed.name)

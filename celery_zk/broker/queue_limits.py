@@ -27,15 +27,15 @@ from kazoo.exceptions import BadVersionError, KazooException, NodeExistsError, N
 
 from ..exceptions import QueueFull
 from .acks import Acks
-from .queue_arguments import DROP_HEAD, REJECT_PUBLISH, Limits
+from .budget import CHECK_EVERY, KNOWN_QUEUES
+from .queue_arguments import DROP_HEAD, REJECT_PUBLISH, Limits, expired
 from .queues import Queues
+from .ready import Claimed
 
-__all__ = ["CHECK_EVERY", "QueueLimits", "count_dropped"]
+__all__ = ["QueueLimits", "count_dropped"]
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a process's count of a limited queue's length may be old.
-CHECK_EVERY = 0.5
 
 
 class QueueLimits:
@@ -59,6 +59,8 @@ class QueueLimits:
                 data = client.retry(client.get, self.queues.layout.queue(queue))[0]
             except NoNodeError:
                 data = b""
+            if len(self._limits) >= KNOWN_QUEUES:   # reply queues: a new name each
+                self._limits.clear()
             limits = self._limits[queue] = Limits.stored(data)
         return limits
 
@@ -68,7 +70,8 @@ class QueueLimits:
         limits = self.of(queue)
         if limits.max_length is None or limits.overflow != REJECT_PUBLISH:
             return
-        if self._count(queue) >= limits.max_length and self._read(queue) >= limits.max_length:
+        full = limits.max_length
+        if self._count(queue) >= full and self._read_length(queue) >= full:   # read again
             raise QueueFull(
                 f"Queue {queue!r} is full: {self._length[queue][0]:,} messages wait, its "
                 f"x-max-length is {limits.max_length:,} with x-overflow reject-publish. "
@@ -85,15 +88,15 @@ class QueueLimits:
             count, read_at = self._length.get(queue, (0, 0.0))
             self._length[queue] = (count + 1, read_at)
         if limits.overflow == DROP_HEAD and self._count(queue) > limits.max_length:
-            over = self._read(queue) - limits.max_length
+            over = self._read_length(queue) - limits.max_length
             if over > 0:
                 self._drop_head(queue, over)
 
     def _count(self, queue: str) -> int:
         count, read_at = self._length.get(queue, (0, 0.0))
-        return count if time.monotonic() - read_at < CHECK_EVERY else self._read(queue)
+        return count if time.monotonic() - read_at < CHECK_EVERY else self._read_length(queue)
 
-    def _read(self, queue: str) -> int:
+    def _read_length(self, queue: str) -> int:
         count = self.queues.size(queue)
         with self._lock:
             self._length[queue] = (count, time.monotonic())
@@ -113,11 +116,18 @@ class QueueLimits:
                       "dropped", dropped)
 
     # -- message lifetimes ----------------------------------------------------------
-    def expire(self, owned_path: str, queue: str, why: str) -> None:
-        """An expired message given to this consumer: never delivered; dead-lettered
-        (option dead_letter_rejected) or deleted, and counted."""
+    def expired(self, claimed: Claimed, properties: dict[str, Any]) -> bool:
+        """Whether a message given to this consumer has expired (its queue's
+        x-message-ttl, its own expiration): then it is never delivered, but
+        dead-lettered (option dead_letter_rejected) or deleted, and counted."""
+        why = expired(properties, claimed.stored_at, self.of(claimed.queue).message_ttl,
+                      time.time())
+        if why is None:
+            return False
+        owned_path, queue = claimed.owned_path, claimed.queue
         if self.dead_letter:
-            self.acks.remove(owned_path, dead_letter=True, reason=f"expired: {why}")
+            self.acks.remove(owned_path, dead_letter=True, reason=f"expired: {why}",
+                             expected=True)
         else:
             self.acks.discard(owned_path)   # a backlog of expired ones goes at full speed
         with self._lock:
@@ -125,6 +135,7 @@ class QueueLimits:
             self._expired[queue] = self._expired.get(queue, 0) + 1
         if first:   # counted together, once the deferred writes go
             self.queues.deferred.later(self._count_expired)
+        return True
 
     def _count_expired(self) -> None:
         with self._lock:

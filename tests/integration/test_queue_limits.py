@@ -91,11 +91,13 @@ def test_expired_messages_are_never_delivered(client_app: Celery, zk_url: str, w
     own = [client_app.send_task(RECORD, args=[f"own-{i}"], queue="celery", expires=1).id
            for i in range(2)]
     time.sleep(1.5)
-    fresh = client_app.send_task(RECORD, args=["fresh"], queue="ttl")
-    lasting = client_app.send_task(RECORD, args=["lasting"], queue="celery", expires=600)
     w = worker(log=task_log, pool=pool, queues="ttl,celery",
                conf=_worker_conf(arguments, dead_letter=True))
-    wait_until(lambda: {"fresh", "lasting"} <= set(executed_values(task_log)), 60)
+    # Sent once the worker is up: well within their second.
+    fresh = client_app.send_task(RECORD, args=["fresh"], queue="ttl")
+    lasting = client_app.send_task(RECORD, args=["lasting"], queue="celery", expires=600)
+    wait_until(lambda: {"fresh", "lasting"} <= set(executed_values(task_log)), 60,
+               message=lambda: w.diagnosis())
     wait_until(lambda: _queue_status(zk_url, "ttl")["expired"] == 3
                and _queue_status(zk_url, "celery")["expired"] == 2, 30)
     assert set(executed_values(task_log)) == {"fresh", "lasting"}

@@ -117,16 +117,6 @@ class Budget:
         if self.over and not self._is_temporary(client, queue):
             self._wait_below(client, queue)
 
-    def refused(self, error: QuotaExceededError) -> StorageFull:
-        """The server's quota refused a write: the same advice as the budget's."""
-        return StorageFull(
-            f"ZooKeeper refused the write: the quota on {self.layout.root} is enforced "
-            f"by the servers (zookeeper.enforceQuota) and reached ({error!r}). Nothing "
-            f"was written. celery_zk sets its hard limits {HARD_MARGIN}x above the "
-            "budget (options budget_nodes, budget_bytes), so something publishes "
-            f"without it, or the quota in {self.layout.quota_limits} was set lower by "
-            "hand. " + _ADVICE)
-
     # -- the quota ----------------------------------------------------------------
     def _prepare(self, client: KazooClient) -> None:
         """Make the root's quota once per process (idempotent across processes);
@@ -262,6 +252,16 @@ class Budget:
 _ADVICE = ("Start or scale the workers of the backlog (`celery zk status` shows where "
            "it is), purge what is not needed, or raise the budget if every ZooKeeper "
            "server's heap allows (docs/sizing.md).")
+
+def refused(layout: Layout, error: QuotaExceededError) -> StorageFull:
+    """The servers' quota refused a write: the same advice as the budget's."""
+    return StorageFull(
+        f"ZooKeeper refused the write: the quota on {layout.root} is enforced by the "
+        f"servers (zookeeper.enforceQuota) and reached ({error!r}). Nothing was written. "
+        f"celery_zk sets its hard limits {HARD_MARGIN}x above the budget (options "
+        "budget_nodes, budget_bytes), so something publishes without it, or the quota in "
+        f"{layout.quota_limits} was set lower by hand. " + _ADVICE)
+
 
 _budgets: dict[tuple[Any, ...], Budget] = {}
 _budgets_lock = threading.Lock()

@@ -27,7 +27,7 @@ from ..features.limits import limit_tokens
 from ..features.revokes import RevokeStore, control_command
 from ..zk.client import CONNECTION_ERRORS
 from ..zk.names import ONCE_PROPERTY, parse_message_name
-from . import queue_arguments
+from . import budget, queue_arguments
 from .connection import ZKConnection
 from .liveness import consumer_count
 from .ready import Claimed
@@ -297,7 +297,7 @@ class Channel(virtual.Channel):
         try:
             self._store(queue, message)
         except QuotaExceededError as exc:   # the servers enforce the root's quota
-            raise transport.budget.refused(exc) from exc
+            raise budget.refused(transport.layout, exc) from exc
         transport.queue_limits.after_publish(queue)   # drop-head
 
     def _store(self, queue: str, message: dict[str, Any]) -> None:

@@ -30,7 +30,10 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
+from kazoo.exceptions import QuotaExceededError
+
 from ..compat.celery import is_lazy, wrap_group_apply_tasks
+from .budget import refused
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +144,8 @@ def publish_together() -> Iterator[None]:
                 if messages:
                     publisher.put_batch(messages)
                     publisher.queues.deferred.flush()   # the write they waited for has been made
+            except QuotaExceededError as exc:   # the servers enforce the root's quota
+                failure = failure or refused(publisher.layout, exc)
             except BaseException as exc:   # the other connections' still go
                 failure = failure or exc
         if failure is not None:

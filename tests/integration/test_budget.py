@@ -19,6 +19,7 @@ from celery_zk.broker.budget import Use
 from celery_zk.exceptions import StorageFull
 from celery_zk.pytest_plugin import kazoo_client
 from celery_zk.server import JVM_FLAGS, ZooKeeperServer
+from celery_zk.transport import publish_together
 from celery_zk.zk.layout import Layout
 
 from .workers import HERE, celery_cli, executed_values, wait_until
@@ -152,8 +153,13 @@ def test_an_enforced_quota_refuses_with_the_budgets_advice(tmp_path: Path) -> No
                 with pytest.raises(StorageFull) as refused:
                     for index in range(100):
                         producer.publish({"i": index}, routing_key="q", declare=[Queue("q")])
-            assert "zookeeper.enforceQuota" in str(refused.value)
-            assert "quota" in str(refused.value) and "/quota" in str(refused.value)
+                assert "zookeeper.enforceQuota" in str(refused.value)
+                assert "quota" in str(refused.value) and "/quota" in str(refused.value)
+                # A group's batch (publish_together) is refused the same way.
+                with pytest.raises(StorageFull, match="zookeeper.enforceQuota"):
+                    with publish_together():
+                        for index in range(10):
+                            producer.publish({"g": index}, routing_key="q")
             # The operator's limits stay as they were.
             assert client.get(layout.quota_limits)[0].endswith(b"countHardLimit=30")
         finally:

@@ -78,10 +78,6 @@ class Use:
             return None
 
 
-def describe(nodes: int, nbytes: int) -> str:
-    return f"{nodes:,} znodes, {nbytes / 2**20:,.1f} MiB"
-
-
 class Budget:
     """One root's budget as one process sees it (see :func:`budget_for`)."""
 
@@ -198,12 +194,13 @@ class Budget:
 
     def _full_message(self) -> str:
         use = self.use or Use(0, 0)
-        ceiling = describe(self.max_nodes, self.max_bytes).replace(" 0 znodes", " no znode limit")
+        ceiling = (f"{self.max_nodes:,} znodes" if self.max_nodes else "no znode limit",
+                   f"{self.max_bytes / 2**20:,.1f} MiB" if self.max_bytes else "no byte limit")
         return (f"celery_zk's storage budget for {self.layout.root} is full: it holds "
-                f"{describe(use.nodes, use.size)}, the budget is {ceiling} (options "
-                f"budget_nodes, budget_bytes). This publish waited {self.wait:g} s (option "
-                f"budget_wait) for consumers to drain it below {LOW_WATERMARK:.0%}, and "
-                "nothing was written. " + _ADVICE)
+                f"{use.nodes:,} znodes, {use.size / 2**20:,.1f} MiB; the budget is "
+                f"{', '.join(ceiling)} (options budget_nodes, budget_bytes). This publish "
+                f"waited {self.wait:g} s (option budget_wait) for consumers to drain it below "
+                f"{LOW_WATERMARK:.0%}, and nothing was written. " + _ADVICE)
 
     @contextmanager
     def _marked(self, client: KazooClient, queue: str) -> Iterator[None]:

@@ -36,10 +36,10 @@ from kazoo.exceptions import (
     KazooException,
     NodeExistsError,
     NoNodeError,
-    QuotaExceededError,
     ZookeeperError,
 )
 
+from ..compat.kazoo import QuotaExceededError
 from ..exceptions import StorageFull
 from ..zk.client import CONNECTION_ERRORS
 from ..zk.config import ZKOptions

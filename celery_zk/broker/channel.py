@@ -14,13 +14,13 @@ import sys
 from queue import Empty
 from typing import Any
 
-from kazoo.exceptions import QuotaExceededError
 from kombu.serialization import loads
 from kombu.transport import virtual
 from kombu.transport.virtual.base import queue_declare_ok_t
 
 from ..compat import celery as celery_compat
 from ..compat import kombu as kombu_compat
+from ..compat.kazoo import QuotaExceededError
 from ..features.affinity import affinity_of
 from ..features.limit_gate import RATE_LIMITED, rate_limited
 from ..features.limits import limit_tokens

@@ -30,9 +30,8 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
-from kazoo.exceptions import QuotaExceededError
-
 from ..compat.celery import is_lazy, wrap_group_apply_tasks
+from ..compat.kazoo import QuotaExceededError
 from .budget import refused
 
 logger = logging.getLogger(__name__)

@@ -34,6 +34,11 @@ all here:
   attempt reads the server's reply for up to ``session_timeout`` s and looks
   at nothing else meanwhile, so its ``stop()`` waited that long.
 
+* ``kazoo.exceptions.QuotaExceededError`` is public from kazoo 2.10; on
+  2.9 the server's QUOTAEXCEEDED (-125) has no class, so one is registered
+  in kazoo's public ``EXCEPTIONS`` table (the storage budget's last line,
+  :mod:`celery_zk.broker.budget`).
+
 Without the first four there is no persistent watch, and celery_zk's
 consumers and dispatchers have nothing to wait on: :func:`require` refuses
 to start, naming what is missing. Without the reads' names kazoo reads as it
@@ -49,16 +54,26 @@ from collections.abc import Callable
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionDropped
+from kazoo.exceptions import EXCEPTIONS, ConnectionDropped, ZookeeperError
 from kazoo.protocol.connection import WATCH_XID, ConnectionHandler
 from kazoo.protocol.serialization import Watch, int_struct, reply_header_struct
 
 from . import PrivateAPIChanged, describe
 
-__all__ = ["abort_connect", "buffer_reads", "intercept_watch_events", "missing", "require",
-           "send"]
+__all__ = ["QuotaExceededError", "abort_connect", "buffer_reads", "intercept_watch_events",
+           "missing", "require", "send"]
 
 logger = logging.getLogger(__name__)
+
+try:
+    from kazoo.exceptions import QuotaExceededError
+except ImportError:   # kazoo 2.9
+    class QuotaExceededError(ZookeeperError):  # type: ignore[no-redef]
+        """ZooKeeper's QUOTAEXCEEDED: a write past an enforced quota."""
+
+        code = -125
+
+    EXCEPTIONS[QuotaExceededError.code] = QuotaExceededError
 
 _USE = "to send addWatch, removeWatches and multiRead and read persistent watch events"
 _CONSEQUENCE = "celery_zk cannot wait for messages without them."

@@ -35,6 +35,13 @@ def test_the_installed_release_has_every_fenced_name(module: Any) -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_a_quota_refusal_is_quota_exceeded_on_every_kazoo() -> None:
+    """kazoo 2.9 has no class for the server's -125; the fence registers one."""
+    from kazoo.exceptions import EXCEPTIONS
+
+    assert issubclass(EXCEPTIONS[-125], kazoo_compat.QuotaExceededError)
+
+
 def test_instances_have_the_fenced_attributes() -> None:
     """Attributes set by ``__init__`` (a kombu channel's: see test_transport_kombu)."""
     from celery import Celery

@@ -32,7 +32,6 @@ from typing import Any
 
 from ..compat.celery import is_lazy, wrap_group_apply_tasks
 from ..compat.kazoo import QuotaExceededError
-from .budget import refused
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +143,8 @@ def publish_together() -> Iterator[None]:
                     publisher.put_batch(messages)
                     publisher.queues.deferred.flush()   # the write they waited for has been made
             except QuotaExceededError as exc:   # the servers enforce the root's quota
+                # Imported here: this module loads with celery_zk, before Celery does.
+                from .budget import refused
                 failure = failure or refused(publisher.layout, exc)
             except BaseException as exc:   # the other connections' still go
                 failure = failure or exc

@@ -106,6 +106,7 @@ def test_publishers_block_at_the_budget_and_go_on_once_workers_drain_it(
         client.close()
 
 
+@pytest.mark.matrix
 def test_full_budget_error_status_and_temporary_queues(zk_url: str, zk_chroot: str,
                                                        zookeeper_server: Any) -> None:
     url = f"{zk_url}?budget_nodes=40&budget_wait=0"
@@ -136,6 +137,7 @@ def test_full_budget_error_status_and_temporary_queues(zk_url: str, zk_chroot: s
     assert "storage budget:" in text and "no publisher blocked" in text
 
 
+@pytest.mark.matrix
 def test_an_enforced_quota_refuses_with_the_budgets_advice(tmp_path: Path) -> None:
     """Where the servers enforce quotas, a publish past the quota's hard limit
     fails with StorageFull naming it (here an operator's quota, below the budget)."""

@@ -44,7 +44,7 @@ def _queue_status(url: str, queue: str) -> dict[str, Any]:
     return next(q for q in json.loads(done.stdout)["queues"] if q["name"] == queue)
 
 
-@pytest.mark.parametrize("pool", ["threads", "prefork"])
+@pytest.mark.parametrize("pool", ["threads", pytest.param("prefork", marks=pytest.mark.matrix)])
 def test_max_length_drop_head_keeps_the_newest(client_app: Celery, zk_url: str, worker,
                                                 task_log: Path, pool: str) -> None:
     arguments = {"lim": {"x-max-length": 5}}
@@ -62,6 +62,7 @@ def test_max_length_drop_head_keeps_the_newest(client_app: Celery, zk_url: str, 
     assert "max-length=5" in text and "0/15" in text
 
 
+@pytest.mark.matrix
 def test_max_length_reject_publish_refuses_with_a_clear_error(
         client_app: Celery, zk_url: str, worker, task_log: Path) -> None:
     arguments = {"full": {"x-max-length": 3, "x-overflow": "reject-publish"}}
@@ -79,7 +80,7 @@ def test_max_length_reject_publish_refuses_with_a_clear_error(
     assert executed_values(task_log) == {0: 1, 1: 1, 2: 1, 100: 1}
 
 
-@pytest.mark.parametrize("pool", ["threads", "prefork"])
+@pytest.mark.parametrize("pool", [pytest.param("threads", marks=pytest.mark.matrix), "prefork"])
 def test_expired_messages_are_never_delivered(client_app: Celery, zk_url: str, worker,
                                               task_log: Path, pool: str) -> None:
     """A queue's x-message-ttl and a task's ``expires`` (Celery sends it as the
@@ -109,6 +110,7 @@ def test_expired_messages_are_never_delivered(client_app: Celery, zk_url: str, w
     assert "expired: the queue's x-message-ttl of 1000 ms" in dead, dead
 
 
+@pytest.mark.matrix
 def test_bad_queue_arguments_fail_before_anything_is_stored(client_app: Celery) -> None:
     from celery_zk.exceptions import ZKConfigurationError
 

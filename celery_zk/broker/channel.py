@@ -392,7 +392,9 @@ class Channel(virtual.Channel):
         meta = queue_arguments.meta(arguments, temporary)
         if temporary:
             transport.auto_delete.declare(queue, meta)  # held while this session lives
-        elif not transport.queues.declare(queue, meta):   # it existed: its own stay
+        elif transport.queues.declare(queue, meta):
+            transport.queue_limits.learn(queue, declared)
+        else:   # it existed: its own arguments stay
             queue_arguments.warn_kept(queue, declared,
                                       transport.queue_limits.of(queue, fresh=True))
         transport.declared_queues.add(queue)

@@ -37,7 +37,6 @@ __all__ = ["QueueLimits", "count_dropped"]
 logger = logging.getLogger(__name__)
 
 
-
 class QueueLimits:
     """One connection's view of the limits of the queues it uses."""
 
@@ -58,11 +57,16 @@ class QueueLimits:
             try:
                 data = client.retry(client.get, self.queues.layout.queue(queue))[0]
             except NoNodeError:
-                data = b""
-            if len(self._limits) >= KNOWN_QUEUES:   # reply queues: a new name each
-                self._limits.clear()
-            limits = self._limits[queue] = Limits.stored(data)
+                return Limits()   # not declared (yet): nothing to remember
+            limits = Limits.stored(data)
+            self.learn(queue, limits)
         return limits
+
+    def learn(self, queue: str, limits: Limits) -> None:
+        """What a queue was stored with (a declaration that created it knows)."""
+        if len(self._limits) >= KNOWN_QUEUES:   # reply queues: a new name each
+            self._limits.clear()
+        self._limits[queue] = limits
 
     # -- x-max-length -------------------------------------------------------------
     def before_publish(self, queue: str) -> None:

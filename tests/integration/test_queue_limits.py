@@ -117,3 +117,22 @@ def test_bad_queue_arguments_fail_before_anything_is_stored(client_app: Celery) 
     client_app.conf.task_queues = [Queue("bad", queue_arguments={"x-overflow": "drop-tail"})]
     with pytest.raises(ZKConfigurationError, match="x-overflow must be one of"):
         client_app.send_task(RECORD, args=[1], queue="bad")
+
+
+def test_a_later_declaration_keeps_the_stored_arguments(
+        zk_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """As on RabbitMQ, the first declaration's arguments stay; a process that
+    declares the queue with others is told so, and applies the stored ones."""
+    from kombu import Connection
+
+    with Connection(zk_url) as first:
+        Queue("kept", max_length=2)(first.default_channel).declare()
+    with Connection(f"{zk_url}?session_name=other") as other:
+        with caplog.at_level("WARNING", logger="celery_zk"):
+            Queue("kept", max_length=50)(other.default_channel).declare()
+        assert any("exists with" in r.getMessage() and "max_length=2" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        producer = other.Producer()
+        for index in range(5):
+            producer.publish({"i": index}, routing_key="kept")
+        assert other.default_channel._size("kept") == 2   # drop-head at the stored 2

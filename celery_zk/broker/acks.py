@@ -410,20 +410,16 @@ class Acks:
         self._delete_ops(txn, owned_path)
         txn.commit_async().rawlink(done)
 
-    def dead_letter_unowned(self, queue: str, name: str, reason: str) -> bool:
-        """Move a node we cannot deliver out of the way, so it is not retried forever.
-        ``name``: as listed (``bucket/name`` for a foreign node inside a bucket)."""
-        return self._move_to_dead(self.layout.unowned_message(queue, name),
-                                  self.layout.dead_message(queue, name), reason)
-
     def dead_letter_waiting(self, queue: str, name: str, reason: str) -> bool:
-        """Move a waiting message (its name as listed, and its body) to dead/."""
+        """Move a waiting message (its name as listed, and its body) to dead/, as
+        its queue's length asks; a node celery_zk did not write (``bucket/name``
+        for one inside a bucket) alone, logged as an error."""
+        source, target = self.layout.unowned_message(queue, name), self.layout.dead_message(
+            queue, name)
         message = parse_message_name(name)
         if message is None:
-            return self.dead_letter_unowned(queue, name, reason)
-        return self._move_to_dead(self.layout.unowned_message(queue, name),
-                                  self.layout.dead_message(queue, name), reason,
-                                  self.layout.body(queue, message),
+            return self._move_to_dead(source, target, reason)
+        return self._move_to_dead(source, target, reason, self.layout.body(queue, message),
                                   (queue, message.uid) if message.chunked else None, True)
 
     def _move_to_dead(self, source: str, target: str, reason: str,

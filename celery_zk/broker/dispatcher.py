@@ -380,8 +380,8 @@ class Dispatcher:
         found = self.queues.listing(self.queue, want)
         for name in found.foreign:
             if not is_legacy(name.rpartition("/")[2]):
-                self.acks.dead_letter_unowned(self.queue, name,
-                                               "node name was not written by celery_zk")
+                self.acks.dead_letter_waiting(self.queue, name,
+                                              "node name was not written by celery_zk")
             elif not self._told_legacy:   # left for `celery zk upgrade`, said once
                 self._told_legacy = True
                 logger.error("celery_zk: queue %r holds messages stored by celery_zk "

@@ -50,9 +50,6 @@ logger = logging.getLogger(__name__)
 #: Seconds a publisher's view of the root's use may be old: what publishers
 #: write meanwhile is how far the budget may be overshot (docs/sizing.md).
 CHECK_EVERY = 0.5
-#: Queues whose kind (temporary or not) or limits a process remembers: reply
-#: queues take a new name each, so what is forgotten is read again.
-KNOWN_QUEUES = 1024
 #: Blocked publishers go on once the use is below this share of the budget.
 LOW_WATERMARK = 0.9
 #: The quota's hard limits, for servers that enforce them: above the budget,
@@ -96,12 +93,14 @@ class Budget:
         self._blocked = 0   # threads of this process waiting now
         self._marker = layout.blocked_publisher(
             f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        self._temporary: dict[str, bool] = {}
 
     # -- what publishes call --------------------------------------------------------
-    def check(self, client: KazooClient, queue: str) -> None:
+    def check(self, client: KazooClient, queue: str, temporary: bool) -> None:
         """Before a publish to ``queue``: returns at once while the root is below
-        its budget; over it, waits (``budget_wait``) or raises StorageFull."""
+        its budget; over it, waits (``budget_wait``) or raises StorageFull.
+        ``temporary`` (auto-delete) queues, Celery's replies and events, are let
+        through: they live as long as their consumer, and a worker must keep
+        answering while the backlog drains."""
         if not self.enabled:
             return
         if not self._prepared:
@@ -110,7 +109,7 @@ class Budget:
         if now >= self._due and not self._reading:
             self._due, self._reading = now + CHECK_EVERY, True
             client.get_async(self.layout.quota_stats).rawlink(self._took)
-        if self.over and not self._is_temporary(client, queue):
+        if self.over and not temporary:
             self._wait_below(client, queue)
 
     # -- the quota ----------------------------------------------------------------
@@ -229,26 +228,11 @@ class Budget:
                     except KazooException:
                         pass   # gone with a session, or a blip: it is ephemeral
 
-    def _is_temporary(self, client: KazooClient, queue: str) -> bool:
-        """Temporary (auto-delete) queues, Celery's replies and events, are let
-        through: they live as long as their consumer, and a worker must keep
-        answering while the backlog drains."""
-        known = self._temporary.get(queue)
-        if known is None:
-            try:
-                data = client.get(self.layout.queue(queue))[0]
-                known = bool(json.loads(data or b"{}").get("auto_delete"))
-            except (KazooException, ValueError, AttributeError):
-                known = False
-            if len(self._temporary) >= KNOWN_QUEUES:
-                self._temporary.clear()
-            self._temporary[queue] = known
-        return known
-
 
 _ADVICE = ("Start or scale the workers of the backlog (`celery zk status` shows where "
            "it is), purge what is not needed, or raise the budget if every ZooKeeper "
            "server's heap allows (docs/sizing.md).")
+
 
 def refused(layout: Layout, error: QuotaExceededError) -> StorageFull:
     """The servers' quota refused a write: the same advice as the budget's."""

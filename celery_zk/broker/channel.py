@@ -292,7 +292,8 @@ class Channel(virtual.Channel):
     # -- publishing ---------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         transport = self.connection
-        transport.budget.check(transport.handle.client, queue)   # waits while full
+        transport.budget.check(transport.handle.client, queue,
+                               transport.queue_limits.of(queue).temporary)   # waits while full
         transport.queue_limits.before_publish(queue)   # x-max-length, reject-publish
         try:
             self._store(queue, message)

@@ -17,6 +17,7 @@ stops working in silence.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -26,7 +27,8 @@ from kombu.transport.base import to_rabbitmq_queue_arguments
 
 from ..exceptions import ZKConfigurationError
 
-__all__ = ["DROP_HEAD", "REJECT_PUBLISH", "Limits", "expired", "prepare", "warn_unhonoured"]
+__all__ = ["DROP_HEAD", "REJECT_PUBLISH", "Limits", "expired", "meta", "prepare", "read_meta",
+           "warn_unhonoured"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,7 @@ class Limits:
     message_ttl: float | None = None   # seconds
     max_length: int | None = None
     overflow: str = DROP_HEAD
+    temporary: bool = False   # auto-delete: goes with its session (the budget lets it by)
 
     @classmethod
     def of(cls, queue: str, arguments: dict[str, Any]) -> Limits:
@@ -69,19 +72,32 @@ class Limits:
         return cls(None if ttl is None else ttl / 1000, length, _OVERFLOWS[overflow])
 
     @classmethod
-    def stored(cls, meta: bytes) -> Limits:
-        """From a queue node's data (a queue declared before 0.4 has none)."""
+    def stored(cls, data: bytes) -> Limits:
+        """From a queue node's data (a queue declared before 0.4 has no arguments)."""
+        temporary, arguments = read_meta(data)
         try:
-            arguments = json.loads(meta or b"{}").get("arguments") or {}
-            return cls.of("", arguments)
-        except (ValueError, AttributeError, ZKConfigurationError):
-            return cls()
+            return dataclasses.replace(cls.of("", arguments), temporary=temporary)
+        except ZKConfigurationError:
+            return cls(temporary=temporary)
 
 
 def meta(arguments: Any, auto_delete: bool) -> bytes:
     """A queue node's data: whether it is auto-delete, and its stored arguments."""
     kept = {name: value for name, value in dict(arguments or {}).items() if name in STORED}
     return json.dumps({"auto_delete": auto_delete, "arguments": kept}).encode()
+
+
+def read_meta(data: bytes) -> tuple[bool, dict[str, Any]]:
+    """What :func:`meta` wrote: whether the queue is auto-delete, and its
+    stored arguments (damaged data: neither)."""
+    try:
+        fields = json.loads(data or b"{}")
+    except ValueError:
+        return False, {}
+    if not isinstance(fields, dict):
+        return False, {}
+    arguments = fields.get("arguments")
+    return bool(fields.get("auto_delete")), arguments if isinstance(arguments, dict) else {}
 
 
 def expired(properties: dict[str, Any], stored_at: float | None, ttl: float | None,
@@ -126,7 +142,8 @@ def warn_unhonoured(queue: str, arguments: Any, temporary: bool) -> None:
 
 def warn_kept(queue: str, declared: Limits, kept: Limits) -> None:
     """A declaration whose limits differ from those stored with the queue."""
-    if declared != kept and (queue, "") not in _warned:
+    if dataclasses.replace(kept, temporary=declared.temporary) != declared and (
+            queue, "") not in _warned:
         _warned.add((queue, ""))
         logger.warning("celery_zk: queue %r was declared with %s, but it exists with %s, "
                        "which stay (as RabbitMQ, a declaration does not change a queue's "

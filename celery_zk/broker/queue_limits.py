@@ -27,7 +27,7 @@ from kazoo.exceptions import BadVersionError, KazooException, NodeExistsError, N
 
 from ..exceptions import QueueFull
 from .acks import Acks
-from .budget import CHECK_EVERY, KNOWN_QUEUES
+from .budget import CHECK_EVERY
 from .queue_arguments import DROP_HEAD, REJECT_PUBLISH, Limits, expired
 from .queues import Queues
 from .ready import Claimed
@@ -35,6 +35,10 @@ from .ready import Claimed
 __all__ = ["QueueLimits", "count_dropped"]
 
 logger = logging.getLogger(__name__)
+
+#: Queues whose limits a process remembers: reply queues take a new name
+#: each, so what is forgotten is read again.
+KNOWN_QUEUES = 1024
 
 
 class QueueLimits:

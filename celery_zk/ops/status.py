@@ -49,6 +49,7 @@ from ..backend.expiry import bucket_expired
 from ..broker import big
 from ..broker.budget import Use
 from ..broker.liveness import consumer_nodes
+from ..broker.queue_arguments import read_meta
 from ..broker.queue_limits import dropped_counts
 from ..server.launcher import four_letter_word
 from ..zk.client import reply_or_retry
@@ -257,11 +258,7 @@ def _queue(client: KazooClient, layout: Layout, queue: str, now: float) -> Queue
     status.dead = dead_stat.numChildren if dead_stat is not None else 0
     status.offers = sum(1 for n in _reply_or_empty(offers) if parse_offer_name(n))
     data = _reply_or_none(meta)
-    try:
-        arguments = json.loads(data[0] or b"{}").get("arguments") if data else None
-    except (ValueError, AttributeError):
-        arguments = None
-    status.arguments = arguments if isinstance(arguments, dict) else {}
+    _, status.arguments = read_meta(data[0]) if data else (False, {})
     data = _reply_or_none(undelivered)
     dropped = dropped_counts(data[0]) if data else {}
     status.expired, status.dropped = dropped.get("expired", 0), dropped.get("dropped", 0)

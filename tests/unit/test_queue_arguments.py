@@ -44,6 +44,10 @@ def test_stored_with_the_queue() -> None:
     # A queue declared before 0.4 (no arguments), or damaged data: no limits.
     assert Limits.stored(b'{"auto_delete": false}') == Limits()
     assert Limits.stored(b"\x00junk") == Limits()
+    # An auto-delete queue's (its publishes pass a full budget), 0.4's and older.
+    assert Limits.stored(meta({"x-message-ttl": 10}, auto_delete=True)) == Limits(
+        0.01, temporary=True)
+    assert Limits.stored(b'{"auto_delete": true}').temporary
 
 
 def test_expired_by_the_queue_or_the_message() -> None:

@@ -294,19 +294,19 @@ class Channel(virtual.Channel):
         transport = self.connection
         transport.budget.check(transport.handle.client, queue,
                                transport.queue_limits.of(queue).temporary)   # waits while full
-        transport.queue_limits.before_publish(queue)   # x-max-length, reject-publish
+        size = body_size(message)
+        transport.queue_limits.before_publish(queue, size)   # reject-publish
         try:
-            self._store(queue, message)
+            self._store(queue, message, size)
         except QuotaExceededError as exc:   # the servers enforce the root's quota
             raise budget.refused(transport.layout, exc) from exc
-        transport.queue_limits.after_publish(queue)   # drop-head
+        transport.queue_limits.after_publish(queue, size)   # drop-head
 
-    def _store(self, queue: str, message: dict[str, Any]) -> None:
+    def _store(self, queue: str, message: dict[str, Any], size: int) -> None:
         affinity = affinity_of(message)   # first: a bad key must fail before any write
         transport = self.connection
         publisher = transport.publisher
         marker = self._once_marker(message)
-        size = body_size(message)
         task, limit_key = limit_tokens(message, transport.limits(), self._arguments)
         data = encode_message(message)
         priority = kombu_compat.priority_of(self, message)
@@ -389,15 +389,14 @@ class Channel(virtual.Channel):
         temporary = bool(kwargs.get("auto_delete") or kwargs.get("exclusive"))
         arguments = dict(kwargs.get("arguments") or {})
         declared = queue_arguments.Limits.of(queue, arguments)   # bad values: before a write
-        queue_arguments.warn_unhonoured(queue, arguments, temporary)
+        queue_arguments.warn_unhonoured(queue, arguments)
         meta = queue_arguments.meta(arguments, temporary)
         if temporary:
             transport.auto_delete.declare(queue, meta)  # held while this session lives
         elif transport.queues.declare(queue, meta):
             transport.queue_limits.learn(queue, declared)
         else:   # it existed: its own arguments stay
-            queue_arguments.warn_kept(queue, declared,
-                                      transport.queue_limits.of(queue, fresh=True))
+            transport.queue_limits.declared_again(queue, declared)
         transport.declared_queues.add(queue)
 
     def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> Any:

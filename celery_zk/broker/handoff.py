@@ -152,7 +152,7 @@ class HandOff:
         body = (encode_body(message.data)
                 if token.endswith(OFFER_TAKES_BODY) and message.kind == BODY_APART else None)
         name = handed_name(message.inverted_priority, message.generation, message.uid,
-                           message.kind, message.task, message.limit_key, body)
+                           message.kind, message.task, message.limit_key, body, message.size)
         owned = layout.inbox_message(queue, consumer_id, name)
 
         lost = False

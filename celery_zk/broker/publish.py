@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kazoo.client import KazooClient, TransactionRequest
@@ -54,6 +54,7 @@ class NewMessage:
     kind: str = BODY_APART   # BODY_CHUNKED: its chunks are written (celery_zk.broker.big)
     task: str | None = None        # its task's token (layout.task_token): for limits
     limit_key: str | None = None   # its concurrency key's token (layout.limit_key_token)
+    size: int | None = None   # its body's bytes, named: the queue has x-max-length-bytes
 
     @property
     def big(self) -> bool:
@@ -89,10 +90,13 @@ def new_uid() -> str:
 class Publisher:
     """put, put_new, put_batch: messages stored in a root's queues."""
 
-    def __init__(self, queues: Queues) -> None:
+    def __init__(self, queues: Queues,
+                 names_size: Callable[[str], bool] = lambda queue: False) -> None:
         self.queues = queues
         self.layout = queues.layout
         self.options = queues.options
+        #: Whether a queue's names carry their body's size (x-max-length-bytes).
+        self.names_size = names_size
         # (queue, inverted priority) -> the bucket generation this process publishes to
         self._tails: dict[tuple[str, int], int] = {}
         # (queue, inverted priority) -> (bucket, creates seen in it): how much
@@ -127,8 +131,8 @@ class Publisher:
         ``affinity``: its key's :func:`~celery_zk.zk.names.affinity_token`;
         ``size``: its body's size, checked against the limit (default: all of
         ``data``)."""
-        self.check_size(len(data) if size is None else size,
-                        f"A message for queue {queue!r}")
+        size = len(data) if size is None else size
+        self.check_size(size, f"A message for queue {queue!r}")
         inv = inverted(priority)
         generation = self._tails.get((queue, inv))
         if generation is None:
@@ -138,22 +142,23 @@ class Publisher:
             # Its chunks first: nothing leads to them until the publish's multi.
             data = prepare(self.client, self.layout, queue, uid, data, self.options.chunk_size)
             kind = BODY_CHUNKED
-        return self._named(queue, uid, data, inv, generation, affinity, kind, task, limit_key)
+        return self._named(queue, uid, data, inv, generation, affinity, kind, task, limit_key,
+                           size if self.names_size(queue) else None)
 
     def _named(self, queue: str, uid: str, data: bytes, inv: int, generation: int,
                affinity: str | None, kind: str = BODY_APART, task: str | None = None,
-               limit_key: str | None = None) -> NewMessage:
+               limit_key: str | None = None, size: int | None = None) -> NewMessage:
         # ZooKeeper appends the sequence to this prefix.
         path = self.layout.new_message_prefix(queue, inv, generation, uid, affinity, kind,
-                                              task, limit_key)
+                                              task, limit_key, size)
         return NewMessage(queue, uid, path, self.layout.new_body(queue, inv, generation, uid),
-                          data, inv, generation, affinity, kind, task, limit_key)
+                          data, inv, generation, affinity, kind, task, limit_key, size)
 
     def renamed(self, message: NewMessage, generation: int) -> NewMessage:
         """``message`` bound for another bucket of its queue and priority."""
         return self._named(message.queue, message.uid, message.data,
                            message.inverted_priority, generation, message.affinity,
-                           message.kind, message.task, message.limit_key)
+                           message.kind, message.task, message.limit_key, message.size)
 
     def put_new(self, message: NewMessage, maybe_made: bool = False) -> str:
         """Store ``message`` once (``maybe_made``: an earlier attempt lost its reply)."""

@@ -6,14 +6,15 @@ default drops them), so the transport asks, as py-amqp's does.
 
 Honoured: ``x-max-priority`` (every queue has priorities 0-9),
 ``x-message-ttl`` and a message's own ``expiration`` (an expired message is
-never delivered), ``x-max-length`` with ``x-overflow`` (``drop-head``,
-``reject-publish``; :mod:`celery_zk.broker.max_length`), and on an
-auto-delete or exclusive queue ``x-expires`` (the queue goes with the
-session that declared it). They are stored with the queue at its first
-declaration, so every process sees the same; as RabbitMQ, a later
-declaration cannot change them (a warning says so). Any other argument is
-named in one warning per queue and process, so a limit or a lifetime never
-stops working in silence.
+never delivered), ``x-max-length`` and ``x-max-length-bytes`` with
+``x-overflow`` (``drop-head``, ``reject-publish``;
+:mod:`celery_zk.broker.queue_limits`), and ``x-expires`` (an unused queue
+goes: :mod:`celery_zk.broker.queue_expiry`; an auto-delete or exclusive one
+goes with the session that declared it in any case). They are stored with
+the queue at its first declaration, so every process sees the same; as
+RabbitMQ, a later declaration cannot change them (a warning says so). Any
+other argument is named in one warning per queue and process, so a limit or
+a lifetime never stops working in silence.
 """
 from __future__ import annotations
 
@@ -36,9 +37,8 @@ DROP_HEAD, REJECT_PUBLISH = "drop-head", "reject-publish"
 #: reject-publish-dlx: refused as reject-publish (the publisher keeps the message).
 _OVERFLOWS = {DROP_HEAD: DROP_HEAD, REJECT_PUBLISH: REJECT_PUBLISH,
               "reject-publish-dlx": REJECT_PUBLISH}
-STORED = ("x-message-ttl", "x-max-length", "x-overflow")
+STORED = ("x-message-ttl", "x-max-length", "x-max-length-bytes", "x-overflow", "x-expires")
 HONOURED = frozenset({"x-max-priority", *STORED})
-HONOURED_BY_TEMPORARY = HONOURED | {"x-expires"}
 _warned: set[tuple[str, str]] = set()
 
 
@@ -48,7 +48,9 @@ class Limits:
 
     message_ttl: float | None = None   # seconds
     max_length: int | None = None
+    max_length_bytes: int | None = None   # of the bodies waiting
     overflow: str = DROP_HEAD
+    expires: float | None = None   # seconds unused before the queue goes
     temporary: bool = False   # auto-delete: goes with its session (the budget lets it by)
 
     @classmethod
@@ -64,12 +66,18 @@ class Limits:
                     f"RabbitMQ requires), not {value!r}. Nothing was declared.")
             return value
         ttl, length = number("x-message-ttl"), number("x-max-length")
+        length_bytes, expires = number("x-max-length-bytes"), number("x-expires")
         overflow = arguments.get("x-overflow", DROP_HEAD)
         if overflow not in _OVERFLOWS:
             raise ZKConfigurationError(
                 f"Queue {queue!r}: x-overflow must be one of {', '.join(_OVERFLOWS)}, not "
                 f"{overflow!r}. Nothing was declared.")
-        return cls(None if ttl is None else ttl / 1000, length, _OVERFLOWS[overflow])
+        if expires == 0:
+            raise ZKConfigurationError(
+                f"Queue {queue!r}: x-expires must be at least 1 (milliseconds unused before "
+                "the queue goes, as RabbitMQ requires), not 0. Nothing was declared.")
+        return cls(None if ttl is None else ttl / 1000, length, length_bytes,
+                   _OVERFLOWS[overflow], None if expires is None else expires / 1000)
 
     @classmethod
     def stored(cls, data: bytes) -> Limits:
@@ -124,13 +132,11 @@ def prepare(arguments: Any, **options: Any) -> dict[str, Any]:
     return to_rabbitmq_queue_arguments(arguments, **options)
 
 
-def warn_unhonoured(queue: str, arguments: Any, temporary: bool) -> None:
+def warn_unhonoured(queue: str, arguments: Any) -> None:
     """One warning per queue and argument this process declares with an
-    argument celery_zk does not honour; ``temporary``: an auto-delete or
-    exclusive queue."""
-    honoured = HONOURED_BY_TEMPORARY if temporary else HONOURED
+    argument celery_zk does not honour."""
     unhonoured = sorted(name for name in dict(arguments or {})
-                        if name not in honoured and (queue, name) not in _warned)
+                        if name not in HONOURED and (queue, name) not in _warned)
     if not unhonoured:
         return
     _warned.update((queue, name) for name in unhonoured)

@@ -1,14 +1,18 @@
-"""A queue's stored limits applied: ``x-max-length`` to publishes, and the
-count of messages a queue dropped undelivered (over its length, or expired).
+"""A queue's stored limits applied: ``x-max-length`` and
+``x-max-length-bytes`` to publishes, and the count of messages a queue
+dropped undelivered (over a limit, or expired).
 
 RabbitMQ counts a queue's length in messages ready for delivery: here the
 names waiting in its buckets, counted from the buckets' stats (no listing).
-A process reads it at most every :data:`CHECK_EVERY` seconds per queue and
-adds its own publishes meanwhile, so a publish costs no read; it reads again
-before it refuses a publish (``reject-publish``) or drops the head
-(``drop-head``), so neither acts on a stale count. Publishers of other
-processes may overshoot ``reject-publish`` by what they send within one
-check; ``drop-head`` always trims back to the limit.
+Its bytes are those messages' bodies: a queue with ``x-max-length-bytes``
+names each message's size (:func:`~celery_zk.zk.names.message_prefix`), and
+they are summed from a listing of its buckets. A process reads either at most
+every :data:`CHECK_EVERY` seconds per queue and adds its own publishes
+meanwhile, so a publish costs no read; it reads again before it refuses a
+publish (``reject-publish``) or drops the head (``drop-head``), so neither
+acts on a stale count. Publishers of other processes may overshoot
+``reject-publish`` by what they send within one check; ``drop-head`` always
+trims back to the limits.
 
 What a queue drops without delivering is counted in ``queues/{q}/dropped``
 (``{"expired": n, "dropped": n}``), added without waiting for the reply: for
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 import time
 from typing import Any
@@ -26,9 +31,11 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, KazooException, NodeExistsError, NoNodeError
 
 from ..exceptions import QueueFull
+from ..zk.names import parse_message_name
 from .acks import Acks
 from .budget import CHECK_EVERY
-from .queue_arguments import DROP_HEAD, REJECT_PUBLISH, Limits, expired
+from .queue_arguments import DROP_HEAD, REJECT_PUBLISH, Limits, expired, warn_kept
+from .queue_expiry import touch
 from .queues import Queues
 from .ready import Claimed
 
@@ -50,7 +57,8 @@ class QueueLimits:
         self.dead_letter = queues.options.dead_letter_rejected
         self._expired: dict[str, int] = {}   # queue -> expired, not counted yet
         self._limits: dict[str, Limits] = {}
-        self._length: dict[str, tuple[int, float]] = {}   # queue -> (count, read at)
+        # queue -> (messages, bytes, read at): bytes only with x-max-length-bytes
+        self._length: dict[str, tuple[int, int, float]] = {}
         self._lock = threading.Lock()
 
     def of(self, queue: str, fresh: bool = False) -> Limits:
@@ -72,54 +80,87 @@ class QueueLimits:
             self._limits.clear()
         self._limits[queue] = limits
 
-    # -- x-max-length -------------------------------------------------------------
-    def before_publish(self, queue: str) -> None:
-        """``reject-publish``: refuse a publish to a full queue (QueueFull)."""
+    def declared_again(self, queue: str, declared: Limits) -> None:
+        """A declaration of a queue that exists: its stored limits stay (a
+        warning if they differ), and it counts as used (x-expires)."""
+        kept = self.of(queue, fresh=True)
+        warn_kept(queue, declared, kept)
+        if kept.expires is not None:
+            touch(self.queues, queue)
+
+    def counts_bytes(self, queue: str) -> bool:
+        """Whether the queue's message names carry their size (x-max-length-bytes)."""
+        return self.of(queue).max_length_bytes is not None
+
+    # -- x-max-length, x-max-length-bytes --------------------------------------------
+    def before_publish(self, queue: str, size: int) -> None:
+        """``reject-publish``: refuse a publish (of ``size`` bytes) to a full queue
+        (QueueFull)."""
         limits = self.of(queue)
-        if limits.max_length is None or limits.overflow != REJECT_PUBLISH:
+        if limits.overflow != REJECT_PUBLISH or not _limited(limits):
             return
-        full = limits.max_length
-        if self._count(queue) >= full and self._read_length(queue) >= full:   # read again
+        if _full(limits, self._count(queue), size) and _full(
+                limits, self._read_waiting(queue), size):   # read again before refusing
+            count, size_now = self._length[queue][:2]
+            what = (f"its x-max-length is {limits.max_length:,}"
+                    if limits.max_length is not None and count >= limits.max_length else
+                    f"they hold {size_now:,} bytes and this one {size:,}, its "
+                    f"x-max-length-bytes is {limits.max_length_bytes:,}")
             raise QueueFull(
-                f"Queue {queue!r} is full: {self._length[queue][0]:,} messages wait, its "
-                f"x-max-length is {limits.max_length:,} with x-overflow reject-publish. "
-                "Nothing was written. Retry once consumers have taken some, or declare the "
-                "queue with a larger max_length (delete it first: a declaration does not "
-                "change a queue's arguments).")
+                f"Queue {queue!r} is full: {count:,} messages wait, {what} with x-overflow "
+                "reject-publish. Nothing was written. Retry once consumers have taken "
+                "some, or declare the queue with larger limits (delete it first: a "
+                "declaration does not change a queue's arguments).")
 
-    def after_publish(self, queue: str) -> None:
-        """Count the publish; ``drop-head``: trim the queue back to its length."""
+    def after_publish(self, queue: str, size: int) -> None:
+        """Count the publish; ``drop-head``: trim the queue back to its limits."""
         limits = self.of(queue)
-        if limits.max_length is None:
+        if not _limited(limits):
             return
         with self._lock:
-            count, read_at = self._length.get(queue, (0, 0.0))
-            self._length[queue] = (count + 1, read_at)
-        if limits.overflow == DROP_HEAD and self._count(queue) > limits.max_length:
-            over = self._read_length(queue) - limits.max_length
-            if over > 0:
-                self._drop_head(queue, over)
+            count, size_now, read_at = self._length.get(queue, (0, 0, 0.0))
+            self._length[queue] = (count + 1, size_now + size, read_at)
+        if limits.overflow == DROP_HEAD and _full(limits, self._count(queue)) and _full(
+                limits, self._read_waiting(queue)):
+            self._drop_head(queue, limits)
 
-    def _count(self, queue: str) -> int:
-        count, read_at = self._length.get(queue, (0, 0.0))
-        return count if time.monotonic() - read_at < CHECK_EVERY else self._read_length(queue)
+    def _count(self, queue: str) -> tuple[int, int]:
+        count, size, read_at = self._length.get(queue, (0, 0, 0.0))
+        if time.monotonic() - read_at < CHECK_EVERY:
+            return count, size
+        return self._read_waiting(queue)
 
-    def _read_length(self, queue: str) -> int:
-        count = self.queues.size(queue)
-        with self._lock:
-            self._length[queue] = (count, time.monotonic())
-        return count
-
-    def _drop_head(self, queue: str, over: int) -> None:
-        names = self.queues.listing(queue, over).names[:over]
-        if self.dead_letter:
-            reason = "dropped: the queue was over its x-max-length (x-overflow drop-head)"
-            dropped = sum(self.acks.dead_letter_waiting(queue, name, reason) for name in names)
+    def _read_waiting(self, queue: str) -> tuple[int, int]:
+        """(messages, bytes) waiting: bytes only where names carry them (a listing)."""
+        if self.of(queue).max_length_bytes is None:
+            count, size = self.queues.size(queue), 0
         else:
-            dropped = self.queues.delete_waiting(queue, names)
+            names = self.queues.listing(queue, sys.maxsize).names
+            count, size = len(names), sum(map(named_size, names))
         with self._lock:
-            count, read_at = self._length[queue]
-            self._length[queue] = (count - dropped, read_at)
+            self._length[queue] = (count, size, time.monotonic())
+        return count, size
+
+    def _drop_head(self, queue: str, limits: Limits) -> None:
+        count, size = self._length[queue][:2]
+        names = self.queues.listing(
+            queue, sys.maxsize if limits.max_length_bytes is not None else count).names
+        head = []
+        for name in names:   # from the head, until both limits hold
+            if not _full(limits, (count, size)):
+                break
+            head.append(name)
+            count, size = count - 1, size - named_size(name)
+        if self.dead_letter:
+            limit = "x-max-length" if limits.max_length_bytes is None else (
+                "x-max-length-bytes" if limits.max_length is None
+                else "x-max-length or x-max-length-bytes")
+            reason = f"dropped: the queue was over its {limit} (x-overflow drop-head)"
+            dropped = sum(self.acks.dead_letter_waiting(queue, name, reason) for name in head)
+        else:
+            dropped = self.queues.delete_waiting(queue, head)
+        with self._lock:   # read again at the next check
+            self._length[queue] = (count, size, 0.0)
         count_dropped(self.queues.client, self.queues.layout.queue_dropped(queue),
                       "dropped", dropped)
 
@@ -151,6 +192,28 @@ class QueueLimits:
         for queue, count in expired.items():
             count_dropped(self.queues.client, self.queues.layout.queue_dropped(queue),
                           "expired", count)
+
+
+def _limited(limits: Limits) -> bool:
+    return limits.max_length is not None or limits.max_length_bytes is not None
+
+
+def _full(limits: Limits, waiting: tuple[int, int], adding: int | None = None) -> bool:
+    """Whether ``waiting`` (messages, bytes) is over the limits; with ``adding``
+    (a publish's bytes): whether the queue is full for it."""
+    count, size = waiting
+    if adding is None:
+        return ((limits.max_length is not None and count > limits.max_length)
+                or (limits.max_length_bytes is not None and size > limits.max_length_bytes))
+    return ((limits.max_length is not None and count >= limits.max_length)
+            or (limits.max_length_bytes is not None
+                and size + adding > limits.max_length_bytes))
+
+
+def named_size(name: str) -> int:
+    """The body's bytes a waiting message's name carries (0: none named)."""
+    message = parse_message_name(name)
+    return 0 if message is None or message.size is None else message.size
 
 
 def count_dropped(client: KazooClient, path: str, kind: str, count: int) -> None:

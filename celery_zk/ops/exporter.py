@@ -100,10 +100,11 @@ def _queue_metrics(status: Status) -> Iterator[Any]:
                                       labels=["queue_name"])
     undelivered = CounterMetricFamily("celery_zk_queue_undelivered",
                                       "Messages the queue dropped undelivered: expired "
-                                      "(x-message-ttl, expiration) or over x-max-length.",
+                                      "(x-message-ttl, expiration) or over its length.",
                                       labels=["queue_name", "reason"])
-    max_length = GaugeMetricFamily("celery_zk_queue_max_length", "A queue's x-max-length.",
-                                   labels=["queue_name"])
+    limits = GaugeMetricFamily("celery_zk_queue_limit", "A queue's stored numeric arguments "
+                               "(x-max-length, x-max-length-bytes, x-message-ttl, x-expires).",
+                               labels=["queue_name", "argument"])
     per_queue: dict[str, int] = {}
     for consumer in status.consumers:
         for name in consumer.queues:
@@ -120,10 +121,11 @@ def _queue_metrics(status: Status) -> Iterator[Any]:
         chunked_bytes.add_metric([queue.name], queue.chunked_bytes)
         undelivered.add_metric([queue.name, "expired"], queue.expired)
         undelivered.add_metric([queue.name, "dropped"], queue.dropped)
-        if isinstance(queue.arguments.get("x-max-length"), int):
-            max_length.add_metric([queue.name], queue.arguments["x-max-length"])
+        for argument, value in sorted(queue.arguments.items()):
+            if isinstance(value, int) and not isinstance(value, bool):
+                limits.add_metric([queue.name, argument], value)
     yield from (length, consumers, by_priority, owned, dead, oldest, chunked, chunked_bytes,
-                undelivered, max_length)
+                undelivered, limits)
 
 
 def _limit_metrics(status: Status) -> Iterator[Any]:

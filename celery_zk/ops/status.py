@@ -44,7 +44,6 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
-from ..backend.autoexpire import cleaned_at
 from ..backend.expiry import bucket_expired
 from ..broker import big
 from ..broker.budget import Use
@@ -63,6 +62,7 @@ from ..zk.names import (
     sort_messages,
     unescape,
 )
+from ..zk.rounds import stamped_at
 from .limits import LimitStatus, limit_statuses
 
 __all__ = ["BudgetStatus", "ConsumerStatus", "QueueStatus", "ResultsStatus", "Status", "collect",
@@ -314,7 +314,7 @@ def _results(client: KazooClient, layout: Layout, result_expires: float | None,
     chords = _reply_or_none(client.exists_async(layout.chords))
     status.chords = chords.numChildren if chords is not None else 0
     status.chunked, status.chunked_bytes = _payload_bytes(client, layout)
-    status.cleaned_at = cleaned_at(client.exists_async(layout.expiry).get())
+    status.cleaned_at = stamped_at(client.exists_async(layout.expiry).get())
     if result_expires:
         cutoff = now - result_expires
         hours = [hour for hour in map(layout.parse_expiry_bucket,

@@ -15,6 +15,7 @@ from typing import Any
 
 from celery.signals import worker_init, worker_shutting_down
 
+from ..broker import queue_expiry
 from ..broker import transport as transport_module
 from ..compat import celery as celery_compat
 from ..features.revokes import load_into_worker
@@ -61,6 +62,7 @@ class WorkerHooks:
         if self._revokes_loaded_by != loaded:
             self._revokes_loaded_by = loaded
             load_into_worker(client, transport.layout)
+        queue_expiry.start(transport)   # unused queues go (x-expires)
 
     def bindings_restored(self, transport: Any) -> None:
         """Broadcasts sent while the connection's bindings were gone (a session
@@ -122,6 +124,7 @@ def _on_worker_shutting_down(**_: Any) -> None:
     # Celery runs this inside its SIGTERM/SIGINT handler, which may have
     # interrupted drain_events with a lock held: flag it, take no lock.
     transport_module.shutdown_started()
+    queue_expiry.stop_all()
     close_all()   # a pool's stop waits for starts that wait for a server
     # Else the shutdown's tidying waits for the outage to end; not while a task
     # still runs (its result and ack may need the session).

@@ -21,6 +21,7 @@ from .names import (
     EXPIRY_CLEANER,
     OWNER_SEP,
     PAYLOAD_ENTRY,
+    QUEUES_EXPIRER,
     QUOTA_LIMITS,
     QUOTA_ROOT,
     QUOTA_STATS,
@@ -143,11 +144,11 @@ class Layout:
     def new_message_prefix(self, queue: str, inverted_priority: int, generation: int,
                            uid: str, affinity: str | None = None,
                            kind: str = BODY_APART, task: str | None = None,
-                           limit_key: str | None = None) -> str:
+                           limit_key: str | None = None, size: int | None = None) -> str:
         """The path a new message is created at (ZooKeeper appends the sequence)."""
         return join(self.bucket(queue, bucket_name(inverted_priority, generation)),
                     message_prefix(inverted_priority, generation, uid, affinity, kind, task,
-                                   limit_key))
+                                   limit_key, size))
 
     # -- bodies: written once, deleted by the ack ------------------------------
     def bodies(self, queue: str) -> str:
@@ -387,6 +388,13 @@ class Layout:
         (:mod:`celery_zk.backend.autoexpire`); when the last round ended
         is when :attr:`expiry` itself was last written."""
         return join(self.expiry, EXPIRY_CLEANER)
+
+    @property
+    def queues_expirer(self) -> str:
+        """The ephemeral lock of the one process deleting unused queues now
+        (:mod:`celery_zk.broker.queue_expiry`); when its last round ended is
+        when :attr:`queues` itself was last written."""
+        return join(self.root, QUEUES_EXPIRER)
 
     # -- the storage budget (celery_zk.broker.budget) ----------------------------
     @property

@@ -55,6 +55,7 @@ MAX_CHUNKS = 10 ** 6
 PAYLOAD_ENTRY = "p" + OWNER_SEP   # an expiry index entry naming a payload container
 REVOKED_TASK, REVOKED_STAMP = "t" + OWNER_SEP, "s" + OWNER_SEP   # kinds under revoked/
 EXPIRY_CLEANER = OWNER_SEP + "cleaner"   # under expiry/, beside its hours (h...)
+QUEUES_EXPIRER = "queues" + OWNER_SEP + "expirer"   # beside queues/ (escaped names)
 #: ZooKeeper's own quota nodes for a path P: ``{QUOTA_ROOT}{P}/{QUOTA_LIMITS}``
 #: (what an operator or celery_zk set) and ``.../{QUOTA_STATS}`` (the count of
 #: nodes and bytes under P, kept by every server in memory).
@@ -67,7 +68,7 @@ BODY_CHUNKED = "c"  # as "n", and bigger than chunk_size: its body node holds a
                     # manifest, the bytes are chunks under chunks/{uid}
 _MESSAGE_RE = re.compile(
     r"^([nc])(\d)-(\d{10})-([0-9a-f]{1,32})(?:\.([0-9a-f]{8}))?(?:!([0-9a-f]{8}))?"
-    r"(?:@([^/~]+?))?-(r?)(\d{10})$")
+    r"(?:\+(\d{1,12}))?(?:@([^/~]+?))?-(r?)(\d{10})$")
 #: Names celery_zk stored before 0.2, the body inside the node: in a bucket as
 #: today's but for their "m", or flat in unowned/ (the requeue sequential too).
 _LEGACY_FLAT_RE = re.compile(r"^m(\d)-([0-9a-f]{1,32})-(?:r(\d{10})-)?(\d{10})$")
@@ -132,6 +133,7 @@ class MessageName(NamedTuple):
     chunked: bool = False      # its body is chunked (a "c" name): see Layout.chunks
     task: str | None = None    # its task's token (task_token), for limits
     limit_key: str | None = None   # its concurrency key's token (limit_key_token)
+    size: int | None = None   # its body's bytes, named in a queue with x-max-length-bytes
 
     @property
     def kind(self) -> str:
@@ -185,13 +187,17 @@ def same_priority(bucket: str, other: str) -> bool:
 
 def message_prefix(inverted_priority: int, generation: int, uid: str,
                    affinity: str | None = None, kind: str = BODY_APART,
-                   task: str | None = None, limit_key: str | None = None) -> str:
+                   task: str | None = None, limit_key: str | None = None,
+                   size: int | None = None) -> str:
     """Name prefix of a new message; ZooKeeper appends the sequence.
     ``affinity``: an :func:`affinity_token`. ``kind``: where the body is
     (:data:`BODY_APART` or :data:`BODY_CHUNKED`).
     ``task``/``limit_key``: a :func:`task_token` and a :func:`limit_key_token`,
-    which a dispatcher applies limits by (celery_zk.features.limits)."""
-    tokens = (f".{task}" if task else "") + (f"!{limit_key}" if limit_key else "")
+    which a dispatcher applies limits by (celery_zk.features.limits).
+    ``size``: the body's bytes, in a queue whose ``x-max-length-bytes`` is
+    counted from its listing (celery_zk.broker.queue_limits)."""
+    tokens = ((f".{task}" if task else "") + (f"!{limit_key}" if limit_key else "")
+              + (f"+{size}" if size is not None else ""))
     key = f"@{affinity}" if affinity else ""
     return f"{kind}{inverted_priority}-{generation:0{SEQ_DIGITS}d}-{uid}{tokens}{key}-"
 
@@ -241,7 +247,8 @@ def requeued_name(message: MessageName) -> str:
     """The name a message gets when it goes back to wait: in the bucket of its
     first publication, marked requeued, with the sequence that keeps its place."""
     return (message_prefix(message.inverted_priority, message.generation, message.uid,
-                           message.affinity, message.kind, message.task, message.limit_key)
+                           message.affinity, message.kind, message.task, message.limit_key,
+                           message.size)
             + f"r{message.order:0{SEQ_DIGITS}d}")
 
 
@@ -302,9 +309,10 @@ def _parse_message_name(name: str) -> MessageName | None:
     match = _MESSAGE_RE.match(name)
     if not match:
         return None
-    kind, inv, generation, uid, task, limit, affinity, requeued, seq = match.groups()
+    kind, inv, generation, uid, task, limit, size, affinity, requeued, seq = match.groups()
     return MessageName(int(inv), int(generation), uid, int(seq), bool(requeued), int(seq),
-                       affinity, kind == BODY_CHUNKED, task, limit)
+                       affinity, kind == BODY_CHUNKED, task, limit,
+                       None if size is None else int(size))
 
 
 def parse_legacy_name(name: str) -> MessageName | None:
@@ -364,7 +372,8 @@ def sort_messages(names: list[str]) -> tuple[list[str], list[str]]:
 
 def handed_name(inverted_priority: int, generation: int, uid: str,
                 kind: str = BODY_APART, task: str | None = None,
-                limit_key: str | None = None, body: str | None = None) -> str:
+                limit_key: str | None = None, body: str | None = None,
+                size: int | None = None) -> str:
     """The name a message handed straight to an idle consumer gets, with
     ``body`` (:func:`encode_body`) as a copy of its body if given.
 
@@ -374,7 +383,7 @@ def handed_name(inverted_priority: int, generation: int, uid: str,
     ahead of its priority's later arrivals, where it belongs.
     """
     name = (message_prefix(inverted_priority, generation, uid, kind=kind, task=task,
-                           limit_key=limit_key) + "0" * SEQ_DIGITS)
+                           limit_key=limit_key, size=size) + "0" * SEQ_DIGITS)
     return name if body is None else f"{name}{INLINE_SEP}{body}"
 
 

@@ -13,12 +13,13 @@ from celery.beat import Scheduler
 from kazoo.client import KazooClient
 
 from celery_zk.backend import ZooKeeperBackend
-from celery_zk.backend.autoexpire import Cleaner, cleaned_at
+from celery_zk.backend.autoexpire import cleaner as make_cleaner
 from celery_zk.backend.expiry import HOUR
 from celery_zk.ops.exporter import StatusCollector
 from celery_zk.ops.report import format_status
 from celery_zk.ops.status import collect
 from celery_zk.zk.config import parse_url
+from celery_zk.zk.rounds import stamped_at
 
 from .workers import Worker, wait_until
 
@@ -75,7 +76,7 @@ def test_a_worker_deletes_expired_results_with_no_beat(
                    message=lambda: worker.output()[-3000:])
         assert not any(_stored(backend, t) for t in old)
     assert _stored(backend, fresh)   # this hour's result waits for its hour to pass
-    last = cleaned_at(backend.client.exists(backend.layout.expiry))
+    last = stamped_at(backend.client.exists(backend.layout.expiry))
     assert last is not None and last > time.time() - 60
     assert backend.client.exists(backend.layout.expiry_cleaner) is None
 
@@ -86,26 +87,26 @@ def test_one_process_cleans_at_a_time_and_a_dead_cleaners_round_goes_on(
     cleaner killed mid-round, its stamp never written): the next look runs it."""
     backend = app.backend
     old, _ = _store_old_and_fresh(backend)
-    cleaner = Cleaner(backend, every=600)
+    cleaner = make_cleaner(backend, every=600)
     assert "expired ones never deleted yet" in _report(backend)[0]
     settings = parse_url(zk_url)
     other = KazooClient(hosts=settings.hosts)
     other.start()
     try:
         other.create(backend.layout.expiry_cleaner, ephemeral=True)
-        assert not cleaner.clean_if_due()
+        assert not cleaner.run_if_due()
         assert all(_stored(backend, t) for t in old)
     finally:
         other.stop()
         other.close()
-    assert cleaner.clean_if_due()
+    assert cleaner.run_if_due()
     assert not any(_stored(backend, t) for t in old)
     report, metrics = _report(backend)
     assert "expired ones last deleted 0s ago" in report
     assert abs(metrics["celery_zk_results_cleaned_timestamp_seconds"] - time.time()) < 60
-    assert not cleaner.clean_if_due()   # stamped: the next round is expire_every away
+    assert not cleaner.run_if_due()   # stamped: the next round is expire_every away
     backend.clock = lambda: time.time() + 601
-    assert cleaner.clean_if_due()
+    assert cleaner.run_if_due()
 
 
 def test_no_cleaner_with_expire_every_0_or_no_result_expires(app: Celery, zk_url: str) -> None:

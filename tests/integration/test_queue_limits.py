@@ -136,3 +136,91 @@ def test_a_later_declaration_keeps_the_stored_arguments(
         for index in range(5):
             producer.publish({"i": index}, routing_key="kept")
         assert other.default_channel._size("kept") == 2   # drop-head at the stored 2
+
+
+PAYLOAD = "x" * 1000   # a task's body of ~1,100 bytes: 4 fit in 5,000, not 5
+
+
+@pytest.mark.parametrize("pool", ["threads", pytest.param("prefork", marks=pytest.mark.matrix)])
+def test_max_length_bytes_drop_head_keeps_the_newest(client_app: Celery, zk_url: str, worker,
+                                                      task_log: Path, pool: str) -> None:
+    """x-max-length-bytes counts the bodies of the messages waiting (as
+    RabbitMQ): over it, the oldest are dropped until they fit."""
+    arguments = {"small": {"x-max-length-bytes": 5000}}
+    client_app.conf.task_queues = _queues(arguments)
+    for index in range(12):   # no consumer yet: the oldest 8 are dropped
+        client_app.send_task(RECORD, args=[index, PAYLOAD], queue="small")
+    status = _queue_status(zk_url, "small")
+    assert status["waiting"] == 4 and status["dropped"] == 8, status
+    worker(log=task_log, pool=pool, queues="small", conf=_worker_conf(arguments))
+    wait_until(lambda: len(executed_values(task_log)) >= 4, 60)
+    time.sleep(0.5)
+    assert executed_values(task_log) == {index: 1 for index in range(8, 12)}
+    assert "max-length-bytes=5000" in celery_cli(["zk", "status"], zk_url).stdout
+
+
+@pytest.mark.matrix
+def test_max_length_bytes_reject_publish_and_a_requeue_keeps_its_size(
+        client_app: Celery, zk_url: str) -> None:
+    """reject-publish refuses the message that would not fit, naming the
+    bytes; a message that goes back to wait (a reject with requeue) still
+    counts its bytes."""
+    from kombu import Connection
+
+    arguments = {"tight": {"x-max-length-bytes": 2500, "x-overflow": "reject-publish"}}
+    client_app.conf.task_queues = _queues(arguments)
+    for index in range(2):
+        client_app.send_task(RECORD, args=[index, PAYLOAD], queue="tight")
+    with pytest.raises(QueueFull) as refused:
+        client_app.send_task(RECORD, args=[2, PAYLOAD], queue="tight")
+    assert "x-max-length-bytes is 2,500" in str(refused.value), refused.value
+    assert "Nothing was written" in str(refused.value)
+    client_app.send_task(RECORD, args=[3], queue="tight")   # a small one still fits
+    with Connection(zk_url) as conn:
+        queue = Queue("tight", queue_arguments=arguments["tight"])(conn.default_channel)
+        message = queue.get()
+        assert message is not None
+        message.reject(requeue=True)   # back in its place, its size with it
+    with pytest.raises(QueueFull):
+        client_app.send_task(RECORD, args=[4, PAYLOAD], queue="tight")
+    assert _queue_status(zk_url, "tight")["waiting"] == 3
+
+
+def _has_queue(url: str, queue: str) -> bool:
+    from kombu import Connection
+
+    with Connection(url) as conn:
+        return bool(conn.default_channel._has_queue(queue))
+
+
+@pytest.mark.parametrize("pool", ["threads", pytest.param("prefork", marks=pytest.mark.matrix)])
+def test_x_expires_deletes_a_durable_queue_once_unused(client_app: Celery, zk_url: str, worker,
+                                                        task_log: Path, pool: str) -> None:
+    """A durable queue with x-expires goes, messages and bindings with it, once
+    it had no consumer and no declaration for that long (not before); a
+    queue a worker consumes stays, and goes that long after its consumer was
+    cancelled."""
+    arguments = {"idle": {"x-expires": 1500}, "busy": {"x-expires": 1500}}
+    client_app.conf.task_queues = _queues(arguments)
+    conf = _worker_conf(arguments)
+    conf["broker_transport_options"] = {"expire_every": 0.3}
+    w = worker(log=task_log, pool=pool, queues="celery,busy", conf=conf)
+    declared = time.monotonic()
+    for index in range(3):
+        client_app.send_task(RECORD, args=[index], queue="idle")   # nobody consumes it
+    wait_until(lambda: not _has_queue(zk_url, "idle"), 30, message=lambda: w.diagnosis())
+    assert time.monotonic() - declared >= 1.5
+    assert "queue 'idle' deleted: unused for its x-expires of 1500 ms (3 waiting" in w.output()
+    names = [q["name"] for q in json.loads(
+        celery_cli(["zk", "status", "--json"], zk_url).stdout)["queues"]]
+    assert "idle" not in names and "busy" in names   # consumed: in use
+    client_app.send_task(RECORD, args=["busy"], queue="busy")
+    wait_until(lambda: "busy" in executed_values(task_log), 60)
+    time.sleep(2)   # consumed for longer than x-expires since the last declaration
+    assert _has_queue(zk_url, "busy")
+    cancelling = time.monotonic()   # the consumer goes after this, before the reply
+    replies = client_app.control.cancel_consumer("busy", reply=True, limit=1, timeout=10)
+    assert replies and "ok" in list(replies[0].values())[0], replies
+    wait_until(lambda: not _has_queue(zk_url, "busy"), 30, message=lambda: w.diagnosis())
+    assert time.monotonic() - cancelling >= 1.5
+    assert _has_queue(zk_url, "celery")   # no x-expires: stays

@@ -69,6 +69,18 @@ def test_requeued_name_keeps_its_bucket_and_first_sequence() -> None:
     assert requeued(name) == name   # requeued again: the same place
 
 
+def test_a_named_size_is_parsed_and_kept_by_a_requeue() -> None:
+    """A queue with x-max-length-bytes names each message's body size."""
+    name = message_prefix(2, 4, "ab", "key+1", task="0123abcd", size=1234) + seq(9)
+    parsed = parse_message_name(name)
+    assert parsed is not None
+    assert (parsed.size, parsed.affinity, parsed.task, parsed.order) == (1234, "key+1",
+                                                                       "0123abcd", 9)
+    again = parse_message_name(requeued(name))
+    assert again is not None and (again.size, again.requeued, again.order) == (1234, True, 9)
+    assert parse_message_name(new(3, "ab", 5)).size is None   # other queues name none
+
+
 def test_names_from_before_0_2_are_told_apart_and_parsed_as_they_become() -> None:
     """Read only by `celery zk upgrade`: a flat one goes to bucket 0, keeping its
     first sequence; one in a bucket keeps its bucket; a claimed one loses its owner."""

@@ -21,8 +21,10 @@ from celery_zk.exceptions import ZKConfigurationError
 def test_limits_from_arguments() -> None:
     limits = Limits.of("q", {"x-message-ttl": 1500, "x-max-length": 10,
                              "x-overflow": "reject-publish-dlx", "x-max-priority": 9})
-    assert limits == Limits(1.5, 10, REJECT_PUBLISH)
-    assert Limits.of("q", {}) == Limits(None, None, DROP_HEAD)
+    assert limits == Limits(1.5, 10, overflow=REJECT_PUBLISH)
+    assert Limits.of("q", {}) == Limits(None, None, overflow=DROP_HEAD)
+    assert Limits.of("q", {"x-max-length-bytes": 4096, "x-expires": 1800000}) == Limits(
+        max_length_bytes=4096, expires=1800.0)
 
 
 @pytest.mark.parametrize("arguments, says", [
@@ -30,6 +32,8 @@ def test_limits_from_arguments() -> None:
     ({"x-max-length": -1}, "x-max-length must be a whole number"),
     ({"x-message-ttl": "soon"}, "x-message-ttl must be a whole number"),
     ({"x-max-length": True}, "x-max-length must be a whole number"),
+    ({"x-max-length-bytes": 1.5}, "x-max-length-bytes must be a whole number"),
+    ({"x-expires": 0}, "x-expires must be at least 1"),
 ])
 def test_bad_arguments_say_what_and_where(arguments: dict, says: str) -> None:
     with pytest.raises(ZKConfigurationError, match=says) as error:
@@ -40,7 +44,9 @@ def test_bad_arguments_say_what_and_where(arguments: dict, says: str) -> None:
 def test_stored_with_the_queue() -> None:
     data = meta({"x-max-length": 5, "x-max-priority": 9, "x-foo": 1}, auto_delete=False)
     assert json.loads(data) == {"auto_delete": False, "arguments": {"x-max-length": 5}}
-    assert Limits.stored(data) == Limits(None, 5, DROP_HEAD)
+    assert Limits.stored(meta({"x-expires": 60000, "x-max-length-bytes": 9},
+                              auto_delete=False)) == Limits(max_length_bytes=9, expires=60.0)
+    assert Limits.stored(data) == Limits(None, 5, overflow=DROP_HEAD)
     # A queue declared before 0.4 (no arguments), or damaged data: no limits.
     assert Limits.stored(b'{"auto_delete": false}') == Limits()
     assert Limits.stored(b"\x00junk") == Limits()

@@ -1,0 +1,124 @@
+"""Queues with ``x-expires`` go once unused, as RabbitMQ's do.
+
+RabbitMQ deletes a queue that has had no consumer and was not declared again
+for its ``x-expires`` (``Queue(expires=...)``), messages and bindings with it.
+Here a queue's node was last written when it was last known used:
+
+* a declaration of an existing queue with ``x-expires`` writes it again;
+* a round, one process of the root at a time every ``expire_every`` seconds
+  (:mod:`celery_zk.zk.rounds`, run by each worker's consuming process),
+  looks at every durable queue with ``x-expires``:
+
+  - consumers now: in use;
+  - none now, but its ``consumers/`` changed (``pzxid``) after the node's last
+    write (``mzxid``): its last consumer left since, so it is unused from
+    now on, and the node is written;
+  - none and no change since, and that write is ``x-expires`` old: the queue
+    goes, with its messages and bindings.
+
+ZooKeeper's zxids order a consumer's coming and going against the last write,
+so a queue goes between ``x-expires`` and ``x-expires`` plus two rounds after
+its last use, never before (given clocks within a second of the servers').
+An auto-delete or exclusive queue goes with the session that declared it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from kazoo.exceptions import BadVersionError, NoNodeError
+
+from ..zk.rounds import Rounds
+from .bindings import Bindings
+from .queue_arguments import Limits
+from .queues import Queues
+
+__all__ = ["expire_unused", "start", "stop_all", "touch"]
+
+logger = logging.getLogger(__name__)
+
+_running: dict[tuple[int, str, str], QueueExpiry] = {}   # (pid, hosts, root) ->
+
+
+def touch(queues: Queues, queue: str) -> None:
+    """A declaration of an existing queue with ``x-expires``: used now."""
+    client, path = queues.client, queues.layout.queue(queue)
+    try:
+        data, stat = client.retry(client.get, path)
+        client.retry(client.set, path, data, stat.version)
+    except (NoNodeError, BadVersionError):
+        pass   # deleted, or written by someone else meanwhile: as good
+
+
+def expire_unused(queues: Queues, bindings: Bindings, now: float) -> list[str]:
+    """One round's look at every queue (see the module docstring); the queues
+    it deleted."""
+    client, layout = queues.client, queues.layout
+    names = list(queues.queue_names())
+    nodes = [client.get_async(layout.queue(q)) for q in names]
+    crowds = [client.exists_async(layout.queue_consumers(q)) for q in names]
+    deleted = []
+    for queue, node, crowd in zip(names, nodes, crowds):
+        try:
+            data, stat = node.get()
+            consumers = crowd.get()
+        except NoNodeError:
+            continue   # deleted meanwhile
+        limits = Limits.stored(data)
+        if limits.expires is None or limits.temporary:
+            continue
+        if consumers is not None and consumers.numChildren:
+            continue   # in use
+        if consumers is not None and consumers.pzxid > stat.mzxid:
+            try:   # its last consumer left since the last write: unused from now
+                client.set(layout.queue(queue), data, stat.version)
+            except (NoNodeError, BadVersionError):
+                pass
+            continue
+        if now - stat.mtime / 1000 < limits.expires:
+            continue
+        waiting = queues.size(queue)
+        for exchange, routing_key in bindings.bindings_of_queue(queue):
+            bindings.unbind(exchange, queue, routing_key)
+        queues.delete(queue)
+        deleted.append(queue)
+        logger.info("celery_zk: queue %r deleted: unused for its x-expires of %g ms "
+                    "(%d waiting message(s) went with it)", queue, limits.expires * 1000,
+                    waiting)
+    return deleted
+
+
+class QueueExpiry:
+    """The rounds of one root in this process, on its newest consuming connection."""
+
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport   # replaced by a reconnect's (see start)
+        layout = transport.layout
+        self.rounds = Rounds("unused queues", transport.settings.options.expire_every,
+                             layout.queues, layout.queues_expirer,
+                             lambda: self.transport.handle.client, self.run)
+
+    def run(self) -> list[str]:
+        return expire_unused(self.transport.queues, self.transport.bindings, time.time())
+
+
+def start(transport: Any) -> None:
+    """A worker's consuming connection: its process takes part in the rounds
+    (``expire_every`` 0: none)."""
+    if transport.settings.options.expire_every <= 0:
+        return
+    key = (os.getpid(), transport.settings.hosts, transport.layout.root)
+    running = _running.get(key)
+    if running is not None:
+        running.transport = transport
+        return
+    _running[key] = QueueExpiry(transport)
+    _running[key].rounds.start()
+
+
+def stop_all() -> None:
+    """The worker shuts down."""
+    while _running:
+        _running.popitem()[1].rounds.stop()

@@ -142,9 +142,9 @@ class QueueLimits:
         return count, size
 
     def _drop_head(self, queue: str, limits: Limits) -> None:
-        count, size = self._length[queue][:2]
-        names = self.queues.listing(
-            queue, sys.maxsize if limits.max_length_bytes is not None else count).names
+        count, size, read_at = self._length[queue]
+        names = self.queues.listing(queue, sys.maxsize if limits.max_length_bytes is not None
+                                    else count - (limits.max_length or 0)).names
         head = []
         for name in names:   # from the head, until both limits hold
             if not _full(limits, (count, size)):
@@ -159,8 +159,8 @@ class QueueLimits:
             dropped = sum(self.acks.dead_letter_waiting(queue, name, reason) for name in head)
         else:
             dropped = self.queues.delete_waiting(queue, head)
-        with self._lock:   # read again at the next check
-            self._length[queue] = (count, size, 0.0)
+        with self._lock:   # what was not dropped was given to a consumer meanwhile
+            self._length[queue] = (count, size, read_at)
         count_dropped(self.queues.client, self.queues.layout.queue_dropped(queue),
                       "dropped", dropped)
 

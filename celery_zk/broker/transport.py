@@ -82,9 +82,9 @@ Given as ``broker_transport_options`` or as URL query options (the URL wins):
 * ``max_result_size`` (int, 16777216): the result backend's (see
   :mod:`celery_zk.backend.payloads`).
 * ``expire_every`` (float, 600.0): how often, in seconds, a worker looks
-  whether its root's expired results are due for a cleanup (the result
-  backend's; 0: only when ``cleanup()`` is called, see
-  :mod:`celery_zk.backend.autoexpire`).
+  whether its root is due for a round of deleting queues unused for their
+  ``x-expires`` (0: none; :mod:`celery_zk.broker.queue_expiry`); the result
+  backend's deletes expired results so (:mod:`celery_zk.backend.autoexpire`).
 * ``budget_nodes`` (int, 400000), ``budget_bytes`` (int, 134217728),
   ``budget_wait`` (float, 60.0): the storage budget of the root, counted by
   the servers' quota; over it a publish waits, then fails with

@@ -91,7 +91,7 @@ class ZKOptions:
     max_message_size: int = 16_777_216   # RabbitMQ 4's default
     chunk_size: int = 131_072     # MIN_CHUNK_SIZE to MAX_CHUNK_SIZE
     max_result_size: int = 16_777_216
-    expire_every: float = 600.0   # 0: results expire only when cleanup() is called
+    expire_every: float = 600.0   # rounds: expired results, unused queues (0: none)
     budget_nodes: int = 400_000   # znodes under the root; 0: no limit (docs/sizing.md)
     budget_bytes: int = 134_217_728   # bytes of data under the root; 0: no limit
     budget_wait: float = 60.0     # s a publish waits over the budget, then StorageFull

@@ -1,5 +1,8 @@
 """What the storage budget costs a publish: ``apply_async`` with the budget
-on (the default) and off (``budget_nodes=0&budget_bytes=0``), paired.
+on (the default) and off (``budget_nodes=0&budget_bytes=0``), paired; with
+``--what bytes``, what ``x-max-length-bytes`` (never reached) costs: a queue
+with it ("on") against one without ("off"), both on a backlog of
+``--backlog`` messages, never purged.
 
 One ZooKeeper (ZooKeeper's defaults, production JVM flags, ``forceSync``),
 one process, two Celery apps on the same server: blocks of ``--block``
@@ -10,6 +13,7 @@ the medians of the per-round ratios on ÷ off. The queue is purged between
 rounds so both sides publish onto the same backlog.
 
     .venv/bin/python benchmarks/budget.py [--rounds 7] [--block 2000]
+    .venv/bin/python benchmarks/budget.py --what bytes --backlog 20000
 """
 from __future__ import annotations
 
@@ -26,18 +30,19 @@ from common.servers import (
     measured_server,
     warm_up_zookeeper,
 )
+from kombu import Queue
 
 OFF = "budget_nodes=0&budget_bytes=0"
 
 
-def block(app: Celery, count: int) -> tuple[float, list[float]]:
+def block(app: Celery, count: int, queue: str = "budget") -> tuple[float, list[float]]:
     """``count`` publishes: their rate, and each one's seconds."""
     took = []
     with app.producer_or_acquire() as producer:
         started = time.perf_counter()
         for index in range(count):
             before = time.perf_counter()
-            app.send_task("bench.noop", args=(index,), queue="budget", producer=producer)
+            app.send_task("bench.noop", args=(index,), queue=queue, producer=producer)
             took.append(time.perf_counter() - before)
         return count / (time.perf_counter() - started), took
 
@@ -46,6 +51,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--block", type=int, default=2000, help="publishes per side per round")
+    parser.add_argument("--what", choices=["budget", "bytes"], default="budget")
+    parser.add_argument("--backlog", type=int, default=0, help="--what bytes: waiting first")
     add_server_options(parser)
     args = parser.parse_args()
     with measured_server(args) as server:
@@ -53,8 +60,14 @@ def main() -> int:
         apps = {"on": Celery("on", broker=f"{server.url}/budget", set_as_current=False),
                 "off": Celery("off", broker=f"{server.url}/budget?{OFF}",
                               set_as_current=False)}
-        block(apps["on"], 500)   # warm: connections, the quota made, the JIT
-        block(apps["off"], 500)
+        queues = {"on": "budget", "off": "budget"}
+        if args.what == "bytes":
+            apps["off"] = apps["on"]
+            queues = {"on": "bytes", "off": "plain"}
+            apps["on"].conf.task_queues = [
+                Queue("bytes", queue_arguments={"x-max-length-bytes": 1 << 40}), Queue("plain")]
+        for side in ("on", "off"):   # warm: connections, the quota made, the JIT
+            block(apps[side], 500 + args.backlog, queues[side])
         rows = [["round", "on /s", "off /s", "on p50 ms", "off p50 ms", "on p99 ms",
                  "off p99 ms"]]
         rate_ratio, p50_ratio = [], []
@@ -62,9 +75,10 @@ def main() -> int:
             order = ["on", "off"] if round_ % 2 == 0 else ["off", "on"]
             got = {}
             for side in order:
-                got[side] = block(apps[side], args.block)
-                with apps[side].connection_for_write() as conn:
-                    conn.default_channel.queue_purge("budget")
+                got[side] = block(apps[side], args.block, queues[side])
+                if args.what == "budget":
+                    with apps[side].connection_for_write() as conn:
+                        conn.default_channel.queue_purge("budget")
             (on_rate, on), (off_rate, off) = got["on"], got["off"]
             rate_ratio.append(on_rate / off_rate)
             p50_ratio.append(statistics.median(on) / statistics.median(off))
@@ -76,7 +90,7 @@ def main() -> int:
               f"(range {min(rate_ratio):.3f}-{max(rate_ratio):.3f}), p50 "
               f"{statistics.median(p50_ratio):.3f} (range {min(p50_ratio):.3f}-"
               f"{max(p50_ratio):.3f})")
-        for app in apps.values():
+        for app in set(apps.values()):
             app.close()
         close_sessions(server.hosts)
     return 0

@@ -161,11 +161,14 @@ def test_max_length_bytes_drop_head_keeps_the_newest(client_app: Celery, zk_url:
 
 @pytest.mark.matrix
 def test_max_length_bytes_reject_publish_and_a_requeue_keeps_its_size(
-        client_app: Celery, zk_url: str) -> None:
+        client_app: Celery, zk_url: str, worker, task_log: Path) -> None:
     """reject-publish refuses the message that would not fit, naming the
     bytes; a message that goes back to wait (a reject with requeue) still
-    counts its bytes."""
+    counts its bytes; drained, the queue takes them again."""
     from kombu import Connection
+
+    from celery_zk.ops.exporter import StatusCollector
+    from celery_zk.ops.status import collect
 
     arguments = {"tight": {"x-max-length-bytes": 2500, "x-overflow": "reject-publish"}}
     client_app.conf.task_queues = _queues(arguments)
@@ -184,6 +187,18 @@ def test_max_length_bytes_reject_publish_and_a_requeue_keeps_its_size(
     with pytest.raises(QueueFull):
         client_app.send_task(RECORD, args=[4, PAYLOAD], queue="tight")
     assert _queue_status(zk_url, "tight")["waiting"] == 3
+    with Connection(zk_url) as conn:
+        transport = conn.default_channel.connection
+        status = collect(transport.handle.client, transport.layout, transport.settings.hosts,
+                         queues=["tight"], health=False)
+        assert [s.value for f in StatusCollector(lambda: status).collect() for s in f.samples
+                if s.name == "celery_zk_queue_limit"
+                and s.labels["argument"] == "x-max-length-bytes"] == [2500]
+    worker(log=task_log, pool="prefork", queues="tight", conf=_worker_conf(arguments))
+    wait_until(lambda: len(executed_values(task_log)) >= 3, 60)
+    client_app.send_task(RECORD, args=[5, PAYLOAD], queue="tight")   # room again
+    wait_until(lambda: 5 in executed_values(task_log), 60)
+    assert executed_values(task_log) == {0: 1, 1: 1, 3: 1, 5: 1}
 
 
 def _has_queue(url: str, queue: str) -> bool:

@@ -17,6 +17,7 @@ production running on a default nobody chose.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import math
 import re
@@ -53,18 +54,36 @@ GENERIC_KOMBU_OPTIONS = frozenset({
     "global_keyprefix", "fanout_prefix", "fanout_patterns",
 })
 
-_REJECTED_OPTIONS = {
-    "visibility_timeout": (
-        "celery_zk has no visibility timeout: a claimed message goes back to its "
-        "queue only when its owner's ZooKeeper session ends. Remove "
-        "'visibility_timeout' and tune 'session_timeout' instead."
-    ),
-}
+_REDIS_ACKS = ("Redis's emulation of acks; an ack here is a ZooKeeper transaction, and "
+               "an unacknowledged message goes back when its owner's session ends")
+_REDIS_SOCKET = ("a Redis client's connection setting; a ZooKeeper session has its own "
+                 "('connect_timeout', 'session_timeout')")
 
-#: Options of earlier releases that mean nothing now: accepted with one warning,
-#: so a URL that sets them keeps working.
-_RETIRED_OPTIONS = {
-    "listing_max_age": "consumers have not listed queues since 0.2",
+#: Options of other brokers' transports (Redis, Redis Sentinel, RabbitMQ) and
+#: of earlier releases that mean nothing here: accepted with one warning that
+#: says why, so settings brought from another broker, or a URL of an earlier
+#: release, keep working.
+_IGNORED_OPTIONS = {
+    "visibility_timeout": (
+        "celery_zk has no visibility timeout: a claimed message goes back to its queue "
+        "only when its owner's ZooKeeper session ends (tune 'session_timeout')"),
+    "priority_steps": ("every queue has priorities 0-9 in its message names, 9 first (as "
+                       "RabbitMQ; Redis serves 0 first)"),
+    "sep": "Redis's key separator; celery_zk escapes names itself",
+    "queue_order_strategy": (
+        "a worker consuming several queues is given messages of each by its dispatcher, "
+        "not by polling them in turn"),
+    **dict.fromkeys(("ack_emulation", "unacked_key", "unacked_index_key", "unacked_mutex_key",
+                     "unacked_mutex_expire", "unacked_restore_limit",
+                     "unacked_restore_interval", "unacked_restore_throttle"), _REDIS_ACKS),
+    **dict.fromkeys(("socket_timeout", "socket_connect_timeout", "socket_keepalive",
+                     "socket_keepalive_options", "retry_on_timeout", "health_check_interval",
+                     "max_connections", "client_name", "client_properties", "read_timeout",
+                     "write_timeout"), _REDIS_SOCKET),
+    **dict.fromkeys(("master_name", "min_other_sentinels", "sentinel_kwargs",
+                     "sentinel_fanout_compat"),
+                    "Redis Sentinel's; name every ZooKeeper server in the URL instead"),
+    "listing_max_age": "consumers have not listed queues since celery_zk 0.2",
     "persistent_watches": ("celery_zk 0.4 needs ZooKeeper 3.6 or newer and always "
                            "waits on persistent watches"),
 }
@@ -162,17 +181,17 @@ def build_options(*sources: Mapping[str, Any] | None) -> ZKOptions:
     values: dict[str, Any] = {}
     for source in sources:
         for name, raw in (source or {}).items():
-            if name in _REJECTED_OPTIONS:
-                raise ZKConfigurationError(_REJECTED_OPTIONS[name])
             if name in GENERIC_KOMBU_OPTIONS:
                 continue
-            if name in _RETIRED_OPTIONS:
-                _warn_retired(name)
+            if name in _IGNORED_OPTIONS:
+                _warn_ignored(name)
                 continue
             if name not in known:
+                close = difflib.get_close_matches(name, [*known, *_IGNORED_OPTIONS], 1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
                 raise ZKConfigurationError(
-                    f"Unknown celery_zk option {name!r}. Valid options: "
-                    f"{', '.join(sorted(known))}.")
+                    f"Unknown celery_zk option {name!r}.{hint} Valid options: "
+                    f"{', '.join(sorted(known))} (docs/configuration.md).")
             values[name] = _coerce(name, raw, known[name].type)
     bucket_size = values.get("bucket_size", ZKOptions.bucket_size)
     if not MIN_BUCKET_SIZE <= bucket_size <= MAX_BUCKET_SIZE:
@@ -197,11 +216,11 @@ def build_options(*sources: Mapping[str, Any] | None) -> ZKOptions:
 _warned: set[str] = set()
 
 
-def _warn_retired(name: str) -> None:
+def _warn_ignored(name: str) -> None:
     if name not in _warned:   # once per process, however many URLs name it
         _warned.add(name)
         logger.warning("celery_zk: option %r is ignored: %s. Remove it from the URL or "
-                       "the transport options.", name, _RETIRED_OPTIONS[name])
+                       "the transport options.", name, _IGNORED_OPTIONS[name])
 
 
 def _check_payload_options(chunk_size: int, largest: int,

@@ -39,7 +39,9 @@ def test_generic_kombu_options_are_accepted() -> None:
 
 
 @pytest.mark.parametrize("url, fragment", [
-    ("zk://h/?sesion_timeout=3", "Unknown celery_zk option 'sesion_timeout'"),
+    ("zk://h/?sesion_timeout=3",
+     "Unknown celery_zk option 'sesion_timeout'. Did you mean 'session_timeout'?"),
+    ("zk://h/?visibilty_timeout=3", "Did you mean 'visibility_timeout'?"),
     ("zk://h/?session_timeout=abc", "must be a number"),
     ("zk://h/?session_timeout=-1", "must not be negative"),
     ("zk://h/?locality_wait=inf", "must be a finite number"),
@@ -51,7 +53,6 @@ def test_generic_kombu_options_are_accepted() -> None:
     ("zk://bob@h/", "user:password"),
     ("redis://h/", "not celery_zk's"),
     ("h1:2181", "Not a zk:// URL"),
-    ("zk://h/?visibility_timeout=10", "no visibility timeout"),
     ("zk://h/?a=1&a=2", "given twice"),
     ("zk://h1/a;zk://h2/b", "same path"),
 ])
@@ -115,3 +116,27 @@ def test_lookahead_out_of_range_says_what_it_is(value: str) -> None:
 def test_lookahead_1_turns_it_off() -> None:
     assert parse_url("zk://h1/app?lookahead=1").options.lookahead == 1
     assert parse_url("zk://h1/app").options.lookahead == 16
+
+
+def test_options_of_other_brokers_are_ignored_with_one_warning_each(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A Redis user's broker_transport_options start a worker: each option that
+    means nothing for ZooKeeper is named once, with why; nothing else changes."""
+    from celery_zk.zk import config
+
+    redis_user = {"visibility_timeout": 43200, "priority_steps": [0, 3, 6, 9],
+                  "sep": ":", "queue_order_strategy": "priority", "socket_timeout": 5,
+                  "socket_keepalive": True, "max_connections": 20, "master_name": "m"}
+    config._warned.difference_update(redis_user)
+    with caplog.at_level("WARNING", logger="celery_zk"):
+        settings = parse_url("zk://h/", redis_user)
+        parse_url("zk://h/", redis_user)   # a second URL: no second warning
+    assert settings.options == parse_url("zk://h/").options
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == len(redis_user), warnings
+    said = dict(zip(redis_user, warnings))
+    assert "has no visibility timeout" in said["visibility_timeout"]
+    assert "9 first" in said["priority_steps"] and "Redis serves 0 first" in said[
+        "priority_steps"]
+    assert "session_timeout" in said["socket_timeout"]
+    assert all("is ignored" in w and "Remove it" in w for w in warnings)

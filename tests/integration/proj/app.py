@@ -291,3 +291,21 @@ def timed(value: object, seconds: float = 0.0, customer: str = "") -> object:
     _record("timed", {"value": value, "start": started, "end": time.time(),
                       "customer": customer})
     return value
+
+
+# -- worker behaviours (append-only) ------------------------------------------------
+if os.environ.get("CELERY_ZK_TEST_BROADCAST"):   # a Broadcast queue beside the default
+    from kombu import Queue
+    from kombu.common import Broadcast
+
+    app.conf.task_queues = [Queue("celery"), Broadcast(os.environ["CELERY_ZK_TEST_BROADCAST"])]
+
+
+@app.task(acks_late=True, reject_on_worker_lost=True)
+def die_once(value: object, marker: str) -> object:
+    """Kills its own pool process the first time (``marker`` does not exist yet)."""
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), 9)
+    _record("die_once", value)
+    return value

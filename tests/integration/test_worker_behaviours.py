@@ -1,0 +1,244 @@
+"""Worker behaviours Celery users rely on, each against real ``celery worker``
+processes (threads and prefork where the behaviour exists for both) on zk://:
+shutdowns, consumers added and cancelled, queue selection, broadcast and
+direct queues, pool sizes, and what a failed or lost task does to its message."""
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import celery
+import pytest
+from celery import Celery
+from kazoo.client import KazooClient
+
+from celery_zk.zk.layout import Layout
+
+from .queues import owned, waiting
+from .workers import executed_values, read_log, wait_until
+
+LAYOUT = Layout("/")  # the zk_client fixture is chrooted at the test's root
+POOLS = ["threads", pytest.param("prefork", marks=pytest.mark.matrix)]
+SOFT_SHUTDOWN = pytest.mark.skipif(celery.VERSION < (5, 5),
+                                   reason="soft shutdown is Celery 5.5's")
+
+
+@pytest.fixture
+def client_app(zk_url: str) -> Iterator[Celery]:
+    app = Celery("client", broker=zk_url, backend=zk_url, set_as_current=False)
+    yield app
+    app.close()
+
+
+def send(app: Celery, name: str, *args: Any, **options: Any) -> Any:
+    return app.send_task(f"proj.app.{name}", args=args, **options)
+
+
+def _ended(task_log: Path) -> list[Any]:
+    return [e["value"]["value"] for e in read_log(task_log) if e["kind"] == "timed"]
+
+
+def _started(task_log: Path) -> list[Any]:
+    return [e["value"]["value"] for e in read_log(task_log) if e["kind"] == "timed-start"]
+
+
+def test_a_redis_users_transport_options_start_a_worker(
+        client_app: Celery, worker, task_log: Path) -> None:
+    """Options that mean nothing for ZooKeeper are named once each, with why,
+    and ignored: the worker starts and works."""
+    options = {"visibility_timeout": 43200, "priority_steps": [0, 3, 6, 9], "sep": ":",
+               "queue_order_strategy": "priority", "socket_timeout": 5}
+    client_app.conf.broker_transport_options = options
+    w = worker(log=task_log, conf={"broker_transport_options": options})
+    send(client_app, "record", "redis-user")
+    wait_until(lambda: "redis-user" in executed_values(task_log), 30)
+    for name in options:
+        assert f"option '{name}' is ignored" in w.output(), w.output()[-3000:]
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_add_consumer_and_cancel_consumer(client_app: Celery, worker, task_log: Path,
+                                          zk_client: KazooClient, pool: str) -> None:
+    worker(log=task_log, pool=pool, queues="celery")
+    send(client_app, "record", "before", queue="extra")
+    time.sleep(1)
+    assert "before" not in executed_values(task_log)   # nobody consumes "extra" yet
+    replies = client_app.control.add_consumer("extra", reply=True, limit=1, timeout=10)
+    assert replies and "ok" in str(replies), replies
+    wait_until(lambda: "before" in executed_values(task_log), 30)
+    replies = client_app.control.cancel_consumer("extra", reply=True, limit=1, timeout=10)
+    assert replies and "ok" in str(replies), replies
+    send(client_app, "record", "after", queue="extra")
+    send(client_app, "record", "default")
+    wait_until(lambda: "default" in executed_values(task_log), 30)
+    time.sleep(1)
+    assert "after" not in executed_values(task_log)
+    assert len(waiting(zk_client, LAYOUT, "extra")) == 1   # it waits for a consumer
+    assert owned(zk_client, LAYOUT, "extra") == []   # nothing held by the cancelled one
+
+
+def test_exclude_queues(client_app: Celery, worker, task_log: Path,
+                        zk_client: KazooClient) -> None:
+    """``-X``: the worker consumes every configured queue but those."""
+    queues = {"celery": {}, "a": {}, "b": {}}
+    client_app.conf.task_queues = None
+    worker(log=task_log, extra_args=["--exclude-queues=b"], conf={"task_queues": queues})
+    for queue in ("celery", "a", "b"):
+        send(client_app, "record", queue, queue=queue)
+    wait_until(lambda: {"celery", "a"} <= set(executed_values(task_log)), 30)
+    time.sleep(1)
+    assert "b" not in executed_values(task_log)
+    assert len(waiting(zk_client, LAYOUT, "b")) == 1
+
+
+def test_a_broadcast_queue_reaches_every_worker(client_app: Celery, worker, task_log: Path,
+                                                zk_client: KazooClient) -> None:
+    env = {"CELERY_ZK_TEST_BROADCAST": "everyone"}
+    worker(log=task_log, name="one", env=env)
+    worker(log=task_log, name="two", pool="prefork", concurrency=2, env=env)
+    # To the fanout exchange the workers declared (its type is kept in ZooKeeper).
+    send(client_app, "where_run", "hello", exchange="everyone", routing_key="everyone")
+    wait_until(lambda: len([e for e in read_log(task_log) if e["kind"] == "where"]) >= 2, 30)
+    time.sleep(1)
+    hosts = sorted(e["value"][1].split("@")[0] for e in read_log(task_log)
+                   if e["kind"] == "where")
+    assert hosts == ["one", "two"]   # one copy each, no more
+
+
+def test_worker_direct_reaches_that_worker_only(client_app: Celery, worker,
+                                                task_log: Path) -> None:
+    from celery.utils.nodenames import worker_direct
+
+    conf = {"worker_direct": True}
+    worker(log=task_log, name="one", conf=conf)
+    worker(log=task_log, name="two", conf=conf)
+    target = f"two@{socket.gethostname()}"
+    for index in range(6):
+        send(client_app, "where_run", index, queue=worker_direct(target))
+    wait_until(lambda: len([e for e in read_log(task_log) if e["kind"] == "where"]) >= 6, 30)
+    assert {e["value"][1] for e in read_log(task_log) if e["kind"] == "where"} == {target}
+
+
+def _pool_size(app: Celery, name: str) -> int:
+    stats = app.control.inspect(destination=[name], timeout=10).stats() or {}
+    return len(stats[name]["pool"]["processes"])
+
+
+def test_pool_grow_and_pool_shrink(client_app: Celery, worker, task_log: Path) -> None:
+    """Prefork only: Celery's thread pool cannot grow."""
+    worker(log=task_log, pool="prefork", concurrency=1, name="sized")
+    name = f"sized@{socket.gethostname()}"
+    assert _pool_size(client_app, name) == 1
+    assert "ok" in str(client_app.control.pool_grow(1, destination=[name], reply=True))
+    wait_until(lambda: _pool_size(client_app, name) == 2, 30)
+    assert "ok" in str(client_app.control.pool_shrink(1, destination=[name], reply=True))
+    wait_until(lambda: _pool_size(client_app, name) == 1, 30)
+    send(client_app, "record", "sized")
+    wait_until(lambda: "sized" in executed_values(task_log), 30)
+
+
+def test_autoscale_grows_to_a_backlog(client_app: Celery, worker, task_log: Path) -> None:
+    """Prefork only: Celery's thread pool has no autoscaler. A backlog grows
+    the pool to the autoscale maximum (its prefetch follows the maximum)."""
+    w = worker(log=task_log, pool="prefork", name="scaled", extra_args=["--autoscale=4,1"])
+    name = f"scaled@{socket.gethostname()}"
+    assert _pool_size(client_app, name) == 1
+    for index in range(8):
+        send(client_app, "timed", index, 1.5)
+    wait_until(lambda: _pool_size(client_app, name) == 4, 30, message=lambda: w.output())
+    wait_until(lambda: sorted(_ended(task_log)) == list(range(8)), 60)
+    assert max(Counter(_ended(task_log)).values()) == 1
+
+
+def test_reject_on_worker_lost_runs_the_task_again(client_app: Celery, worker, task_log: Path,
+                                                   zk_client: KazooClient,
+                                                   tmp_path: Path) -> None:
+    """A prefork child killed under a task with ``acks_late`` and
+    ``reject_on_worker_lost``: its message goes back and runs again (the
+    worker's own reject, no session lost)."""
+    worker(log=task_log, pool="prefork", concurrency=2)
+    send(client_app, "die_once", "phoenix", str(tmp_path / "died"))
+    wait_until(lambda: "phoenix" in executed_values(task_log), 60)
+    assert (tmp_path / "died").exists()
+    assert executed_values(task_log)["phoenix"] == 1
+    wait_until(lambda: owned(zk_client, LAYOUT, "celery") == [], 10)
+    assert waiting(zk_client, LAYOUT, "celery") == []
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_acks_on_failure_or_timeout_false_rejects_a_failed_task(
+        client_app: Celery, worker, zk_client: KazooClient, pool: str) -> None:
+    """``task_acks_on_failure_or_timeout=False`` with late acks: Celery rejects
+    the failed task's message without requeue; it goes to dead/ (with
+    dead_letter_rejected), and never runs again."""
+    conf = {"task_acks_late": True, "task_acks_on_failure_or_timeout": False,
+            "broker_transport_options": {"dead_letter_rejected": True}}
+    worker(pool=pool, conf=conf)
+    result = send(client_app, "fail", "on purpose")
+    with pytest.raises(ValueError, match="on purpose"):
+        result.get(timeout=30)
+    wait_until(lambda: len(zk_client.get_children(LAYOUT.dead("celery"))) == 1, 10)
+    assert owned(zk_client, LAYOUT, "celery") == [] and waiting(zk_client, LAYOUT,
+                                                                "celery") == []
+
+
+@SOFT_SHUTDOWN
+@pytest.mark.parametrize("pool", POOLS)
+@pytest.mark.parametrize("soft", [3.0, 0.0])
+def test_soft_and_cold_shutdown_lose_nothing(client_app: Celery, worker, task_log: Path,
+                                             zk_client: KazooClient, pool: str,
+                                             soft: float) -> None:
+    """SIGQUIT (cold shutdown), with ``worker_soft_shutdown_timeout`` (soft):
+    tasks that end within it are acknowledged and never run again; the long
+    ones do not end there; what the stopped worker held unacknowledged goes
+    back, and the next worker runs it (nothing stays owned). Celery's thread
+    pool cannot cancel a running task (no ``kill_job``: its cold shutdown
+    ends in "Unrecoverable error"), so there the process exits with them, and
+    its session's end gives them back."""
+    conf = {"worker_soft_shutdown_timeout": soft}
+    for index in range(2):
+        send(client_app, "timed", f"short-{index}", 1.0)
+    for index in range(2):
+        send(client_app, "timed", f"long-{index}", 8.0)
+    for index in range(6):
+        send(client_app, "timed", f"queued-{index}", 0.1)
+    first = worker(log=task_log, pool=pool, concurrency=4, name="first", conf=conf)
+    wait_until(lambda: len(_started(task_log)) >= 4, 30)
+    assert {"long-0", "long-1"} <= set(_started(task_log))
+    assert first.stop(signal.SIGQUIT, timeout=60) is not None
+    ended = _ended(task_log)
+    if soft:
+        assert {"short-0", "short-1"} <= set(ended), first.output()[-3000:]
+        assert "Initiating Soft Shutdown" in first.output()
+    if pool == "prefork":   # cancelled; a thread pool's shutdown waits for its threads
+        assert not [v for v in ended if v.startswith("long")]
+    worker(log=task_log, pool=pool, concurrency=4, name="second")
+    wait_until(lambda: len(set(_ended(task_log))) == 10, 60)
+    wait_until(lambda: owned(zk_client, LAYOUT, "celery") == [], 15)
+    counts = Counter(_ended(task_log))
+    for value in ended:   # acknowledged by the first worker: not run again
+        assert counts[value] == 1, value
+
+
+@SOFT_SHUTDOWN
+def test_soft_shutdown_on_idle_gives_back_held_countdown_tasks(
+        client_app: Celery, worker, task_log: Path, zk_client: KazooClient) -> None:
+    """``worker_enable_soft_shutdown_on_idle``: an idle worker holding
+    countdown tasks stops on SIGQUIT; the tasks go back and run once, when due."""
+    conf = {"worker_soft_shutdown_timeout": 1.0, "worker_enable_soft_shutdown_on_idle": True}
+    first = worker(log=task_log, concurrency=2, name="first", conf=conf)
+    for index in range(3):
+        send(client_app, "timed", f"eta-{index}", 0.0, countdown=6)
+    wait_until(lambda: len(owned(zk_client, LAYOUT, "celery")) == 3, 15)   # held
+    first.stop(signal.SIGQUIT, timeout=30)
+    assert "Initiating Soft Shutdown" in first.output()
+    wait_until(lambda: owned(zk_client, LAYOUT, "celery") == [], 15)
+    worker(log=task_log, concurrency=2, name="second")
+    wait_until(lambda: sorted(_ended(task_log)) == ["eta-0", "eta-1", "eta-2"], 60)
+    time.sleep(1)
+    assert max(Counter(_ended(task_log)).values()) == 1

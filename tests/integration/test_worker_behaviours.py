@@ -242,3 +242,46 @@ def test_soft_shutdown_on_idle_gives_back_held_countdown_tasks(
     wait_until(lambda: sorted(_ended(task_log)) == ["eta-0", "eta-1", "eta-2"], 60)
     time.sleep(1)
     assert max(Counter(_ended(task_log)).values()) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cancel", [True, False])
+def test_a_lost_session_and_cancel_long_running_tasks_on_connection_loss(
+        zookeeper_server: Any, zk_chroot: str, start_worker: Any, task_log: Path,
+        cancel: bool) -> None:
+    """A ZooKeeper session lost is Celery's connection loss: worker A is cut
+    off past its session timeout while it runs an acks_late task, whose
+    message B then runs. Back, A's transport says the connection was lost;
+    with ``worker_cancel_long_running_tasks_on_connection_loss`` Celery
+    terminates the task there (it ran once, by B), without it the task goes
+    on in A too (it runs twice: at-least-once, as on every broker)."""
+    import json
+
+    from .tcpproxy import TCPProxy
+
+    direct = f"{zookeeper_server.url}{zk_chroot}/lost?session_timeout=2"
+    host, port = zookeeper_server.hosts.rsplit(":", 1)
+    conf = {"worker_cancel_long_running_tasks_on_connection_loss": cancel}
+    with TCPProxy(host, int(port)) as proxy:
+        a = start_worker(f"zk://{proxy.hosts}{zk_chroot}/lost?session_timeout=2",
+                         log=task_log, name="a", pool="prefork", concurrency=1,
+                         env={"CELERY_ZK_TEST_CONF": json.dumps(conf)})
+        app = Celery("sender", broker=direct, set_as_current=False)
+        try:
+            app.send_task("proj.app.timed", args=("long", 8.0))
+        finally:
+            app.close()
+        wait_until(lambda: "long" in _started(task_log), 30)
+        proxy.blackhole()
+        try:
+            time.sleep(4)   # past A's session: the ensemble gives its message back
+            start_worker(direct, log=task_log, name="b", concurrency=2)
+            wait_until(lambda: _started(task_log).count("long") == 2, 30)
+        finally:
+            proxy.heal()
+        wait_until(lambda: "long" in _ended(task_log), 30)
+        time.sleep(8)   # what A would still finish, it has finished by now
+        a.stop()   # while its proxy still stands
+    terminated = "Terminating it instead" in a.output()
+    assert terminated == cancel, a.output()[-3000:]
+    assert _ended(task_log).count("long") == (1 if cancel else 2)

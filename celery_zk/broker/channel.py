@@ -18,7 +18,7 @@ from kombu.serialization import loads
 from kombu.transport import virtual
 from kombu.transport.virtual.base import queue_declare_ok_t
 
-from ..compat import celery as celery_compat
+from ..compat import celery_pool
 from ..compat import kombu as kombu_compat
 from ..compat.kazoo import QuotaExceededError
 from ..features.affinity import affinity_of
@@ -212,7 +212,7 @@ class Channel(virtual.Channel):
             return payload
         inbox.set_credit(self.qos.prefetch_count or 0)
         while True:
-            in_hand, slots = self._in_hand(), celery_compat.pool_slots()
+            in_hand, slots = self._in_hand(), celery_pool.pool_slots()
             inbox.look(in_hand, slots)
             claimed = inbox.take()
             if claimed is None:
@@ -250,7 +250,7 @@ class Channel(virtual.Channel):
             properties["delivery_tag"] = claimed.owned_path
             # Start gates: the server answered since then (not when it is decoded:
             # a message may wait in the inbox, its lookahead, before delivery).
-            properties[celery_compat.READ_AT] = claimed.read_at
+            properties[celery_pool.READ_AT] = claimed.read_at
             properties[RATE_LIMITED] = self._rate_limited()
             if self.connection.queue_limits.expired(claimed, properties):   # not delivered
                 self.connection.settled(claimed.owned_path)

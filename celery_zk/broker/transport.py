@@ -103,7 +103,7 @@ from kazoo.client import KazooState
 from kazoo.exceptions import SessionExpiredError
 from kombu.transport import virtual
 
-from ..compat import celery as celery_compat
+from ..compat import celery_pool
 from ..compat import kazoo as kazoo_compat
 from ..compat import kombu as kombu_compat
 from ..features.affinity import Board, board_for
@@ -317,7 +317,7 @@ class Transport(virtual.Transport):
             # What was delivered under the lost session goes to others: a thread
             # pool must not start it, not even in the instant before Celery's
             # consumer hears of it (it flushes the pool then too).
-            celery_compat.drop_unstarted_thread_tasks()
+            celery_pool.drop_unstarted_thread_tasks()
         for inbox in list(self.inboxes.values()):
             inbox.reset()
         self._wake.set()

@@ -1,5 +1,6 @@
 """Every private name of a dependency that celery_zk touches, fenced: one module
-per dependency (:mod:`.kazoo`, :mod:`.celery`, :mod:`.kombu`), and no other
+per dependency (:mod:`.kazoo`, :mod:`.celery` with :mod:`.celery_pool` for its
+worker pools, :mod:`.kombu`), and no other
 module of celery_zk reaches past a dependency's public API.
 
 Each private access is found by feature detection, never by version number.

@@ -17,7 +17,7 @@ from celery.signals import worker_init, worker_shutting_down
 
 from ..broker import queue_expiry
 from ..broker import transport as transport_module
-from ..compat import celery as celery_compat
+from ..compat import celery_pool
 from ..features.revokes import load_into_worker
 from ..zk.background import give_up_when_cut_off
 from .child_gate import backend_handle, stamp, start_in_child
@@ -51,10 +51,10 @@ class WorkerHooks:
         if not getattr(transport, "_stamps", False):
             transport._stamps = True
             self._gate_prefork_children(transport, replace=True)
-        if celery_compat.flush_unstarted_thread_tasks():
+        if celery_pool.flush_unstarted_thread_tasks():
             # A pool thread asks before each start whether the session it was
             # delivered under lives (cut off, or back from a pause: start_gate).
-            celery_compat.gate_thread_task_starts(start_gate(transport.handle.session))
+            celery_pool.gate_thread_task_starts(start_gate(transport.handle.session))
         client = transport.handle.client
         # Again after a session expiry: the worker may have missed a broadcast
         # revoke meanwhile (its pidbox queue was swept with its holders).
@@ -102,12 +102,12 @@ class WorkerHooks:
             # hand-over: after the pool forked its children, not before.
             return stamp(start_gate(handle.session), root, read_at)
 
-        celery_compat.hand_prefork_tasks_through(start_in_child, stamped, replace)
+        celery_pool.hand_prefork_tasks_through(start_in_child, stamped, replace)
 
 
 @worker_init.connect(weak=False)
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
-    celery_compat.record_worker(sender)
+    celery_pool.record_worker(sender)
     pool = getattr(sender, "pool_cls", None)   # a class, or still its name
     if isinstance(pool, str):
         from celery import concurrency

@@ -141,7 +141,7 @@ from celery import Celery, signals
 from celery.concurrency import prefork
 from kombu import Connection, Queue
 import celery.worker.state as worker_state
-from celery_zk.compat import celery as celery_compat
+from celery_zk.compat import celery_pool
 
 url, other, as_worker = sys.argv[1], sys.argv[2], sys.argv[3] == "worker"
 app = Celery("proc", broker=url, backend=url, set_as_current=True)
@@ -157,7 +157,7 @@ with app.connection_for_read() as conn:
         # A connection made and closed later in the worker (inspect report's is so)
         with Connection(other) as later:
             later.transport
-        stamp = celery_compat._prefork_stamp
+        stamp = celery_pool._prefork_stamp
         print(json.dumps({
             "revoked": sorted(worker_state.revoked),
             "pool_patched": getattr(prefork.TaskPool.apply_async, "_celery_zk", False),

@@ -179,7 +179,7 @@ def test_a_message_carries_when_its_body_was_read_not_when_it_was_delivered(
     the server. A message that waits in the inbox after its read (a consumer
     looking ahead, a full prefetch) must not look fresher than it is: it
     carries when its read was sent."""
-    from celery_zk.compat import celery as celery_compat
+    from celery_zk.compat import celery_pool
 
     with Connection(zk_url) as conn:
         queue = conn.SimpleQueue("waited")
@@ -194,4 +194,4 @@ def test_a_message_carries_when_its_body_was_read_not_when_it_was_delivered(
         later = [queue.get(timeout=10) for _ in range(2)]
         assert [m.payload["n"] for m in later] == [1, 2]
         for message in later:
-            assert message.properties[celery_compat.READ_AT] <= read
+            assert message.properties[celery_pool.READ_AT] <= read

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from celery_zk.compat import PrivateAPIChanged
+from celery_zk.compat import PrivateAPIChanged, celery_pool
 from celery_zk.compat import celery as celery_compat
 from celery_zk.compat import kazoo as kazoo_compat
 from celery_zk.compat import kombu as kombu_compat
@@ -28,8 +28,8 @@ FENCED = {
 }
 
 
-@pytest.mark.parametrize("module", [kazoo_compat, celery_compat, kombu_compat],
-                         ids=["kazoo", "celery", "kombu"])
+@pytest.mark.parametrize("module", [kazoo_compat, celery_compat, celery_pool, kombu_compat],
+                         ids=["kazoo", "celery", "celery_pool", "kombu"])
 def test_the_installed_release_has_every_fenced_name(module: Any) -> None:
     problems = module.missing()
     assert not problems, "\n".join(problems)
@@ -201,10 +201,10 @@ def test_kombu_without_a_qos_internal_refuses_to_start(monkeypatch: pytest.Monke
 def no_start_gate() -> Any:
     """No gate of a transport an earlier test ran in a worker (its session is
     closed, so it refuses every start): process-wide, like the hook."""
-    before = celery_compat._start_gate
-    celery_compat.gate_thread_task_starts(None)
+    before = celery_pool._start_gate
+    celery_pool.gate_thread_task_starts(None)
     yield
-    celery_compat.gate_thread_task_starts(before)
+    celery_pool.gate_thread_task_starts(before)
 
 
 @pytest.mark.usefixtures("no_start_gate")
@@ -215,8 +215,8 @@ def test_a_thread_pool_flush_drops_what_it_has_not_started() -> None:
 
     from celery.concurrency import thread
 
-    assert celery_compat.flush_unstarted_thread_tasks()
-    assert celery_compat.flush_unstarted_thread_tasks()   # idempotent
+    assert celery_pool.flush_unstarted_thread_tasks()
+    assert celery_pool.flush_unstarted_thread_tasks()   # idempotent
     pool = thread.TaskPool(limit=1)
     pool.start()
     release, ran = threading.Event(), []
@@ -240,7 +240,7 @@ def test_a_thread_pool_flush_drops_what_it_has_not_started() -> None:
         blocker = pool.apply_async(lambda: (running.set(), release.wait(10)))
         assert running.wait(10)
         waiting = [pool.apply_async(lambda: ran.append("dropped")) for _ in range(3)]
-        assert celery_compat.drop_unstarted_thread_tasks() == 3
+        assert celery_pool.drop_unstarted_thread_tasks() == 3
         release.set()
         blocker.wait(10)
         assert all(result.f.cancelled() for result in waiting)
@@ -270,10 +270,10 @@ def test_a_thread_pool_asks_the_start_gate_before_each_task() -> None:
             self.asked.append(ticket)
             return ticket not in self.refuse
 
-    assert celery_compat.flush_unstarted_thread_tasks()
+    assert celery_pool.flush_unstarted_thread_tasks()
     gate = Gate()
     gate.refuse = {1}
-    celery_compat.gate_thread_task_starts(gate)
+    celery_pool.gate_thread_task_starts(gate)
     pool = thread.TaskPool(limit=1)
     pool.start()
     events: list[tuple[str, int]] = []
@@ -287,12 +287,12 @@ def test_a_thread_pool_asks_the_start_gate_before_each_task() -> None:
         assert gate.asked == [0, 1, 2]
         assert events == [("accepted", 0), ("ran", 0), ("done", 0),
                           ("accepted", 2), ("ran", 2), ("done", 2)]
-        assert isinstance(results[1].f.exception(), celery_compat.StartRefused)
+        assert isinstance(results[1].f.exception(), celery_pool.StartRefused)
         # Without an accept callback of Celery's the gate is asked all the same.
         pool.apply_async(lambda: events.append(("ran", 3))).wait(10)
         assert gate.asked[-1] == 3 and events[-1] == ("ran", 3)
     finally:
-        celery_compat.gate_thread_task_starts(None)
+        celery_pool.gate_thread_task_starts(None)
         pool.stop()
 
 
@@ -316,7 +316,7 @@ def test_the_start_gate_is_told_the_delivery_tag_of_celerys_request() -> None:
 
     class FakeRequest:   # Celery's Request has these three, checked below
         message = SimpleNamespace(delivery_tag="/root/queues/q/owned/c1/n5-1",
-                                  properties={celery_compat.READ_AT: 5.0})
+                                  properties={celery_pool.READ_AT: 5.0})
 
         def __init__(self, revoked: bool = False) -> None:
             self.is_revoked = revoked
@@ -329,8 +329,8 @@ def test_the_start_gate_is_told_the_delivery_tag_of_celerys_request() -> None:
 
     assert isinstance(Request.message, property) and callable(Request.on_accepted)
     assert callable(Request.revoked)
-    assert celery_compat.flush_unstarted_thread_tasks()
-    celery_compat.gate_thread_task_starts(Gate())
+    assert celery_pool.flush_unstarted_thread_tasks()
+    celery_pool.gate_thread_task_starts(Gate())
     pool = thread.TaskPool(limit=1)
     pool.start()
     try:
@@ -343,9 +343,9 @@ def test_the_start_gate_is_told_the_delivery_tag_of_celerys_request() -> None:
                                   accept_callback=FakeRequest(revoked=True).on_accepted)
         result.wait(10)
         assert tags == ["/root/queues/q/owned/c1/n5-1", "read at 5.0"]
-        assert isinstance(result.f.exception(), celery_compat.StartRefused)
+        assert isinstance(result.f.exception(), celery_pool.StartRefused)
     finally:
-        celery_compat.gate_thread_task_starts(None)
+        celery_pool.gate_thread_task_starts(None)
         pool.stop()
 
 
@@ -356,7 +356,7 @@ def test_a_thread_pool_whose_on_apply_changed_is_named(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(thread.TaskPool, "on_apply", on_apply)
     assert any("on_apply(self, target, args, kwargs, callback, accept_callback)" in problem
-               for problem in celery_compat.missing())
+               for problem in celery_pool.missing())
 
 
 def test_a_thread_pool_without_on_apply_is_named(monkeypatch: pytest.MonkeyPatch,
@@ -364,9 +364,9 @@ def test_a_thread_pool_without_on_apply_is_named(monkeypatch: pytest.MonkeyPatch
     from celery.concurrency import thread
 
     monkeypatch.delattr(thread, "ApplyResult")
-    assert any("ApplyResult" in problem for problem in celery_compat.missing())
+    assert any("ApplyResult" in problem for problem in celery_pool.missing())
     with caplog.at_level(logging.WARNING):
-        assert not celery_compat.flush_unstarted_thread_tasks()
+        assert not celery_pool.flush_unstarted_thread_tasks()
     assert "thread pool" in caplog.text
 
 
@@ -390,14 +390,14 @@ def test_a_prefork_hand_over_goes_through_the_starter_with_celerys_tracer_argume
     handed: list[tuple[Any, tuple[Any, ...]]] = []
     pool = prefork.TaskPool(1, app=app)
     pool.on_apply = lambda target, args, kwargs, **options: handed.append((target, args))
-    hand_over = celery_compat.hand_prefork_tasks_through
+    hand_over = celery_pool.hand_prefork_tasks_through
     assert hand_over(starter, lambda read_at: (1.5, False, "/root"))
     try:
         assert hand_over(starter, lambda read_at: (2.5, True, read_at))
         # A connection that does not consume installs, and replaces nothing.
         assert hand_over(starter, lambda read_at: (9.5, True, "/other"), replace=False)
         message = TaskMessage("compat.add", "id-1", args=(1, 2))
-        message.properties = {celery_compat.READ_AT: 7.0}   # set by the zk transport
+        message.properties = {celery_pool.READ_AT: 7.0}   # set by the zk transport
         request = Request(message, app=app, task=add)
         request.execute_using_pool(pool)
         [(target, args)] = handed
@@ -411,7 +411,7 @@ def test_a_prefork_hand_over_goes_through_the_starter_with_celerys_tracer_argume
         assert handed == [(print, ("x",))]
     finally:
         del prefork.TaskPool.apply_async
-        celery_compat._prefork_stamp = None
+        celery_pool._prefork_stamp = None
     assert prefork.TaskPool.apply_async is base.BasePool.apply_async
 
 
@@ -421,9 +421,9 @@ def test_a_prefork_pool_whose_apply_async_changed_is_named(
 
     monkeypatch.setattr(prefork.TaskPool, "apply_async", lambda self, *a, **k: None)
     assert any("prefork.TaskPool overrides apply_async" in problem
-               for problem in celery_compat.missing())
-    assert not celery_compat.hand_prefork_tasks_through(print, lambda read_at: ())
-    assert celery_compat._prefork_stamp is None
+               for problem in celery_pool.missing())
+    assert not celery_pool.hand_prefork_tasks_through(print, lambda read_at: ())
+    assert celery_pool._prefork_stamp is None
 
 
 def test_a_connect_is_aborted_only_where_a_socket_is() -> None:
@@ -452,26 +452,26 @@ def test_pool_slots_are_the_pool_size_of_this_processs_worker(
     from celery import Celery
     from celery.concurrency import prefork, thread
 
-    monkeypatch.setattr(celery_compat, "_worker", None)
-    assert celery_compat.pool_slots() == 1   # no worker in this process
+    monkeypatch.setattr(celery_pool, "_worker", None)
+    assert celery_pool.pool_slots() == 1   # no worker in this process
 
     class Worker:   # what worker_init sends: a WorkController
         concurrency = 3
         pool: Any = None
 
     worker = Worker()
-    celery_compat.record_worker(worker)
-    assert celery_compat.pool_slots() == 3   # its pool not made yet
+    celery_pool.record_worker(worker)
+    assert celery_pool.pool_slots() == 3   # its pool not made yet
     worker.pool = thread.TaskPool(limit=5)
-    assert celery_compat.pool_slots() == 5
+    assert celery_pool.pool_slots() == 5
     worker.pool = prefork.TaskPool(limit=2, app=Celery(set_as_current=False))
-    assert celery_compat.pool_slots() == 3   # not started: no processes to count yet
+    assert celery_pool.pool_slots() == 3   # not started: no processes to count yet
     del worker
-    assert celery_compat.pool_slots() == 1   # kept weakly
+    assert celery_pool.pool_slots() == 1   # kept weakly
 
 
 def test_a_pool_without_num_processes_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     from celery.concurrency import base
 
     monkeypatch.delattr(base.BasePool, "num_processes")
-    assert any("BasePool.num_processes" in problem for problem in celery_compat.missing())
+    assert any("BasePool.num_processes" in problem for problem in celery_pool.missing())

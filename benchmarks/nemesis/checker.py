@@ -23,7 +23,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_zk.zk.names import parse_message_name
+from celery_zk.zk.message_names import parse_message_name
 
 #: Faults that take an owner away from its session, by the owner's host.
 OWNER_FAULTS = {"kill-worker": "owner killed", "pause-worker": "owner paused",

@@ -24,7 +24,8 @@ from kazoo.protocol.paths import join
 
 from celery_zk.server import ZooKeeperEnsemble, four_letter_word
 from celery_zk.zk.layout import Layout
-from celery_zk.zk.names import parse_bucket_name, parse_consumer_name, unescape
+from celery_zk.zk.message_names import parse_bucket_name
+from celery_zk.zk.names import parse_consumer_name, unescape
 
 BATCH = 1000
 

@@ -29,8 +29,8 @@ from ..zk.client import (
     multi_failure,
     synced,
 )
+from ..zk.message_names import MessageName, parse_message_name, requeued_name, without_body
 from ..zk.multi import Multi
-from ..zk.names import MessageName, parse_message_name, requeued_name, without_body
 from ..zk.payload import commit_deleting
 from . import big
 from .dead import wrap

@@ -30,8 +30,8 @@ from ..features.locality import Waiting, choose
 from ..zk.client import multi_failure
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
+from ..zk.message_names import MessageName, order_key, parse_message_name
 from ..zk.multi import Multi
-from ..zk.names import MessageName, order_key, parse_message_name
 from ..zk.session import SharedSession
 from .queues import ANY_VERSION, OP_OVERHEAD, REQUEST_BUDGET
 

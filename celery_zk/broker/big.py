@@ -30,7 +30,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from ..zk.client import log_failure
 from ..zk.layout import Layout
-from ..zk.names import MessageName
+from ..zk.message_names import MessageName
 from ..zk.payload import (
     delete_container,
     is_manifest,

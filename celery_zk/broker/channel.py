@@ -26,7 +26,8 @@ from ..features.limit_gate import RATE_LIMITED, rate_limited
 from ..features.limits import limit_tokens
 from ..features.revokes import RevokeStore, control_command
 from ..zk.client import CONNECTION_ERRORS
-from ..zk.names import ONCE_PROPERTY, parse_message_name
+from ..zk.message_names import parse_message_name
+from ..zk.names import ONCE_PROPERTY
 from . import budget, queue_arguments
 from .connection import ZKConnection
 from .liveness import consumer_count

@@ -40,7 +40,8 @@ from kazoo.exceptions import ConnectionLoss, NoNodeError
 from ..zk.client import CONNECTION_ERRORS, log_failure
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
-from ..zk.names import is_legacy, parse_message_name, parse_queue_consumer
+from ..zk.message_names import is_legacy, parse_message_name
+from ..zk.names import parse_queue_consumer
 from ..zk.session import SharedSession, weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED, watches_of
 from . import big

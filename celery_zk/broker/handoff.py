@@ -29,7 +29,7 @@ Why it is safe:
 
 The handed name's sequence is zero: the message was handed over while its
 queue was empty, so if it is requeued it goes back ahead of everything that
-arrived since (see :func:`celery_zk.zk.names.handed_name`). The name also
+arrived since (see :func:`celery_zk.zk.message_names.handed_name`). The name also
 carries a copy of the body when the body is small and the consumer's offer
 says it takes one there (``~b``: every consumer from 0.3 on): the watch
 event that tells the consumer of the message brings the body too, and the
@@ -49,14 +49,8 @@ from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
 
 from ..zk.client import RedoThread, connected_retry, log_failure, multi_failure, synced
 from ..zk.layout import Layout
-from ..zk.names import (
-    BODY_APART,
-    OFFER_TAKES_BODY,
-    encode_body,
-    handed_name,
-    offer_name,
-    parse_offer_name,
-)
+from ..zk.message_names import BODY_APART, encode_body, handed_name
+from ..zk.names import OFFER_TAKES_BODY, offer_name, parse_offer_name
 from ..zk.session import ClientHandle
 from .publish import NewMessage
 from .queues import Queues

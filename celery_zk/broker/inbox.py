@@ -38,7 +38,7 @@ from ..zk.client import (
     reply_or_retry,
     synced,
 )
-from ..zk.names import inline_body, parse_message_name, sort_messages
+from ..zk.message_names import inline_body, parse_message_name, sort_messages
 from ..zk.reads import read_many
 from ..zk.session import weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED

@@ -32,7 +32,8 @@ from kazoo.recipe.watchers import ChildrenWatch
 from ..zk.client import create_once, log_failure
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
-from ..zk.names import new_consumer_id, parse_consumer_name, parse_message_name
+from ..zk.message_names import parse_message_name
+from ..zk.names import new_consumer_id, parse_consumer_name
 from ..zk.session import ClientHandle, SharedSession, weak_callback
 from .acks import Acks
 from .autodelete import Sweeper

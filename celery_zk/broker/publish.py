@@ -22,7 +22,7 @@ from ..zk.client import (
     synced,
 )
 from ..zk.layout import Layout
-from ..zk.names import (
+from ..zk.message_names import (
     BODY_APART,
     BODY_CHUNKED,
     bucket_name,
@@ -128,7 +128,7 @@ class Publisher:
                     affinity: str | None = None, size: int | None = None,
                     task: str | None = None, limit_key: str | None = None) -> NewMessage:
         """A message ready to publish (its size checked, its node named);
-        ``affinity``: its key's :func:`~celery_zk.zk.names.affinity_token`;
+        ``affinity``: its key's :func:`~celery_zk.zk.message_names.affinity_token`;
         ``size``: its body's size, checked against the limit (default: all of
         ``data``)."""
         size = len(data) if size is None else size

@@ -5,7 +5,7 @@ dropped undelivered (over a limit, or expired).
 RabbitMQ counts a queue's length in messages ready for delivery: here the
 names waiting in its buckets, counted from the buckets' stats (no listing).
 Its bytes are those messages' bodies: a queue with ``x-max-length-bytes``
-names each message's size (:func:`~celery_zk.zk.names.message_prefix`), and
+names each message's size (:func:`~celery_zk.zk.message_names.message_prefix`), and
 they are summed from a listing of its buckets. A process reads either at most
 every :data:`CHECK_EVERY` seconds per queue and adds its own publishes
 meanwhile, so a publish costs no read; it reads again before it refuses a
@@ -31,7 +31,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, KazooException, NodeExistsError, NoNodeError
 
 from ..exceptions import QueueFull
-from ..zk.names import parse_message_name
+from ..zk.message_names import parse_message_name
 from .acks import Acks
 from .budget import CHECK_EVERY
 from .queue_arguments import DROP_HEAD, REJECT_PUBLISH, Limits, expired, warn_kept

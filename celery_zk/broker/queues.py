@@ -23,14 +23,14 @@ from ..zk.background import Deferred
 from ..zk.client import log_failure, multi_failure, reply_or_retry
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
-from ..zk.names import (
+from ..zk.message_names import (
     MessageName,
     parse_bucket_name,
     parse_message_name,
     same_priority,
     sort_messages,
-    unescape,
 )
+from ..zk.names import unescape
 from ..zk.payload import commit_deleting
 from ..zk.tree import delete_tree
 from . import big

@@ -23,7 +23,7 @@ import heapq
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
-from ..zk.names import MessageName
+from ..zk.message_names import MessageName
 
 __all__ = ["Claimed", "DeliveryOrder", "Key", "Ready"]
 

@@ -1,7 +1,7 @@
 """Data-affinity scheduling: a worker prefers the messages whose data it holds.
 
 A task published with an affinity key carries it in its message node's name
-(``n{P}-{gen}-{uid}@{key}-{seq}``, :func:`~celery_zk.zk.names.affinity_token`)::
+(``n{P}-{gen}-{uid}@{key}-{seq}``, :func:`~celery_zk.zk.message_names.affinity_token`)::
 
     process.apply_async((path,), headers={"zk_affinity": "dataset-42"})
 
@@ -43,7 +43,8 @@ from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 from ..exceptions import CeleryZKError
 from ..zk.client import log_failure, multi_failure
 from ..zk.layout import Layout
-from ..zk.names import affinity_token, parse_holding_name
+from ..zk.message_names import affinity_token
+from ..zk.names import parse_holding_name
 from ..zk.session import SharedSession, weak_callback
 from ..zk.watches import NODE_CREATED, watches_of
 

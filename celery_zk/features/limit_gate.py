@@ -27,7 +27,7 @@ from celery.signals import task_prerun
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
 from ..zk.layout import Layout
-from ..zk.names import MessageName
+from ..zk.message_names import MessageName
 from .limits import QUEUE, TASK, Book, Limit, book_for, parse_rate
 
 __all__ = ["GIVE_MARGIN", "RATE_LIMITED", "START_MARGIN", "Gate", "hold_rate_at_start",

@@ -19,7 +19,7 @@ worker, so it can hold a limit for all of them at once:
 A message over a limit waits where it is, in its place among its priority;
 the dispatcher gives the messages behind it that no limit holds, so other
 tasks of the queue are not held up. Messages carry their task's name (a
-hash, :func:`~celery_zk.zk.names.task_token`) and their concurrency key in
+hash, :func:`~celery_zk.zk.message_names.task_token`) and their concurrency key in
 their node name, so the dispatcher limits from names alone.
 
 Limits live under ``{root}/limits/``: set from the app's configuration
@@ -44,7 +44,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from ..exceptions import ZKConfigurationError
 from ..zk.layout import Layout
-from ..zk.names import limit_key_token, task_token
+from ..zk.message_names import limit_key_token, task_token
 from ..zk.tree import delete_tree
 
 __all__ = ["HEADER", "QUEUE", "TASK", "Book", "Limit", "LimitStore", "book_for", "configured",

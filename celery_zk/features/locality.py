@@ -30,7 +30,7 @@ from itertools import islice
 from time import monotonic
 from typing import Protocol
 
-from ..zk.names import quick_affinity, sort_messages
+from ..zk.message_names import quick_affinity, sort_messages
 from .affinity import Where
 
 __all__ = ["MIN_STARTED", "WINDOW", "Holders", "Waiting", "choose"]

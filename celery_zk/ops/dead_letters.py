@@ -20,7 +20,7 @@ from ..broker.dead import UNKNOWN, unwrap
 from ..broker.queues import Queues
 from ..exceptions import CeleryZKError
 from ..zk.client import multi_failure
-from ..zk.names import bucket_name, parse_message_name, requeued_name
+from ..zk.message_names import bucket_name, parse_message_name, requeued_name
 from ..zk.payload import delete_container, is_manifest, parse_manifest
 
 __all__ = ["DeadLetter", "DeadLetters"]

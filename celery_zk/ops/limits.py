@@ -23,7 +23,8 @@ from kazoo.exceptions import NoNodeError
 
 from ..features.limits import QUEUE, Limit, LimitStore, parse_rate
 from ..zk.layout import Layout
-from ..zk.names import parse_bucket_name, parse_consumer_name, parse_message_name
+from ..zk.message_names import parse_bucket_name, parse_message_name
+from ..zk.names import parse_consumer_name
 
 __all__ = ["LimitStatus", "limit_statuses"]
 

@@ -53,15 +53,8 @@ from ..broker.queue_limits import dropped_counts
 from ..server.launcher import four_letter_word
 from ..zk.client import reply_or_retry
 from ..zk.layout import Layout
-from ..zk.names import (
-    MAX_PRIORITY,
-    parse_bucket_name,
-    parse_consumer_name,
-    parse_offer_name,
-    parse_payload_name,
-    sort_messages,
-    unescape,
-)
+from ..zk.message_names import MAX_PRIORITY, parse_bucket_name, sort_messages
+from ..zk.names import parse_consumer_name, parse_offer_name, parse_payload_name, unescape
 from ..zk.rounds import stamped_at
 from .limits import LimitStatus, limit_statuses
 

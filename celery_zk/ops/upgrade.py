@@ -24,15 +24,8 @@ from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from ..broker.queues import Queues
 from ..zk.client import multi_failure
-from ..zk.names import (
-    OWNER_SEP,
-    MessageName,
-    parse_bucket_name,
-    parse_consumer_name,
-    parse_legacy_name,
-    requeued_name,
-    unescape,
-)
+from ..zk.message_names import MessageName, parse_bucket_name, parse_legacy_name, requeued_name
+from ..zk.names import OWNER_SEP, parse_consumer_name, unescape
 
 __all__ = ["Upgrade", "upgrade"]
 

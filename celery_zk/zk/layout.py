@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from kazoo.protocol.paths import join
 
+from .message_names import BODY_APART, MessageName, bucket_name, message_prefix, parse_message_name
 from .names import (
     AFFINITY_SHARDS_HEX,
-    BODY_APART,
     CHORD_ADDED,
     CHORD_DONE,
     CHORD_LAZY,
@@ -28,17 +28,13 @@ from .names import (
     RESULT_SHARDS_HEX,
     REVOKED_STAMP,
     REVOKED_TASK,
-    MessageName,
     PayloadName,
     binding_name,
-    bucket_name,
     chunk_name,
     escape,
     holder_name,
     holding_name,
-    message_prefix,
     parse_consumer_name,
-    parse_message_name,
     parse_payload_name,
     payload_name,
     queue_consumer_prefix,

@@ -1,41 +1,20 @@
-"""Every node name celery_zk writes and parses: the grammar of names.
-
-Names carry what a reader needs, so a consumer orders a queue from
-``get_children`` alone: priority first (inverted so a plain sort puts the
-highest first), then the bucket's generation, then the first sequence number
-ZooKeeper gave the message, so a requeued message keeps its original place
-among its priority. The uid lets a create retried after ConnectionLoss find
-the node it already made.
-
-Buckets keep every directory small and every sequence counter far from its
-end (a signed 32-bit count of creates per parent): a publisher moves on to
-generation ``gen + 1`` once a create's sequence reaches ``bucket_size``, and
-a consumer deletes an empty bucket once a later one of its priority exists.
-A requeue is not sequential (the uid makes its name unique), so it never
-advances a counter either.
-
-Messages stored by celery_zk before 0.2 (an ``m`` name with its body inside,
-flat in ``unowned/`` or in a bucket, or claimed as ``owned/{consumer}~{name}``)
-are read by nothing but ``celery zk upgrade`` (:mod:`celery_zk.ops.upgrade`),
-which stores them as every other message is; :func:`is_legacy` tells them apart.
+"""Every node name celery_zk writes and parses but a message's
+(:mod:`celery_zk.zk.message_names`): consumers, offers, holdings, bindings,
+results, payloads, chords, and the escaping that makes any kombu name one
+znode name.
 
 Where each name lives is built in :mod:`celery_zk.zk.layout`; the tree is
 drawn in ``docs/design.md``.
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import functools
 import hashlib
 import re
 import time
 import uuid
-import zlib
 from typing import NamedTuple
 
-MAX_PRIORITY = 9
-SEQ_DIGITS = 10
 OWNER_SEP = "~"
 BINDING_SEP = ","
 RESULT_SHARDS_HEX = 2  # 256 shards: a million results is ~4,000 per directory
@@ -61,18 +40,6 @@ QUEUES_EXPIRER = "queues" + OWNER_SEP + "expirer"   # beside queues/ (escaped na
 #: nodes and bytes under P, kept by every server in memory).
 QUOTA_ROOT = "/zookeeper/quota"
 QUOTA_LIMITS, QUOTA_STATS = "zookeeper_limits", "zookeeper_stats"
-
-#: The first letter of a message name: how its body is stored in bodies/.
-BODY_APART = "n"    # whole, written once; the name alone moves
-BODY_CHUNKED = "c"  # as "n", and bigger than chunk_size: its body node holds a
-                    # manifest, the bytes are chunks under chunks/{uid}
-_MESSAGE_RE = re.compile(
-    r"^([nc])(\d)-(\d{10})-([0-9a-f]{1,32})(?:\.([0-9a-f]{8}))?(?:!([0-9a-f]{8}))?"
-    r"(?:\+(\d{1,12}))?(?:@([^/~]+?))?-(r?)(\d{10})$")
-#: Names celery_zk stored before 0.2, the body inside the node: in a bucket as
-#: today's but for their "m", or flat in unowned/ (the requeue sequential too).
-_LEGACY_FLAT_RE = re.compile(r"^m(\d)-([0-9a-f]{1,32})-(?:r(\d{10})-)?(\d{10})$")
-_BUCKET_RE = re.compile(r"^p(\d)-(\d{10})$")
 # The sequential "-{seq}" suffix is from before consumer ids carried their time.
 _CONSUMER_RE = re.compile(r"^(c[0-9a-f]{1,32})(?:-\d{10})?$")
 _PAYLOAD_RE = re.compile(r"^([a-z])~([^/~]+)~([0-9a-f]{1,32})~(\d{1,12})$")
@@ -81,25 +48,8 @@ _OFFER_RE = re.compile(r"^(c[0-9a-f]{1,32})~([0-9a-f]{1,32}(?:~b)?)$")
 #: An offer's token ends so when its consumer takes a body from a handed name
 #: (every consumer from 0.3 on, which reads the names its watch reports).
 OFFER_TAKES_BODY = OWNER_SEP + "b"
-#: A handed message's name may carry a copy of its body, ``{name}~{body}``:
-#: zlib, then unpadded base64url (no "/", no "~", nothing to escape).
-INLINE_SEP = OWNER_SEP
-_INLINE_RE = re.compile(r"[A-Za-z0-9_-]+")
-#: Most characters of a body copied into a handed name. A Celery task's body
-#: is a few hundred; the watch event that names the entry brings it, so its
-#: delivery needs no read (one-way p50 idle 1.14, loaded 1.21 times as long
-#: without: docs/performance.md). Far below jute.maxbuffer.
-INLINE_CHARS = 2048
 # Characters that cannot appear raw in a node name, or that we use as separators.
 _ESCAPE_RE = re.compile(r"[%/,~\x00-\x1f\x7f]")
-#: Longest affinity key kept readable in a message name; a longer one is named
-#: by its hash. A bucket is listed whole (up to 10,000 names), and the listing
-#: must stay within jute.maxbuffer: (45 + 1 + 40) bytes x 10,000 = 860 KB.
-AFFINITY_KEY_CHARS = 40
-AFFINITY_HASH = "#"
-#: Characters an affinity key keeps as they are: printable ASCII but the
-#: escape, the separators and the markers of a hash and of a key.
-_AFFINITY_PLAIN = frozenset(map(chr, range(0x20, 0x7F))) - set("%/,~#@")
 AFFINITY_SHARDS_HEX = 1   # 16 directories under affinity/
 
 
@@ -113,6 +63,7 @@ def escape(name: str) -> str:
     return escaped
 
 
+
 @functools.lru_cache(maxsize=4096)
 def unescape(name: str) -> str:
     if name.startswith("%") and name.endswith("%") and len(name) > 1 and "%" not in name[1:-1]:
@@ -120,275 +71,10 @@ def unescape(name: str) -> str:
     return re.sub(r"%([0-9A-F]{2})", lambda m: chr(int(m.group(1), 16)), name)
 
 
-class MessageName(NamedTuple):
-    """A parsed waiting-message name."""
-
-    inverted_priority: int
-    generation: int     # its bucket's
-    uid: str
-    order: int          # the sequence it was first published with
-    requeued: bool      # back from owned/ (a reject, a shutdown or a dead owner)
-    seq: int            # this node's own sequence (a requeue's is its order)
-    affinity: str | None = None   # its affinity key as named (affinity_token)
-    chunked: bool = False      # its body is chunked (a "c" name): see Layout.chunks
-    task: str | None = None    # its task's token (task_token), for limits
-    limit_key: str | None = None   # its concurrency key's token (limit_key_token)
-    size: int | None = None   # its body's bytes, named in a queue with x-max-length-bytes
-
-    @property
-    def kind(self) -> str:
-        """The letter its name starts with."""
-        return BODY_CHUNKED if self.chunked else BODY_APART
-
-    @property
-    def priority(self) -> int:
-        return MAX_PRIORITY - self.inverted_priority
-
-    @property
-    def bucket(self) -> str:
-        return bucket_name(self.inverted_priority, self.generation)
-
-    @property
-    def sort_key(self) -> tuple[int, int, int, bool, int]:
-        # On equal order a requeued message goes first: the tie is a handed
-        # message (order 0, see handed_name) against a bucket's very first one.
-        return (self.inverted_priority, self.generation, self.order, not self.requeued,
-                self.seq)
-
-
-def clamp_priority(priority: int | None) -> int:
-    """AMQP semantics: higher first, 0..9, missing counts as 0."""
-    if priority is None:
-        return 0
-    return max(0, min(MAX_PRIORITY, int(priority)))
-
-
-def inverted(priority: int | None) -> int:
-    return MAX_PRIORITY - clamp_priority(priority)
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def bucket_name(inverted_priority: int, generation: int) -> str:
-    # Cached: a message's bucket is named wherever its body's path is built.
-    return f"p{inverted_priority}-{generation:0{SEQ_DIGITS}d}"
-
-
-def parse_bucket_name(name: str) -> tuple[int, int] | None:
-    """``(inverted priority, generation)`` of a bucket, or ``None``."""
-    match = _BUCKET_RE.match(name)
-    return (int(match.group(1)), int(match.group(2))) if match else None
-
-
-def same_priority(bucket: str, other: str) -> bool:
-    """Two bucket names of one priority (the later one takes its new messages)."""
-    first, second = parse_bucket_name(bucket), parse_bucket_name(other)
-    return first is not None and second is not None and first[0] == second[0]
-
-
-def message_prefix(inverted_priority: int, generation: int, uid: str,
-                   affinity: str | None = None, kind: str = BODY_APART,
-                   task: str | None = None, limit_key: str | None = None,
-                   size: int | None = None) -> str:
-    """Name prefix of a new message; ZooKeeper appends the sequence.
-    ``affinity``: an :func:`affinity_token`. ``kind``: where the body is
-    (:data:`BODY_APART` or :data:`BODY_CHUNKED`).
-    ``task``/``limit_key``: a :func:`task_token` and a :func:`limit_key_token`,
-    which a dispatcher applies limits by (celery_zk.features.limits).
-    ``size``: the body's bytes, in a queue whose ``x-max-length-bytes`` is
-    counted from its listing (celery_zk.broker.queue_limits)."""
-    tokens = ((f".{task}" if task else "") + (f"!{limit_key}" if limit_key else "")
-              + (f"+{size}" if size is not None else ""))
-    key = f"@{affinity}" if affinity else ""
-    return f"{kind}{inverted_priority}-{generation:0{SEQ_DIGITS}d}-{uid}{tokens}{key}-"
-
-
-@functools.lru_cache(maxsize=1024)
-def task_token(task_name: str) -> str:
-    """How a task's name appears in its messages' names: 8 hex digits of a hash
-    (names must stay short; limits are looked up by it)."""
-    return hashlib.sha1(task_name.encode()).hexdigest()[:8]
-
-
-def limit_key_token(key: str) -> str:
-    """How a concurrency limit's key (one customer id, say) appears in names."""
-    return hashlib.sha1(key.encode()).hexdigest()[:8]
-
-
-def affinity_token(key: object) -> str:
-    """How an affinity key appears in node names: printable ASCII, the rest
-    %-escaped (``#`` too, which marks a hash), or ``#`` and a hash when that is
-    longer than :data:`AFFINITY_KEY_CHARS` bytes.
-
-    Raises ValueError for what cannot be a key (not a str or int, or empty).
-    """
-    if isinstance(key, bool) or not isinstance(key, (str, int)):
-        raise ValueError(
-            f"a celery_zk affinity key must be a string (or an int), not "
-            f"{type(key).__name__} {key!r}: pass the dataset's name, e.g. "
-            "headers={'zk_affinity': 'dataset-42'}")
-    text = str(key)
-    if not text:
-        raise ValueError("a celery_zk affinity key must not be empty: leave the "
-                         "'zk_affinity' header out for a message without affinity")
-    # Anything but printable ASCII goes in as the %-escaped bytes of its UTF-8:
-    # ZooKeeper refuses some code points in names (U+0080-U+009F, surrogates,
-    # U+F000-U+F8FF, U+FFF0-U+FFFF), and the length limit is then one of bytes.
-    # (A byte below 0x80 is its ASCII character; every byte of a longer
-    # sequence is 0x80 or above, so escaped.)
-    raw = text.encode("utf-8", "surrogatepass")
-    escaped = "".join(chr(byte) if chr(byte) in _AFFINITY_PLAIN else f"%{byte:02X}"
-                      for byte in raw)
-    if len(escaped) <= AFFINITY_KEY_CHARS:
-        return escaped
-    return AFFINITY_HASH + hashlib.sha1(raw).hexdigest()[:24]
-
-
-def requeued_name(message: MessageName) -> str:
-    """The name a message gets when it goes back to wait: in the bucket of its
-    first publication, marked requeued, with the sequence that keeps its place."""
-    return (message_prefix(message.inverted_priority, message.generation, message.uid,
-                           message.affinity, message.kind, message.task, message.limit_key,
-                           message.size)
-            + f"r{message.order:0{SEQ_DIGITS}d}")
-
-
-def parse_message_name(name: str) -> MessageName | None:
-    """Parse a waiting-message name; ``None`` for nodes celery_zk did not write.
-    A handed message's copy of its body (:func:`inline_body`) is not part of
-    what the name says: it is cut off first, so the cache never holds it."""
-    return _parse_message_name(without_body(name))
-
-
-def without_body(name: str) -> str:
-    """``name`` without the copy of its body a handed message's name may
-    carry; any other name as it is, the same object."""
-    cut = _body_at(name)
-    return name if cut < 0 else name[:cut]
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def _body_at(name: str) -> int:
-    """Where the copy of a body in ``name`` starts (its ``~``), or -1. Cached:
-    a handed name is cut where it is read, delivered, acked and where its
-    task starts, and matching a body that long takes microseconds."""
-    cut = name.find(INLINE_SEP)
-    if cut < 0 or _parse_message_name(name[:cut]) is None or not _INLINE_RE.fullmatch(
-            name, cut + 1):
-        return -1
-    return cut
-
-
-def inline_body(name: str) -> bytes | None:
-    """The body copied into a handed message's name, or ``None`` (none there,
-    or it does not decode: the consumer then reads the body node)."""
-    thin = without_body(name)
-    if thin is name:
-        return None
-    text = name[len(thin) + 1:]
-    try:
-        return zlib.decompress(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
-    except (binascii.Error, ValueError, zlib.error):
-        return None
-
-
-def encode_body(data: bytes) -> str | None:
-    """A body as it goes into a handed name; ``None`` when longer than
-    :data:`INLINE_CHARS`."""
-    if len(data) > INLINE_CHARS * 4:   # no hope of fitting: do not compress it
-        return None
-    text = base64.urlsafe_b64encode(zlib.compress(data)).rstrip(b"=").decode()
-    return text if len(text) <= INLINE_CHARS else None
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _parse_message_name(name: str) -> MessageName | None:
-    """:func:`parse_message_name` of a name without a body. Cached: a message's
-    name is parsed where it is listed, sorted, given, read, delivered and
-    acked, a dozen times between publish and ack; the result is immutable.
-    The cache holds about a listing's worth (~4 MB)."""
-    match = _MESSAGE_RE.match(name)
-    if not match:
-        return None
-    kind, inv, generation, uid, task, limit, size, affinity, requeued, seq = match.groups()
-    return MessageName(int(inv), int(generation), uid, int(seq), bool(requeued), int(seq),
-                       affinity, kind == BODY_CHUNKED, task, limit,
-                       None if size is None else int(size))
-
-
-def parse_legacy_name(name: str) -> MessageName | None:
-    """A message name stored before 0.2 (see the module docstring; claimed
-    ones without their ``{consumer}~``), parsed as the message it becomes
-    once upgraded: its body in bodies/, a flat one in bucket 0."""
-    if not name.startswith("m"):
-        return None
-    message = _parse_message_name("n" + name[1:])
-    if message is not None:
-        return message
-    match = _LEGACY_FLAT_RE.match(name)
-    if not match:
-        return None
-    inv, uid, first, seq = match.groups()
-    return MessageName(int(inv), 0, uid, int(first or seq), first is not None, int(seq))
-
-
-def is_legacy(name: str) -> bool:
-    """Whether ``name`` (as listed in unowned/ or owned/) is a message stored before 0.2."""
-    return parse_legacy_name(name.rpartition(OWNER_SEP)[2]) is not None
-
-
-#: A message's place in delivery order: its sort key, then its name (ties).
-OrderKey = tuple[tuple[int, int, int, bool, int], str]
-
-
-def order_key(name: str) -> OrderKey | None:
-    """``(sort_key, name)`` of a message name; ``None`` for nodes celery_zk did not
-    write. Cached like the parse (on the name without a body's copy): a
-    dispatcher orders a bucket's thousands of names at each listing, then
-    looks each one up again as it is given."""
-    thin = without_body(name)
-    key = _order_key(thin)
-    return key if thin is name or key is None else (key[0], name)
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _order_key(name: str) -> OrderKey | None:
-    message = _parse_message_name(name)
-    return None if message is None else (message.sort_key, name)
-
-
-def sort_messages(names: list[str]) -> tuple[list[str], list[str]]:
-    """Split a listing into (ours in delivery order, foreign names)."""
-    keyed: list[OrderKey] = []
-    foreign = []
-    for name in names:
-        key = order_key(name)
-        if key is None:
-            foreign.append(name)
-        else:
-            keyed.append(key)
-    keyed.sort()
-    return [name for _, name in keyed], foreign
-
-
-def handed_name(inverted_priority: int, generation: int, uid: str,
-                kind: str = BODY_APART, task: str | None = None,
-                limit_key: str | None = None, body: str | None = None,
-                size: int | None = None) -> str:
-    """The name a message handed straight to an idle consumer gets, with
-    ``body`` (:func:`encode_body`) as a copy of its body if given.
-
-    It never waited in a bucket, so it has no sequence: zero. Its body is in
-    the bucket of ``generation`` like any other's, and a requeue puts it at
-    the front of that bucket: it was handed over while the queue was empty,
-    ahead of its priority's later arrivals, where it belongs.
-    """
-    name = (message_prefix(inverted_priority, generation, uid, kind=kind, task=task,
-                           limit_key=limit_key, size=size) + "0" * SEQ_DIGITS)
-    return name if body is None else f"{name}{INLINE_SEP}{body}"
-
 
 def offer_name(consumer_id: str, token: str) -> str:
     return f"{consumer_id}{OWNER_SEP}{token}"
+
 
 
 @functools.lru_cache(maxsize=1024)
@@ -398,9 +84,11 @@ def parse_offer_name(name: str) -> tuple[str, str] | None:
     return (match.group(1), match.group(2)) if match else None
 
 
+
 def holding_name(token: str, worker: str, pid: int) -> str:
     """A worker process's affinity holding: key token, worker id, pid."""
     return f"{token}{OWNER_SEP}{worker}-{pid}"
+
 
 
 def parse_holding_name(name: str) -> tuple[str, str, int] | None:
@@ -409,19 +97,12 @@ def parse_holding_name(name: str) -> tuple[str, str, int] | None:
     return (match.group(1), match.group(2), int(match.group(3))) if match else None
 
 
-def quick_affinity(name: str) -> str | None:
-    """The affinity token of a message name known to be ours (a sorted
-    listing's), without a full parse: a consumer looks at a thousand names
-    per choice. The token runs from the ``@`` after the uid to the ``-``
-    before the sequence, which has none."""
-    at = name.find("@")
-    return None if at < 0 else name[at + 1:name.rindex("-")]
-
 
 def new_consumer_id() -> str:
     """A consumer id that sorts by creation time: its node needs no sequence
     number (whose counter would run out), and the oldest live one leads."""
     return f"c{time.time_ns():016x}{uuid.uuid4().hex[:8]}"
+
 
 
 def parse_consumer_name(name: str) -> str | None:
@@ -430,10 +111,12 @@ def parse_consumer_name(name: str) -> str | None:
     return match.group(1) if match else None
 
 
+
 def queue_consumer_prefix(consumer_id: str) -> str:
     """The name of a queue's consumer node before ZooKeeper appends its sequence:
     the first to join leads (a newcomer never takes over from a live one)."""
     return f"{consumer_id}-"
+
 
 
 def parse_queue_consumer(name: str) -> tuple[int, str] | None:
@@ -444,14 +127,17 @@ def parse_queue_consumer(name: str) -> tuple[int, str] | None:
     return int(seq), consumer_id
 
 
+
 def holder_name(session_id: int, lease: str) -> str:
     """An auto-delete queue's holder: named by the session, whose end removes it,
     and by the lease (one connection) on it, whose end deletes it."""
     return f"s{session_id:016x}-{lease}"
 
 
+
 def binding_name(queue: str, routing_key: str) -> str:
     return f"{escape(queue)}{BINDING_SEP}{escape(routing_key)}"
+
 
 
 def parse_binding_name(name: str) -> tuple[str, str] | None:
@@ -461,8 +147,10 @@ def parse_binding_name(name: str) -> tuple[str, str] | None:
     return unescape(queue), unescape(routing_key)
 
 
+
 def result_shard(key: str) -> str:
     return hashlib.sha1(key.encode()).hexdigest()[:RESULT_SHARDS_HEX]
+
 
 
 def chunk_name(index: int) -> str:
@@ -470,6 +158,7 @@ def chunk_name(index: int) -> str:
     if not 0 <= index < MAX_CHUNKS:
         raise ValueError(f"chunk index {index} is out of range (0 to {MAX_CHUNKS - 1})")
     return CHUNK_NAME.format(index=index)
+
 
 
 class PayloadName(NamedTuple):
@@ -481,9 +170,11 @@ class PayloadName(NamedTuple):
     size: int      # the payload's bytes (status sums them without reading anything)
 
 
+
 def payload_name(kind: str, key: str, token: str, size: int) -> str:
     """``{kind}~{escaped id}~{token}~{size}``: a payload container's name."""
     return f"{kind}{OWNER_SEP}{escape(key)}{OWNER_SEP}{token}{OWNER_SEP}{size}"
+
 
 
 def parse_payload_name(name: str) -> PayloadName | None:
@@ -492,6 +183,3 @@ def parse_payload_name(name: str) -> PayloadName | None:
         return None
     kind, key, token, size = match.groups()
     return PayloadName(kind, unescape(key), token, int(size))
-
-
-#: Every name result_shard() can return.

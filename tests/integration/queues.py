@@ -8,7 +8,7 @@ from kazoo.protocol.states import ZnodeStat
 
 from celery_zk.broker.queues import creates
 from celery_zk.zk.layout import Layout
-from celery_zk.zk.names import parse_bucket_name, parse_message_name, sort_messages
+from celery_zk.zk.message_names import parse_bucket_name, parse_message_name, sort_messages
 from celery_zk.zk.payload import read_payload
 
 

@@ -19,7 +19,7 @@ from celery_zk import affinity
 from celery_zk.exceptions import CeleryZKError
 from celery_zk.features.affinity import AffinityKeyError
 from celery_zk.zk.layout import Layout
-from celery_zk.zk.names import affinity_token, parse_message_name
+from celery_zk.zk.message_names import affinity_token, parse_message_name
 
 from .queues import waiting
 from .sessions import expire

@@ -21,7 +21,7 @@ from celery_zk.broker import big
 from celery_zk.exceptions import MessageTooLarge
 from celery_zk.ops.dead_letters import DeadLetters
 from celery_zk.zk.layout import Layout
-from celery_zk.zk.names import parse_message_name
+from celery_zk.zk.message_names import parse_message_name
 from celery_zk.zk.payload import is_manifest
 
 from .big import text, wipe  # noqa: F401  (wipe: an autouse fixture)

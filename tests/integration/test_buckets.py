@@ -20,7 +20,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from celery_zk.broker.assignment import CLAIMS
 from celery_zk.broker.queues import creates
 from celery_zk.zk.layout import Layout
-from celery_zk.zk.names import bucket_name, inverted, parse_bucket_name, parse_message_name
+from celery_zk.zk.message_names import bucket_name, inverted, parse_bucket_name, parse_message_name
 
 from .queues import buckets, waiting
 from .workers import wait_until

@@ -28,7 +28,7 @@ from celery_zk.broker.dispatcher import Dispatcher
 from celery_zk.ops.upgrade import upgrade
 from celery_zk.zk.config import ZKOptions
 from celery_zk.zk.layout import Layout
-from celery_zk.zk.names import parse_message_name
+from celery_zk.zk.message_names import parse_message_name
 
 from .queues import owned, owners, waiting
 from .sessions import apart

@@ -24,7 +24,8 @@ from kazoo.client import KazooClient
 from celery_zk.server import ZooKeeperServer, free_ports
 from celery_zk.server.ensemble import ZooKeeperEnsemble
 from celery_zk.zk.layout import Layout
-from celery_zk.zk.names import parse_consumer_name, parse_message_name
+from celery_zk.zk.message_names import parse_message_name
+from celery_zk.zk.names import parse_consumer_name
 
 from .queues import owned as owned_paths
 from .tcpproxy import TCPProxy

@@ -16,7 +16,8 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk.broker.offer import Offer
 from celery_zk.zk.layout import Layout
-from celery_zk.zk.names import inline_body, offer_name, parse_message_name
+from celery_zk.zk.message_names import inline_body, parse_message_name
+from celery_zk.zk.names import offer_name
 
 from .queues import body_path, owned, stored_body, waiting
 from .queues import unowned_creations as creations
@@ -169,7 +170,7 @@ def test_a_handed_message_brings_its_body_in_its_name(
 def test_the_longest_name_with_a_body_is_a_node_name(zk_client: KazooClient) -> None:
     """ZooKeeper takes (and lists, and deletes) an inbox entry whose name
     carries the longest body copy there may be."""
-    from celery_zk.zk.names import INLINE_CHARS, handed_name
+    from celery_zk.zk.message_names import INLINE_CHARS, handed_name
 
     name = handed_name(0, 1, "ab" * 8, body="A" * INLINE_CHARS)
     zk_client.ensure_path("/longest")

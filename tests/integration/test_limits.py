@@ -15,7 +15,7 @@ from celery import Celery
 from celery_zk.exceptions import ZKConfigurationError
 from celery_zk.features.limit_gate import GIVE_MARGIN, START_MARGIN, Gate
 from celery_zk.features.limits import Limit, parse_rate
-from celery_zk.zk.names import message_prefix, parse_message_name, task_token
+from celery_zk.zk.message_names import message_prefix, parse_message_name, task_token
 
 from .workers import Worker, celery_cli, read_log, wait_until
 

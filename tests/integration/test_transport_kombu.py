@@ -18,7 +18,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from celery_zk.exceptions import MessageTooLarge, ZKConfigurationError, ZKConnectionError
 from celery_zk.zk.layout import Layout
-from celery_zk.zk.names import parse_bucket_name, parse_message_name
+from celery_zk.zk.message_names import parse_bucket_name, parse_message_name
 
 from .queues import first_bucket_path, owned, waiting
 from .sessions import apart

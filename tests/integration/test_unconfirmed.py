@@ -15,7 +15,7 @@ from kazoo.exceptions import ConnectionLoss
 from kombu import Connection, Exchange, Producer, Queue
 
 from celery_zk.zk.layout import Layout
-from celery_zk.zk.names import parse_message_name
+from celery_zk.zk.message_names import parse_message_name
 
 from .queues import stored_body, waiting
 from .workers import HERE, executed_values, wait_until

@@ -3,7 +3,7 @@ as names are listed, arrive and are given."""
 from __future__ import annotations
 
 from celery_zk.broker.assignment import Head
-from celery_zk.zk.names import parse_message_name
+from celery_zk.zk.message_names import parse_message_name
 
 
 def names(count: int, affinity_every: int = 0) -> list[str]:

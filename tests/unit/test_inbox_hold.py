@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery_zk.broker.credit import HOLD, held_back
 from celery_zk.broker.ready import Claimed, DeliveryOrder, Ready
-from celery_zk.zk.names import message_prefix, order_key, parse_message_name
+from celery_zk.zk.message_names import message_prefix, order_key, parse_message_name
 
 
 def test_a_quick_pace_holds_nothing_back_however_deep_the_inbox() -> None:

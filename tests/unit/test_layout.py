@@ -6,32 +6,34 @@ from typing import Any
 import pytest
 
 from celery_zk.zk.layout import Layout
-from celery_zk.zk.names import (
+from celery_zk.zk.message_names import (
     INLINE_CHARS,
-    binding_name,
     bucket_name,
     clamp_priority,
     encode_body,
-    escape,
     handed_name,
     inline_body,
     inverted,
     is_legacy,
     message_prefix,
-    new_consumer_id,
-    offer_name,
     order_key,
-    parse_binding_name,
     parse_bucket_name,
-    parse_consumer_name,
     parse_legacy_name,
     parse_message_name,
-    parse_offer_name,
     requeued_name,
-    result_shard,
     sort_messages,
-    unescape,
     without_body,
+)
+from celery_zk.zk.names import (
+    binding_name,
+    escape,
+    new_consumer_id,
+    offer_name,
+    parse_binding_name,
+    parse_consumer_name,
+    parse_offer_name,
+    result_shard,
+    unescape,
 )
 
 
@@ -223,7 +225,12 @@ def test_a_chord_size_node_never_collides_with_a_counted_part() -> None:
                                  "y" * 41, "ünïcode", "\x85\ud800\uf000\ufff0", "😀",
                                  "数据集" * 14])
 def test_an_affinity_key_survives_the_name_and_a_requeue(key: object) -> None:
-    from celery_zk.zk.names import affinity_token, message_prefix, quick_affinity, requeued_name
+    from celery_zk.zk.message_names import (
+        affinity_token,
+        message_prefix,
+        quick_affinity,
+        requeued_name,
+    )
 
     token = affinity_token(key)
     assert "/" not in token and "~" not in token and "@" not in token
@@ -240,7 +247,7 @@ def test_an_affinity_key_survives_the_name_and_a_requeue(key: object) -> None:
 
 
 def test_long_affinity_keys_are_named_by_a_hash_that_no_short_key_gives() -> None:
-    from celery_zk.zk.names import affinity_token
+    from celery_zk.zk.message_names import affinity_token
 
     assert affinity_token("k" * 40) == "k" * 40
     hashed = affinity_token("k" * 41)
@@ -254,7 +261,7 @@ def test_long_affinity_keys_are_named_by_a_hash_that_no_short_key_gives() -> Non
 
 @pytest.mark.parametrize("key", ["", None, True, ["x"], 1.5])
 def test_what_cannot_be_an_affinity_key_is_refused_clearly(key: object) -> None:
-    from celery_zk.zk.names import affinity_token
+    from celery_zk.zk.message_names import affinity_token
 
     with pytest.raises(ValueError, match="affinity key"):
         affinity_token(key)
@@ -268,7 +275,7 @@ class _Holdings:   # what a Board says, without a server
 
 
 def _keyed_name(inv: int, seq: int, token: str | None) -> str:
-    from celery_zk.zk.names import message_prefix
+    from celery_zk.zk.message_names import message_prefix
 
     return message_prefix(inv, 0, f"{seq:x}", token) + f"{seq:010d}"
 

@@ -3,7 +3,7 @@ handed messages behind what arrived before them, in the order they came."""
 from __future__ import annotations
 
 from celery_zk.broker.ready import Claimed, DeliveryOrder, Ready
-from celery_zk.zk.names import (
+from celery_zk.zk.message_names import (
     handed_name,
     inverted,
     message_prefix,

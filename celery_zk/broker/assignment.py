@@ -30,7 +30,7 @@ from ..features.locality import Waiting, choose
 from ..zk.client import multi_failure
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
-from ..zk.message_names import MessageName, order_key, parse_message_name
+from ..zk.message_names import MessageName, order_key, parse_message_name, slot_of
 from ..zk.multi import Multi
 from ..zk.session import SharedSession
 from .queues import ANY_VERSION, OP_OVERHEAD, REQUEST_BUDGET
@@ -186,8 +186,9 @@ class Planner:
         limits = book.current()
         if not limits:
             return None
+        # Given and not acked, and acked early but running still (their slots).
         owned = [m for c in consumers.values() for n in (c.entries | c.given)
-                 if (m := parse_message_name(n)) is not None]
+                 if (m := parse_message_name(n) or slot_of(n)) is not None]
         store = LimitStore(self.session.client, self.layout)
         for limit in limits:
             ident = (limit.kind, limit.name)

@@ -38,7 +38,7 @@ from ..zk.client import (
     reply_or_retry,
     synced,
 )
-from ..zk.message_names import inline_body, parse_message_name, sort_messages
+from ..zk.message_names import inline_body, parse_message_name, slot_of, sort_messages
 from ..zk.reads import read_many
 from ..zk.session import weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED
@@ -281,8 +281,9 @@ class Inbox:
             self.taken.add(name)
             message = parse_message_name(name)
             if message is None:
-                logger.error("celery_zk: %r in the inbox of %s is not a message name; "
-                             "left there", name, consumer_id)
+                if slot_of(name) is None:   # a slot is a running task's (broker.slots)
+                    logger.error("celery_zk: %r in the inbox of %s is not a message "
+                                 "name; left there", name, consumer_id)
                 continue
             key = self.order.key(message)
             # Named with sequence zero; so is the first message of a bucket (one

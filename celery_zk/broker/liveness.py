@@ -32,7 +32,7 @@ from kazoo.recipe.watchers import ChildrenWatch
 from ..zk.client import create_once, log_failure
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
-from ..zk.message_names import parse_message_name
+from ..zk.message_names import parse_message_name, slot_of
 from ..zk.names import new_consumer_id, parse_consumer_name
 from ..zk.session import ClientHandle, SharedSession, weak_callback
 from .acks import Acks
@@ -300,6 +300,9 @@ class Recovery:
         moved = self.acks.requeue_many([layout.inbox_message(queue, consumer_id, name)
                                         for name in names
                                         if parse_message_name(name) is not None])
+        # Its running tasks' slots: they ran or died with it (broker.slots).
+        self.acks.queues.delete_all([layout.inbox_message(queue, consumer_id, name)
+                                     for name in names if slot_of(name) is not None])
         try:
             client.retry(client.delete, inbox)
         except (NoNodeError, NotEmptyError):

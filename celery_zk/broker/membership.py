@@ -20,6 +20,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 
 from ..features import affinity
 from ..zk.client import CONNECTION_ERRORS, RedoThread, create_once, log_failure
+from ..zk.message_names import slot_of
 from .dispatcher import Dispatcher
 
 if TYPE_CHECKING:   # the protocol's module imports nothing of ours that imports this one
@@ -145,7 +146,8 @@ class Membership:
         except NoNodeError:
             return
         transport.acks.requeue_many([layout.inbox_message(self.queue, consumer_id, name)
-                                     for name in names if name not in handed and name not in keep])
+                                     for name in names if name not in handed and name not in keep
+                                     and slot_of(name) is None])   # running: kept
         if not keep:
             try:   # refused while a delivered message waits for its ack
                 client.retry(client.delete, inbox)

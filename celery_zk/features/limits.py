@@ -10,11 +10,11 @@ worker, so it can hold a limit for all of them at once:
   ones given are kept in ZooKeeper, in the multi that gives them, so a
   dispatcher that takes over goes on from there.
 * **Concurrency** (``3``), per task name, optionally per key over the task's
-  arguments (``"{customer_id}"``): at most that many messages of the task
-  (of one key) owned by workers at once, i.e. given and not yet acked. Use
-  it with ``acks_late=True`` (a task acked as it starts stops counting when
-  it starts); the owner's session ending releases it like any owned
-  message, with no TTL.
+  arguments (``"{customer_id}"``): at most that many tasks (of one key)
+  given to workers and not ended, whatever their ack mode: a task acked as it
+  starts keeps a slot in its consumer's inbox until it ends
+  (:mod:`celery_zk.broker.slots`); the owner's session ending releases both,
+  with no TTL.
 
 A message over a limit waits where it is, in its place among its priority;
 the dispatcher gives the messages behind it that no limit holds, so other
@@ -240,13 +240,6 @@ def _apply_configured(sender: Any = None, **_: Any) -> None:
             store.set(limit)
     finally:
         handle.close()
-    if any(limit.concurrency for limit in limits):
-        for limit in limits:
-            task = app.tasks.get(limit.name)
-            if limit.concurrency and task is not None and not task.acks_late:
-                logger.warning(
-                    "celery_zk: %s has a concurrency limit but acks early: it counts "
-                    "only until it starts. Set acks_late=True on it.", limit.name)
 
 
 # -- what a dispatcher and publishers see ----------------------------------------------

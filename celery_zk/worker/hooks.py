@@ -17,6 +17,7 @@ from celery.signals import worker_init, worker_shutting_down
 
 from ..broker import queue_expiry
 from ..broker import transport as transport_module
+from ..broker.slots import SLOTS
 from ..compat import celery_pool
 from ..features.revokes import load_into_worker
 from ..zk.background import give_up_when_cut_off
@@ -115,6 +116,8 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
             pool = concurrency.get_implementation(pool)
         except Exception:   # Celery's own start says what is wrong with it
             pool = None
+    # Before Celery's consumer binds the pool's apply_async into its requests.
+    celery_pool.track_task_ends(SLOTS)   # a running task holds its concurrency slot
     transport_module.worker = WorkerHooks(
         thread_pool=getattr(pool, "__module__", "") == "celery.concurrency.thread")
 

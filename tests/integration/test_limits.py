@@ -49,10 +49,10 @@ def runs(task_log: Path) -> list[dict[str, Any]]:
     return [entry["value"] for entry in read_log(task_log) if entry["kind"] == "timed"]
 
 
-def wait_for_limit(zk_url: str) -> None:
+def wait_for_limit(zk_url: str, task: str = TIMED) -> None:
     def there() -> bool:
         listed = celery_cli(["zk", "limit", "list", "--json"], zk_url)
-        return listed.returncode == 0 and TIMED in listed.stdout
+        return listed.returncode == 0 and task in listed.stdout
     wait_until(there, 30, 0.5, message="the workers did not write their limits")
 
 
@@ -203,3 +203,52 @@ def test_a_limit_changed_at_run_time_takes_effect_without_a_restart(
     assert most_at_once(later) >= 2   # no limit any more: the four threads share them
     bad = celery_cli(["zk", "limit", "set", TIMED, "--rate", "fast"], zk_url)
     assert bad.returncode != 0 and "not a rate" in bad.stderr
+
+
+EARLY = "proj.app.timed_early"   # timed, acked as it starts (Celery's default)
+
+
+@pytest.mark.slow
+def test_a_concurrency_limit_holds_tasks_that_ack_early(
+        app: Celery, start_worker: Callable[..., Worker], zk_url: str,
+        task_log: Path) -> None:
+    """Celery's default early ack: a task holds its slot from its start to its
+    end all the same (three workers, threads and prefork, never more than 2)."""
+    env = {"CELERY_ZK_TEST_CONF": json.dumps({"zk_concurrency_limits": {EARLY: 2}})}
+    start_worker(zk_url, log=task_log, name="a", concurrency=2, env=env)
+    start_worker(zk_url, log=task_log, name="b", pool="prefork", concurrency=2, env=env)
+    start_worker(zk_url, log=task_log, name="c", concurrency=2, env=env)
+    wait_for_limit(zk_url, EARLY)
+    for i in range(8):
+        app.send_task(EARLY, args=(i, 0.8))
+    wait_until(lambda: sorted(r["value"] for r in runs(task_log)) == list(range(8)), 90,
+               message="not every task ran once")
+    assert most_at_once([(r["start"], r["end"]) for r in runs(task_log)]) == 2
+
+
+@pytest.mark.slow
+def test_an_early_acked_tasks_slot_goes_with_its_workers_session(
+        app: Celery, start_worker: Callable[..., Worker], zk_url: str,
+        task_log: Path, zk_client: Any) -> None:
+    """A worker killed while it runs an early-acked task: the task is not run
+    again (it was acked), and its slot goes when the worker's session ends,
+    so the next tasks run elsewhere."""
+    env = {"CELERY_ZK_TEST_CONF": json.dumps({"zk_concurrency_limits": {EARLY: 1}})}
+    url = f"{zk_url}?session_timeout=4"
+    a = start_worker(url, log=task_log, name="a", concurrency=2, env=env)
+    wait_for_limit(zk_url, EARLY)
+    for i in range(4):
+        app.send_task(EARLY, args=(i, 1.5))
+    wait_until(lambda: any(e["kind"] == "timed-start" for e in read_log(task_log)), 30)
+    a.kill()
+    first = next(e["value"]["value"] for e in read_log(task_log)
+                 if e["kind"] == "timed-start")
+    start_worker(url, log=task_log, name="b", concurrency=2, env=env)
+    rest = sorted(set(range(4)) - {first})
+    wait_until(lambda: sorted(r["value"] for r in runs(task_log)) == rest, 60,
+               message="the dead worker's slot was never released")
+    assert most_at_once([(r["start"], r["end"]) for r in runs(task_log)]) == 1
+    assert first not in [r["value"] for r in runs(task_log)]   # acked: not run again
+    owned = zk_client.get_children("/queues/celery/owned")
+    assert not [name for inbox in owned
+                for name in zk_client.get_children(f"/queues/celery/owned/{inbox}")]

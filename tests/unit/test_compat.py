@@ -475,3 +475,65 @@ def test_a_pool_without_num_processes_is_named(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.delattr(base.BasePool, "num_processes")
     assert any("BasePool.num_processes" in problem for problem in celery_pool.missing())
+
+
+def test_task_ends_are_told_around_a_pools_callbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """track_task_ends: the listener hears a task's acceptance before Celery's
+    on_accepted and its end before Celery's callback, by delivery tag; a
+    pool's own apply without a request is left alone."""
+    from celery.concurrency import base, thread
+
+    monkeypatch.setattr(base.BasePool, "apply_async", base.BasePool.apply_async)
+    heard: list[tuple[str, str]] = []
+
+    class Listener:
+        def accepted(self, tag: str) -> None:
+            heard.append(("accepted", tag))
+
+        def ended(self, tag: str) -> None:
+            heard.append(("ended", tag))
+
+    class Request:   # what Celery passes: its bound on_accepted, its message
+        message = type("Message", (), {"delivery_tag": "/q/owned/c1/n0"})()
+
+        def on_accepted(self, pid: Any, time_accepted: float) -> None:
+            heard.append(("on_accepted", ""))
+
+    assert celery_pool.track_task_ends(Listener())
+    assert celery_pool.track_task_ends(Listener())   # idempotent
+    pool = thread.TaskPool(limit=1)
+    pool.start()
+    try:
+        done = pool.apply_async(lambda: 42, accept_callback=Request().on_accepted,
+                                callback=lambda value: heard.append(("callback", value)))
+        done.f.result(10)
+        pool.apply_async(lambda: 1, callback=lambda value: None).f.result(10)   # no request
+    finally:
+        pool.stop()
+    assert heard == [("accepted", "/q/owned/c1/n0"), ("on_accepted", ""),
+                     ("ended", "/q/owned/c1/n0"), ("callback", 42)]
+    assert not celery_pool.missing()
+
+
+def test_a_pool_whose_apply_async_changed_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery.concurrency import base
+
+    def apply_async(self: Any, target: Any, *args: Any) -> None: ...
+
+    monkeypatch.setattr(base.BasePool, "apply_async", apply_async)
+    assert any("BasePool.apply_async" in problem for problem in celery_pool.missing())
+    assert not celery_pool.track_task_ends(object())   # type: ignore[arg-type]
+
+
+def test_slots_hear_an_end_before_its_acceptance() -> None:
+    """billiard may report a task's end before its acceptance: the acceptance
+    that follows starts nothing, so the early ack after it is a plain one."""
+    from celery_zk.broker.slots import Slots
+
+    slots = Slots()
+    slots.ended("/q/owned/c1/n0")
+    slots.accepted("/q/owned/c1/n0")
+    assert slots.ack(object(), "/q/owned/c1/n0", "/consumers/c1") is False
+    slots.accepted("/q/owned/c1/n1")
+    slots.ended("/q/owned/c1/n1")
+    assert slots.ack(object(), "/q/owned/c1/n1", "/consumers/c1") is False

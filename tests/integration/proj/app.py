@@ -309,3 +309,9 @@ def die_once(value: object, marker: str) -> object:
         os.kill(os.getpid(), 9)
     _record("die_once", value)
     return value
+
+
+@app.task
+def timed_early(value: object, seconds: float = 0.0, customer: str = "") -> object:
+    """``timed`` acked as it starts (Celery's default), logged as ``timed``."""
+    return timed.run(value, seconds, customer)

@@ -47,7 +47,15 @@ def touch(queues: Queues, queue: str) -> None:
     client, path = queues.client, queues.layout.queue(queue)
     try:
         data, stat = client.retry(client.get, path)
-        client.retry(client.set, path, data, stat.version)
+    except NoNodeError:
+        return
+    _used_now(client, path, data, stat.version)
+
+
+def _used_now(client: Any, path: str, data: bytes, version: int) -> None:
+    """Write a queue's node again (its data as it is): its last use is now."""
+    try:
+        client.retry(client.set, path, data, version)
     except (NoNodeError, BadVersionError):
         pass   # deleted, or written by someone else meanwhile: as good
 
@@ -72,10 +80,8 @@ def expire_unused(queues: Queues, bindings: Bindings, now: float) -> list[str]:
         if consumers is not None and consumers.numChildren:
             continue   # in use
         if consumers is not None and consumers.pzxid > stat.mzxid:
-            try:   # its last consumer left since the last write: unused from now
-                client.set(layout.queue(queue), data, stat.version)
-            except (NoNodeError, BadVersionError):
-                pass
+            # Its last consumer left since the last write: unused from now.
+            _used_now(client, layout.queue(queue), data, stat.version)
             continue
         if now - stat.mtime / 1000 < limits.expires:
             continue

@@ -141,7 +141,7 @@ def test_a_later_declaration_keeps_the_stored_arguments(
 PAYLOAD = "x" * 1000   # a task's body of ~1,100 bytes: 4 fit in 5,000, not 5
 
 
-@pytest.mark.parametrize("pool", ["threads", pytest.param("prefork", marks=pytest.mark.matrix)])
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_max_length_bytes_drop_head_keeps_the_newest(client_app: Celery, zk_url: str, worker,
                                                       task_log: Path, pool: str) -> None:
     """x-max-length-bytes counts the bodies of the messages waiting (as
@@ -159,7 +159,6 @@ def test_max_length_bytes_drop_head_keeps_the_newest(client_app: Celery, zk_url:
     assert "max-length-bytes=5000" in celery_cli(["zk", "status"], zk_url).stdout
 
 
-@pytest.mark.matrix
 def test_max_length_bytes_reject_publish_and_a_requeue_keeps_its_size(
         client_app: Celery, zk_url: str, worker, task_log: Path) -> None:
     """reject-publish refuses the message that would not fit, naming the
@@ -208,7 +207,7 @@ def _has_queue(url: str, queue: str) -> bool:
         return bool(conn.default_channel._has_queue(queue))
 
 
-@pytest.mark.parametrize("pool", ["threads", pytest.param("prefork", marks=pytest.mark.matrix)])
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_x_expires_deletes_a_durable_queue_once_unused(client_app: Celery, zk_url: str, worker,
                                                         task_log: Path, pool: str) -> None:
     """A durable queue with x-expires goes, messages and bindings with it, once

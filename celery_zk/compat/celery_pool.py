@@ -385,10 +385,10 @@ def track_task_ends(ends: TaskEnds) -> bool:
         tag = _delivery_tag(getattr(options.get("accept_callback"), "__self__", None))
         listener = _task_ends
         if tag is not None and listener is not None:
-            options["accept_callback"] = _first(listener.accepted, tag,
+            options["accept_callback"] = _First(listener.accepted, tag,
                                                 options.get("accept_callback"))
             for key in ("callback", "error_callback"):
-                options[key] = _first(listener.ended, tag, options.get(key))
+                options[key] = _First(listener.ended, tag, options.get(key))
         return original(self, target, args, kwargs, **options)
 
     apply_async._celery_zk_ends = True  # type: ignore[attr-defined]
@@ -397,12 +397,18 @@ def track_task_ends(ends: TaskEnds) -> bool:
     return True
 
 
-def _first(tell: Callable[[str], None], tag: str,
-           then: Callable[..., Any] | None) -> Callable[..., Any]:
-    def told(*args: Any, **kwargs: Any) -> Any:
-        tell(tag)
-        return then(*args, **kwargs) if then is not None else None
-    return told
+class _First:
+    """``then`` (a callback Celery passes), after telling ``tell`` the tag. It
+    keeps ``then``'s ``__self__``: the hooks above find the Request there."""
+
+    def __init__(self, tell: Callable[[str], None], tag: str,
+                 then: Callable[..., Any] | None) -> None:
+        self.tell, self.tag, self.then = tell, tag, then
+        self.__self__ = getattr(then, "__self__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.tell(self.tag)
+        return self.then(*args, **kwargs) if self.then is not None else None
 
 
 def missing() -> list[str]:

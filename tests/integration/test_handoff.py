@@ -143,7 +143,7 @@ def test_a_handed_message_brings_its_body_in_its_name(
     """The inbox watch's event names the entry, and the name holds a copy of
     the body: delivered without a read. The start gate's time of the server's
     last answer is the offer's create, not nothing."""
-    from celery_zk.compat.celery import READ_AT
+    from celery_zk.compat.celery_pool import READ_AT
 
     reads = count_reads(monkeypatch)
     queue = Queue("inline", Exchange("inline", "direct"), "inline")
@@ -582,12 +582,12 @@ def test_work_that_leaves_a_pool_slot_free_keeps_the_offer(
     both slots are busy, and offers again when one is free."""
     import celery.worker.state as worker_state
 
-    import celery_zk.compat.celery as celery_compat
+    import celery_zk.compat.celery_pool as celery_pool
 
     class Running:   # a task request in Celery's worker state (kept weakly)
         pass
 
-    monkeypatch.setattr(celery_compat, "pool_slots", lambda: 2)
+    monkeypatch.setattr(celery_pool, "pool_slots", lambda: 2)
     queue = Queue("steady", Exchange("steady", "direct"), "steady")
     got: list[Any] = []
     with Connection(zk_url) as conn, consumer(conn, queue, got), \
@@ -638,12 +638,12 @@ def test_handed_work_that_takes_every_slot_keeps_the_offer_for_a_moment(
     import celery.worker.state as worker_state
 
     import celery_zk.broker.offer as offer_module
-    import celery_zk.compat.celery as celery_compat
+    import celery_zk.compat.celery_pool as celery_pool
 
     class Running:   # a task request in Celery's worker state (kept weakly)
         pass
 
-    monkeypatch.setattr(celery_compat, "pool_slots", lambda: 2)
+    monkeypatch.setattr(celery_pool, "pool_slots", lambda: 2)
     monkeypatch.setattr(offer_module, "BUSY_GRACE", 0.5)   # long enough to look at
     queue = Queue("burst", Exchange("burst", "direct"), "burst")
     got: list[Any] = []

@@ -512,6 +512,10 @@ def test_task_ends_are_told_around_a_pools_callbacks(monkeypatch: pytest.MonkeyP
         pool.stop()
     assert heard == [("accepted", "/q/owned/c1/n0"), ("on_accepted", ""),
                      ("ended", "/q/owned/c1/n0"), ("callback", 42)]
+    # What the wrapper passes on still leads to the Request (the start gate and
+    # the prefork hand-over find it there; the revoke check needs it).
+    request = Request()
+    assert celery_pool._First(print, "t", request.on_accepted).__self__ is request
     assert not celery_pool.missing()
 
 

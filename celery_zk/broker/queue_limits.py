@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import threading
 import time
 from typing import Any
@@ -31,6 +30,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, KazooException, NodeExistsError, NoNodeError
 
 from ..exceptions import QueueFull
+from ..zk.client import reply_or_retry
 from ..zk.message_names import parse_message_name
 from .acks import Acks
 from .budget import CHECK_EVERY
@@ -59,6 +59,8 @@ class QueueLimits:
         self._limits: dict[str, Limits] = {}
         # queue -> (messages, bytes, read at): bytes only with x-max-length-bytes
         self._length: dict[str, tuple[int, int, float]] = {}
+        # queue -> bucket -> (cversion, messages, bytes) when last listed
+        self._buckets: dict[str, dict[str, tuple[int, int, int]]] = {}
         self._lock = threading.Lock()
 
     def of(self, queue: str, fresh: bool = False) -> Limits:
@@ -131,19 +133,52 @@ class QueueLimits:
         return self._read_waiting(queue)
 
     def _read_waiting(self, queue: str) -> tuple[int, int]:
-        """(messages, bytes) waiting: bytes only where names carry them (a listing)."""
+        """(messages, bytes) waiting: bytes only where names carry them."""
         if self.of(queue).max_length_bytes is None:
             count, size = self.queues.size(queue), 0
         else:
-            names = self.queues.listing(queue, sys.maxsize).names
-            count, size = len(names), sum(map(named_size, names))
+            count, size = self._read_bytes(queue)
         with self._lock:
             self._length[queue] = (count, size, time.monotonic())
         return count, size
 
+    def _read_bytes(self, queue: str) -> tuple[int, int]:
+        """(messages, bytes) of a queue whose names carry their size: each
+        bucket's stats, and a listing of only those whose children changed
+        since this process last listed them (``cversion``): a backlog's full
+        buckets are listed once, the one publishers fill at each check."""
+        client, layout = self.queues.client, self.queues.layout
+        try:
+            buckets, _ = self.queues.buckets(queue)
+        except NoNodeError:
+            return 0, 0
+        paths = [layout.bucket(queue, bucket) for bucket in buckets]
+        stats = [client.exists_async(path) for path in paths]
+        known, counted = self._buckets.get(queue, {}), {}
+        listings = []
+        for bucket, path, result in zip(buckets, paths, stats):
+            stat = reply_or_retry(client, result, client.exists, path)
+            if stat is None:
+                continue
+            if known.get(bucket, (None,))[0] == stat.cversion:
+                counted[bucket] = known[bucket]
+            else:
+                listings.append((bucket, stat.cversion, client.get_children_async(path)))
+        for bucket, cversion, result in listings:
+            try:
+                names = result.get()
+            except NoNodeError:
+                continue   # emptied and deleted meanwhile
+            counted[bucket] = (cversion, len(names), sum(map(named_size, names)))
+        self._buckets[queue] = counted
+        return (sum(count for _, count, _ in counted.values()),
+                sum(size for _, _, size in counted.values()))
+
     def _drop_head(self, queue: str, limits: Limits) -> None:
         count, size, read_at = self._length[queue]
-        names = self.queues.listing(queue, sys.maxsize if limits.max_length_bytes is not None
+        # The head: what a length is over by; for bytes, its first bucket(s).
+        names = self.queues.listing(queue, self.queues.options.bucket_size
+                                    if limits.max_length_bytes is not None
                                     else count - (limits.max_length or 0)).names
         head = []
         for name in names:   # from the head, until both limits hold

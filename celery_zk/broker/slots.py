@@ -45,6 +45,13 @@ class Slots:
         self._held: dict[str, tuple[Any, str, Any]] = {}   # tag -> client, slot, multi
 
     # -- what the pools say (celery_zk.compat.celery_pool.TaskEnds) --------------------
+    @staticmethod
+    def wants(delivery_tag: str) -> bool:
+        """Only a message whose name carries its task's token may have a
+        concurrency limit (every other task's start and end cost nothing)."""
+        message = parse_message_name(delivery_tag.rpartition("/")[2])
+        return message is not None and message.task is not None
+
     def accepted(self, delivery_tag: str) -> None:
         with self._lock:
             if delivery_tag in self._ended_first:
@@ -68,9 +75,8 @@ class Slots:
     def ack(self, transport: Any, delivery_tag: str, consumer_node: str) -> bool:
         """Ack a running task of a concurrency-limited task into its slot (see
         above); False when that is not the case (a plain ack is the caller's)."""
-        with self._lock:
-            if delivery_tag not in self._running:
-                return False
+        if delivery_tag not in self._running:   # the pools' own: no lock needed to look
+            return False
         layout = transport.layout
         queue, consumer, name = layout.split_owned_path(delivery_tag)
         message = parse_message_name(name)

@@ -336,7 +336,10 @@ def pool_slots() -> int:
 
 
 class TaskEnds(Protocol):
-    """Told, by delivery tag, when a task is accepted by the pool and when it ends."""
+    """Told, by delivery tag, when a task is accepted by the pool and when it
+    ends; asked first whether it wants to be told of that task at all."""
+
+    def wants(self, delivery_tag: str) -> bool: ...
 
     def accepted(self, delivery_tag: str) -> None: ...
 
@@ -384,7 +387,7 @@ def track_task_ends(ends: TaskEnds) -> bool:
         # Celery passes its Request's bound on_accepted: the request, its message.
         tag = _delivery_tag(getattr(options.get("accept_callback"), "__self__", None))
         listener = _task_ends
-        if tag is not None and listener is not None:
+        if tag is not None and listener is not None and listener.wants(tag):
             options["accept_callback"] = _First(listener.accepted, tag,
                                                 options.get("accept_callback"))
             for key in ("callback", "error_callback"):

@@ -487,6 +487,9 @@ def test_task_ends_are_told_around_a_pools_callbacks(monkeypatch: pytest.MonkeyP
     heard: list[tuple[str, str]] = []
 
     class Listener:
+        def wants(self, tag: str) -> bool:
+            return tag.endswith("n0")
+
         def accepted(self, tag: str) -> None:
             heard.append(("accepted", tag))
 
@@ -508,10 +511,14 @@ def test_task_ends_are_told_around_a_pools_callbacks(monkeypatch: pytest.MonkeyP
                                 callback=lambda value: heard.append(("callback", value)))
         done.f.result(10)
         pool.apply_async(lambda: 1, callback=lambda value: None).f.result(10)   # no request
+        unwanted = Request()
+        unwanted.message = type("Message", (), {"delivery_tag": "/q/owned/c1/n1"})()
+        pool.apply_async(lambda: 2, accept_callback=unwanted.on_accepted,
+                         callback=lambda value: None).f.result(10)   # not wanted: untold
     finally:
         pool.stop()
     assert heard == [("accepted", "/q/owned/c1/n0"), ("on_accepted", ""),
-                     ("ended", "/q/owned/c1/n0"), ("callback", 42)]
+                     ("ended", "/q/owned/c1/n0"), ("callback", 42), ("on_accepted", "")]
     # What the wrapper passes on still leads to the Request (the start gate and
     # the prefork hand-over find it there; the revoke check needs it).
     request = Request()

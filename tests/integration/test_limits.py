@@ -239,7 +239,13 @@ def test_an_early_acked_tasks_slot_goes_with_its_workers_session(
     wait_for_limit(zk_url, EARLY)
     for i in range(4):
         app.send_task(EARLY, args=(i, 1.5))
-    wait_until(lambda: any(e["kind"] == "timed-start" for e in read_log(task_log)), 30)
+    def slots() -> list[str]:
+        inboxes = "/queues/celery/owned"
+        return [name for inbox in zk_client.get_children(inboxes)
+                for name in zk_client.get_children(f"{inboxes}/{inbox}") if name[0] == "~"]
+    # Its early ack landed: the running task's slot is there (killed sooner, its
+    # message would go back and run again, at-least-once).
+    wait_until(lambda: len(slots()) == 1, 30)
     a.kill()
     first = next(e["value"]["value"] for e in read_log(task_log)
                  if e["kind"] == "timed-start")

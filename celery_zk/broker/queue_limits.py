@@ -30,7 +30,6 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, KazooException, NodeExistsError, NoNodeError
 
 from ..exceptions import QueueFull
-from ..zk.client import reply_or_retry
 from ..zk.message_names import parse_message_name
 from .acks import Acks
 from .budget import CHECK_EVERY
@@ -148,22 +147,14 @@ class QueueLimits:
         since this process last listed them (``cversion``): a backlog's full
         buckets are listed once, the one publishers fill at each check."""
         client, layout = self.queues.client, self.queues.layout
-        try:
-            buckets, _ = self.queues.buckets(queue)
-        except NoNodeError:
-            return 0, 0
-        paths = [layout.bucket(queue, bucket) for bucket in buckets]
-        stats = [client.exists_async(path) for path in paths]
         known, counted = self._buckets.get(queue, {}), {}
         listings = []
-        for bucket, path, result in zip(buckets, paths, stats):
-            stat = reply_or_retry(client, result, client.exists, path)
-            if stat is None:
-                continue
+        for bucket, stat in self.queues.bucket_stats(queue):
             if known.get(bucket, (None,))[0] == stat.cversion:
                 counted[bucket] = known[bucket]
             else:
-                listings.append((bucket, stat.cversion, client.get_children_async(path)))
+                listings.append((bucket, stat.cversion,
+                                 client.get_children_async(layout.bucket(queue, bucket))))
         for bucket, cversion, result in listings:
             try:
                 names = result.get()

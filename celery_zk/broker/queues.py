@@ -169,15 +169,21 @@ class Queues:
 
     def size(self, queue: str) -> int:
         """Messages waiting, from the directories' stats alone (no message listing)."""
+        return sum(stat.numChildren for _, stat in self.bucket_stats(queue))
+
+    def bucket_stats(self, queue: str) -> list[tuple[str, ZnodeStat]]:
+        """``(bucket, its stat)`` of each bucket of a queue, in delivery order,
+        read together (one round trip after the listing of ``unowned/``)."""
         client = self.client
         try:
             buckets, _ = self.buckets(queue)
         except NoNodeError:
-            return 0
-        stats = [client.exists_async(self.layout.bucket(queue, bucket)) for bucket in buckets]
-        return sum(stat.numChildren for stat in (
-            reply_or_retry(client, result, client.exists, self.layout.bucket(queue, bucket))
-            for bucket, result in zip(buckets, stats)) if stat is not None)
+            return []
+        paths = [self.layout.bucket(queue, bucket) for bucket in buckets]
+        stats = [client.exists_async(path) for path in paths]
+        found = [(bucket, reply_or_retry(client, result, client.exists, path))
+                 for bucket, path, result in zip(buckets, paths, stats)]
+        return [(bucket, stat) for bucket, stat in found if stat is not None]
 
     # -- consuming ----------------------------------------------------------------
     def listing(self, queue: str, want: int) -> Listing:

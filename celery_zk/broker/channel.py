@@ -28,7 +28,7 @@ from ..features.revokes import RevokeStore, control_command
 from ..zk.client import CONNECTION_ERRORS
 from ..zk.message_names import parse_message_name
 from ..zk.names import ONCE_PROPERTY
-from . import budget, queue_arguments
+from . import budget, delayed, queue_arguments
 from .connection import ZKConnection
 from .liveness import consumer_count
 from .qos import QoS
@@ -250,9 +250,10 @@ class Channel(virtual.Channel):
         task, limit_key = limit_tokens(message, transport.limits(), self._arguments)
         data = encode_message(message)
         priority = kombu_compat.priority_of(self, message)
+        due = delayed.due(message)   # an eta far enough ahead: it waits in delayed/
         if marker is not None:   # one multi with its marker, stored now
             new = publisher.new_message(queue, data, priority, affinity, size, task,
-                                        limit_key)
+                                        limit_key, due)
             if publisher.put_once(new, marker) is None:
                 logger.info("celery_zk: not publishing to %r again: %s exists (a chord's "
                             "body, sent by a worker that stopped before it finished the "
@@ -263,19 +264,20 @@ class Channel(virtual.Channel):
         together = transport.publishing_together()
         if together is not None:   # stored when the group is (see publish_together)
             together.append(publisher.new_message(queue, data, priority, affinity, size, task,
-                                                  limit_key))
+                                                  limit_key, due))
             return
         if transport.unconfirmed is not None:
-            transport.unconfirmed.put(queue, data, priority, affinity, size, task, limit_key)
+            transport.unconfirmed.put(queue, data, priority, affinity, size, task, limit_key,
+                                      due)
             return
         new = publisher.new_message(queue, data, priority, affinity, size, task,
-                                    limit_key)   # checks the size
+                                    limit_key, due)   # checks the size
         # A message with an affinity key waits where the dispatcher chooses a
         # consumer by its key: it is never handed to whichever consumer is idle.
         # Nor is a big one, whose chunks' state its publish multi sets, nor one
-        # a limit may hold back (the dispatcher applies limits).
+        # a limit may hold back (the dispatcher applies limits), nor a delayed one.
         handoff = transport.handoff
-        if affinity is not None or transport.limited(queue, task):
+        if affinity is not None or due is not None or transport.limited(queue, task):
             publisher.put_new(new)   # the dispatcher orders these itself
         elif new.big or handoff is None or not handoff.give(new):
             name = publisher.put_new(new)

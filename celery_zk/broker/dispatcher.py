@@ -47,6 +47,7 @@ from ..zk.watches import NODE_CREATED, NODE_DELETED, watches_of
 from . import big
 from .acks import Acks
 from .assignment import Consumer, Head, Planner, assignment, settle
+from .delayed import Delayed
 from .queues import Queues
 
 __all__ = ["Dispatcher"]
@@ -92,6 +93,7 @@ class Dispatcher:
         self._owned_cb = weak_callback(self._on_owned)
         self._election_cb = weak_callback(self._on_election_event)
         self.planner = Planner(session, layout, options, queue, weak_callback(self.wake))
+        self.delayed = Delayed(self.queues, queue, weak_callback(self.wake))
         session.add_listener(self._election_cb)   # a new connection: look again
         session.on_close(self.stop)
 
@@ -245,6 +247,7 @@ class Dispatcher:
             try:
                 watches.unwatch(self.layout.unowned(self.queue), self._unowned_cb)
                 watches.unwatch(self.layout.owned(self.queue), self._owned_cb)
+                watches.unwatch(self.layout.delayed(self.queue), self.delayed.callback)
             except CONNECTION_ERRORS:
                 pass   # they went with the connection
         self._arrivals.clear()
@@ -253,6 +256,7 @@ class Dispatcher:
     def _restart(self) -> None:
         """Forget what the watches told: list everything again next round."""
         self.planner.forget()
+        self.delayed.forget()
         self._stale_listing = self._stale_consumers = True
         for consumer in self.consumers.values():
             consumer.listed = False
@@ -261,6 +265,8 @@ class Dispatcher:
         """Give what can be given; seconds until a look is due by itself (None: none)."""
         self._ensure_watches()
         self._sweep()
+        # First: what it promotes is seen by the watch on unowned/ (at the next round).
+        delayed_in = self.delayed.round()
         self._apply_events()
         if self._stale_consumers:
             self._read_consumers()
@@ -283,13 +289,17 @@ class Dispatcher:
             if not plan:
                 break
             self._give(plan)
-        return retry_in
+        if retry_in is None or delayed_in is None:
+            return delayed_in if retry_in is None else retry_in
+        return min(retry_in, delayed_in)
 
     def _ensure_watches(self) -> None:
         """Persistent watches on unowned/ and owned/, (re)added on a new connection."""
         watches = watches_of(self.session)
         unowned, owned = self.layout.unowned(self.queue), self.layout.owned(self.queue)
-        if self._watching and watches.active(unowned) and watches.active(owned):
+        delayed = self.layout.delayed(self.queue)
+        if (self._watching and watches.active(unowned) and watches.active(owned)
+                and watches.active(delayed)):
             return
         self._restart()
         # Added before the listings they keep current: nothing falls between.
@@ -297,6 +307,7 @@ class Dispatcher:
         self._inbox_events.clear()
         watches.watch(unowned, self._unowned_cb)
         watches.watch(owned, self._owned_cb)
+        watches.watch(delayed, self.delayed.callback)
         self._watching = True
 
     def _apply_events(self) -> None:

@@ -26,6 +26,8 @@ from ..zk.message_names import (
     BODY_APART,
     BODY_CHUNKED,
     bucket_name,
+    delayed_bucket,
+    delayed_uid,
     inverted,
     parse_bucket_name,
     parse_message_name,
@@ -55,6 +57,8 @@ class NewMessage:
     task: str | None = None        # its task's token (layout.task_token): for limits
     limit_key: str | None = None   # its concurrency key's token (layout.limit_key_token)
     size: int | None = None   # its body's bytes, named: the queue has x-max-length-bytes
+    due: int | None = None   # delayed until then (ms since the epoch): path is under delayed/
+    delayed_generation: int = 0   # the generation of its delayed bucket
 
     @property
     def big(self) -> bool:
@@ -102,6 +106,9 @@ class Publisher:
         # (queue, inverted priority) -> (bucket, creates seen in it): how much
         # room a batch may assume is left in the newest bucket.
         self._filled: dict[tuple[str, int], tuple[int, int]] = {}
+        # (queue, delayed bucket's day and minute) -> the generation this process
+        # delays its messages to: climbs as unowned/'s do, from 0 (no lookup).
+        self._delayed_tails: dict[tuple[str, tuple[str, str]], int] = {}
 
     @property
     def client(self) -> KazooClient:
@@ -126,39 +133,51 @@ class Publisher:
 
     def new_message(self, queue: str, data: bytes, priority: int | None,
                     affinity: str | None = None, size: int | None = None,
-                    task: str | None = None, limit_key: str | None = None) -> NewMessage:
+                    task: str | None = None, limit_key: str | None = None,
+                    due: int | None = None) -> NewMessage:
         """A message ready to publish (its size checked, its node named);
         ``affinity``: its key's :func:`~celery_zk.zk.message_names.affinity_token`;
         ``size``: its body's size, checked against the limit (default: all of
-        ``data``)."""
+        ``data``); ``due``: it waits under delayed/ until then (ms since the
+        epoch, see :mod:`celery_zk.broker.delayed`)."""
         size = len(data) if size is None else size
         self.check_size(size, f"A message for queue {queue!r}")
         inv = inverted(priority)
         generation = self._tails.get((queue, inv))
         if generation is None:
             generation = self._find_tail(queue, inv)
-        uid, kind = new_uid(), BODY_APART
+        uid, kind = new_uid() if due is None else delayed_uid(due, new_uid()), BODY_APART
         if needs_chunks(data, self.options.chunk_size):
             # Its chunks first: nothing leads to them until the publish's multi.
             data = prepare(self.client, self.layout, queue, uid, data, self.options.chunk_size)
             kind = BODY_CHUNKED
         return self._named(queue, uid, data, inv, generation, affinity, kind, task, limit_key,
-                           size if self.names_size(queue) else None)
+                           size if self.names_size(queue) else None, due)
 
     def _named(self, queue: str, uid: str, data: bytes, inv: int, generation: int,
                affinity: str | None, kind: str = BODY_APART, task: str | None = None,
-               limit_key: str | None = None, size: int | None = None) -> NewMessage:
+               limit_key: str | None = None, size: int | None = None,
+               due: int | None = None) -> NewMessage:
         # ZooKeeper appends the sequence to this prefix.
-        path = self.layout.new_message_prefix(queue, inv, generation, uid, affinity, kind,
-                                              task, limit_key, size)
+        delayed_generation = 0
+        if due is None:
+            path = self.layout.new_message_prefix(queue, inv, generation, uid, affinity, kind,
+                                                  task, limit_key, size)
+        else:
+            delayed_generation = self._delayed_tails.get((queue, delayed_bucket(due, 0)), 0)
+            path = self.layout.new_delayed_prefix(queue, due, delayed_generation, inv,
+                                                  generation, uid, affinity, kind, task,
+                                                  limit_key, size)
         return NewMessage(queue, uid, path, self.layout.new_body(queue, inv, generation, uid),
-                          data, inv, generation, affinity, kind, task, limit_key, size)
+                          data, inv, generation, affinity, kind, task, limit_key, size, due,
+                          delayed_generation)
 
     def renamed(self, message: NewMessage, generation: int) -> NewMessage:
         """``message`` bound for another bucket of its queue and priority."""
         return self._named(message.queue, message.uid, message.data,
                            message.inverted_priority, generation, message.affinity,
-                           message.kind, message.task, message.limit_key, message.size)
+                           message.kind, message.task, message.limit_key, message.size,
+                           message.due)
 
     def put_new(self, message: NewMessage, maybe_made: bool = False) -> str:
         """Store ``message`` once (``maybe_made``: an earlier attempt lost its reply)."""
@@ -192,6 +211,12 @@ class Publisher:
         requests in order, so it exists before this process's next message."""
         parsed = parse_message_name(name)
         if parsed is None:
+            return
+        if message.due is not None:   # its delayed bucket's generation, as below
+            if parsed.seq >= self.options.bucket_size - 1:
+                tail = (message.queue, delayed_bucket(message.due, 0))
+                following = message.delayed_generation + 1
+                self._delayed_tails[tail] = max(self._delayed_tails.get(tail, 0), following)
             return
         key = (message.queue, message.inverted_priority)
         filled = self._filled.get(key)
@@ -241,9 +266,10 @@ class Publisher:
                 generation = self._tails[key]
             budget -= (len(message.data) + len(message.path) + len(message.body_path)
                        + message.ops * OP_OVERHEAD)
-            if chunk and (budget < 0 or room[key] <= 0):
+            if chunk and (budget < 0 or (message.due is None and room[key] <= 0)):
                 break   # the rest go in the next multi, after a roll to a new bucket
-            room[key] -= 1
+            if message.due is None:   # a delayed one's name goes elsewhere
+                room[key] -= 1
             chunk.append(message if message.generation == generation else
                          self.renamed(message, generation))
         return chunk
@@ -298,8 +324,14 @@ class Publisher:
                 maybe_made = True
                 return None
             if isinstance(failure[1], NoNodeError):
-                # Its bucket (or the bodies' twin) is gone: deleted when empty.
                 failed = next(i for i, end in enumerate(ends) if failure[0] <= end)
+                if chunk[failed].due is not None and failure[0] == ends[failed]:
+                    # The first message due in its minute (the bucket is made by
+                    # it), or its bucket was promoted and deleted since: make it.
+                    self._create_if_missing(self.layout.parent(chunk[failed].path),
+                                            makepath=True)
+                    return None
+                # Its bucket (or the bodies' twin) is gone: deleted when empty.
                 self._rename_to_tail(chunk, chunk[failed])
                 return None
             raise failure[1]
@@ -394,10 +426,11 @@ class Publisher:
         self._filled[(queue, inv)] = (generation, creates(stat) if stat is not None else 0)
         return generation
 
-    def _create_if_missing(self, path: str) -> None:
-        """Create a directory; NoNode when the queue itself is gone."""
+    def _create_if_missing(self, path: str, makepath: bool = False) -> None:
+        """Create a directory; NoNode when the queue itself is gone (unless
+        ``makepath``: a delayed bucket, whose body's create found the queue)."""
         client = self.client
         try:
-            client.retry(client.create, path)
+            client.retry(client.create, path, makepath=makepath)
         except NodeExistsError:
             pass

@@ -54,10 +54,11 @@ class UnconfirmedPublisher:
 
     def put(self, queue: str, data: bytes, priority: int | None,
             affinity: str | None = None, size: int | None = None,
-            task: str | None = None, limit_key: str | None = None) -> None:
+            task: str | None = None, limit_key: str | None = None,
+            due: int | None = None) -> None:
         # Size errors raise here.
         message = self.publisher.new_message(queue, data, priority, affinity, size, task,
-                                         limit_key)
+                                             limit_key, due)
         with self._cond:
             if self._pid != os.getpid():  # forked: the parent's replies never come here
                 self._pid, self._in_flight, self._redo = os.getpid(), 0, self._redo_thread()

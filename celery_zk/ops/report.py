@@ -64,11 +64,15 @@ def format_status(status: Status, url: str) -> str:
                        else "-")
             limits = " ".join(f"{k.removeprefix('x-')}={v}"
                               for k, v in sorted(queue.arguments.items())) or "-"
-            rows.append([queue.name, f"{queue.waiting_total:,}", priorities or "-",
+            delayed = "-"
+            if queue.delayed:
+                due_in = max(0.0, (queue.next_due or now) - now)
+                delayed = f"{queue.delayed:,} (next in {age(due_in)})"
+            rows.append([queue.name, f"{queue.waiting_total:,}", priorities or "-", delayed,
                          f"{queue.owned_total:,}", f"{queue.dead:,}", str(queue.offers),
                          age(queue.oldest_age), chunked, limits,
                          f"{queue.expired:,}/{queue.dropped:,}"])
-        parts.append(table(["QUEUE", "WAITING", "BY PRIORITY", "OWNED", "DEAD", "IDLE",
+        parts.append(table(["QUEUE", "WAITING", "BY PRIORITY", "DELAYED", "OWNED", "DEAD", "IDLE",
                             "OLDEST", "CHUNKED", "LIMITS", "EXPIRED/DROPPED"], rows))
     else:
         parts.append("no queues")

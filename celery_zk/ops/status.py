@@ -45,7 +45,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
 from ..backend.expiry import bucket_expired
-from ..broker import big
+from ..broker import big, delayed
 from ..broker.budget import Use
 from ..broker.liveness import consumer_nodes
 from ..broker.queue_arguments import read_meta
@@ -81,6 +81,8 @@ class QueueStatus:
     arguments: dict[str, Any] = field(default_factory=dict)   # stored: x-max-length, ...
     expired: int = 0         # messages never delivered: expired (x-message-ttl, expiration)
     dropped: int = 0         # or dropped over x-max-length (drop-head)
+    delayed: int = 0         # messages waiting for their eta (celery_zk.broker.delayed)
+    next_due: float | None = None   # epoch seconds: when the first of them is due
 
     @property
     def waiting_total(self) -> int:
@@ -147,7 +149,8 @@ class Status:
                         "dead": q.dead, "idle_consumers": q.offers,
                         "oldest_waiting_seconds": q.oldest_age,
                         "chunked": q.chunked, "chunked_bytes": q.chunked_bytes,
-                        "arguments": q.arguments, "expired": q.expired, "dropped": q.dropped}
+                        "arguments": q.arguments, "expired": q.expired, "dropped": q.dropped,
+                        "delayed": q.delayed, "next_due": q.next_due}
                        for q in self.queues],
             "consumers": [c.__dict__ for c in self.consumers],
             "results": self.results.__dict__ if self.results is not None else None,
@@ -257,6 +260,8 @@ def _queue(client: KazooClient, layout: Layout, queue: str, now: float) -> Queue
     status.expired, status.dropped = dropped.get("expired", 0), dropped.get("dropped", 0)
     status.chunked, status.chunked_bytes = big.stored(client, layout, queue)
     status.oldest_age = _oldest_age(client, layout, queue, list(first.values()), now)
+    status.delayed, next_due = delayed.stats(client, layout, queue)
+    status.next_due = None if next_due is None else next_due / 1000
     return status
 
 

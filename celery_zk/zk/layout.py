@@ -10,7 +10,14 @@ from dataclasses import dataclass
 
 from kazoo.protocol.paths import join
 
-from .message_names import BODY_APART, MessageName, bucket_name, message_prefix, parse_message_name
+from .message_names import (
+    BODY_APART,
+    MessageName,
+    bucket_name,
+    delayed_bucket,
+    message_prefix,
+    parse_message_name,
+)
 from .names import (
     AFFINITY_SHARDS_HEX,
     CHORD_ADDED,
@@ -143,6 +150,26 @@ class Layout:
                            limit_key: str | None = None, size: int | None = None) -> str:
         """The path a new message is created at (ZooKeeper appends the sequence)."""
         return join(self.bucket(queue, bucket_name(inverted_priority, generation)),
+                    message_prefix(inverted_priority, generation, uid, affinity, kind, task,
+                                   limit_key, size))
+
+    # -- delayed messages: waiting for their eta (celery_zk.broker.delayed) ------
+    def delayed(self, queue: str) -> str:
+        """``delayed/{day}/{bucket}/{name}``: made by the first delayed message."""
+        return _queue_dir(self.root, queue, "delayed")
+
+    def delayed_bucket(self, queue: str, day: str, bucket: str) -> str:
+        return _queue_dir(self.root, queue, "delayed", day, bucket)
+
+    def new_delayed_prefix(self, queue: str, due_ms: int, delayed_generation: int,
+                           inverted_priority: int, generation: int, uid: str,
+                           affinity: str | None = None, kind: str = BODY_APART,
+                           task: str | None = None, limit_key: str | None = None,
+                           size: int | None = None) -> str:
+        """Where a delayed message is created: named as it will wait once due
+        (its body in the bucket of ``generation``), in the bucket of its due time."""
+        day, bucket = delayed_bucket(due_ms, delayed_generation)
+        return join(self.delayed_bucket(queue, day, bucket),
                     message_prefix(inverted_priority, generation, uid, affinity, kind, task,
                                    limit_key, size))
 

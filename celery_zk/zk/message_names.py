@@ -362,6 +362,60 @@ def handed_name(inverted_priority: int, generation: int, uid: str,
 
 
 
+def promoted_name(message: MessageName) -> str:
+    """The name a delayed message waits under once due (:mod:`celery_zk.broker.delayed`):
+    in the bucket of its body, at the front of its priority like a handed one
+    (order zero), not marked requeued (it was never delivered). Promoted
+    messages of a bucket sort among themselves by uid, which starts with the
+    due time (:func:`delayed_uid`): earliest due first."""
+    return (message_prefix(message.inverted_priority, message.generation, message.uid,
+                           message.affinity, message.kind, message.task, message.limit_key,
+                           message.size) + "0" * SEQ_DIGITS)
+
+
+# -- delayed messages: delayed/{day}/{minute}-{gen}/{message name} ------------------
+#: A delayed message's bucket holds those due within one minute: the most a
+#: dispatcher holds in memory at once is what falls due in a minute (and a
+#: bucket's ``bucket_size`` creates, as unowned/'s, before its next generation).
+DELAYED_BUCKET_MS = 60_000
+#: Buckets sit in a directory per day, so that delayed/ lists as many names as
+#: there are days ahead with messages (a year: 366), not minutes (525,600:
+#: over jute.maxbuffer).
+DELAYED_DAY_MS = 86_400_000
+_DUE_DIGITS = 13   # milliseconds since the epoch, until the year 2286
+_DELAYED_BUCKET_RE = re.compile(r"^(\d{8,})-(\d{4,})$")
+
+
+def delayed_uid(due_ms: int, uid: str) -> str:
+    """A delayed message's uid: its due time, then ``uid`` (hex digits, as every
+    uid), so that a name says when it is due and sorts by it."""
+    return f"{due_ms:0{_DUE_DIGITS}d}{uid}"
+
+
+def due_of(message: MessageName) -> int | None:
+    """When a delayed message (one found under delayed/) is due, in ms since the
+    epoch; None for a uid not made by :func:`delayed_uid`."""
+    due = message.uid[:_DUE_DIGITS]
+    return int(due) if len(due) == _DUE_DIGITS and due.isdigit() else None
+
+
+def delayed_bucket(due_ms: int, generation: int) -> tuple[str, str]:
+    """``(day, bucket)``: the directories a message due at ``due_ms`` goes to."""
+    minute = due_ms // DELAYED_BUCKET_MS
+    return (f"{due_ms // DELAYED_DAY_MS:05d}", f"{minute:08d}-{generation:04d}")
+
+
+def parse_delayed_bucket(name: str) -> tuple[int, int] | None:
+    """``(start in ms since the epoch, generation)`` of a delayed bucket, or ``None``."""
+    match = _DELAYED_BUCKET_RE.match(name)
+    return (int(match.group(1)) * DELAYED_BUCKET_MS, int(match.group(2))) if match else None
+
+
+def parse_delayed_day(name: str) -> int | None:
+    """The start (ms since the epoch) of a day directory of delayed/, or ``None``."""
+    return int(name) * DELAYED_DAY_MS if name.isdigit() else None
+
+
 def quick_affinity(name: str) -> str | None:
     """The affinity token of a message name known to be ours (a sorted
     listing's), without a full parse: a consumer looks at a thousand names

@@ -66,8 +66,9 @@ PROBE_PATH = "/celery_zk-addWatch-probe"
 #: The ZooKeeper release that brought addWatch (and multiRead).
 NEEDED = "3.6"
 
-#: How far below a watched path an event is handed to its callbacks.
-DEPTH = 2
+#: How far below a watched path an event is handed to its callbacks: a
+#: delayed message is three (delayed/{day}/{bucket}/{name}).
+DEPTH = 3
 
 
 class _PathAndInt(namedtuple("_PathAndInt", "path value")):

@@ -114,8 +114,10 @@ def test_status_shows_queues_by_priority_owners_dead_consumers_and_server(
             assert text.returncode == 0, text.stderr
             [row] = [line.split() for line in text.stdout.splitlines()
                      if line.startswith("ops ")]
-            # ... OLDEST, CHUNKED, LIMITS, EXPIRED/DROPPED
-            assert row == ["ops", "21", "9:1", "0:20", "4", "0", "0", row[-4], "-", "-", "0/0"]
+            # QUEUE, WAITING, BY PRIORITY, DELAYED, OWNED, DEAD, IDLE, OLDEST, CHUNKED, LIMITS,
+            # EXPIRED/DROPPED
+            assert row == ["ops", "21", "9:1", "0:20", "-", "4", "0", "0", row[-4], "-", "-",
+                           "0/0"]
     [server] = report["servers"].values()
     host, port = zookeeper_server.hosts.split(",")[0].rsplit(":", 1)
     if "not in the whitelist" in four_letter_word(host, int(port), "mntr"):

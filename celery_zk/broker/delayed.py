@@ -1,0 +1,319 @@
+"""Delayed messages: a task with an eta waits in ZooKeeper until it is due,
+not in a worker's memory.
+
+Celery hands a task with an ``eta`` (or ``countdown``) to a worker at once,
+which holds it until due, raising its prefetch for each (about 11 KB a task;
+held tasks pin their worker, and a restart hands them all out again). On
+``zk://`` a message whose eta is more than :data:`DELAY_FROM` ahead is
+published under the queue's ``delayed/`` instead of ``unowned/``::
+
+    publish  multi{ create bodies/B/{uid}, create delayed/{day}/{minute}-{gen}/{name}-{seq} }
+    due      multi{ [create unowned/B,] create unowned/B/{name}-0000000000,
+                    delete delayed/{day}/{minute}-{gen}/{name}-{seq} }
+
+and from then on it is like any other message. Its name is the one it will
+wait under (:func:`~celery_zk.zk.message_names.promoted_name`): priority,
+body bucket, task and limit tokens; its uid starts with its due time, so a
+listing alone says what is due, and promoted messages go out earliest due
+first, ahead of their priority's backlog (as a held task would have run).
+
+The queue's dispatcher (:mod:`celery_zk.broker.dispatcher`) promotes them:
+it lists ``delayed/`` (one name per day with messages) and the buckets of
+minutes that have begun, holds those names in memory, and learns of later
+ones from a persistent recursive watch. A backlog of delayed messages costs
+it a listing per bucket when its minute comes, nothing before; workers hold
+nothing. Revokes are kept in ZooKeeper (:mod:`celery_zk.features.revokes`),
+so a revoked delayed task is discarded when it arrives, by whichever worker.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
+
+from ..zk.client import log_failure, multi_failure
+from ..zk.layout import Layout
+from ..zk.message_names import (
+    DELAYED_BUCKET_MS,
+    DELAYED_DAY_MS,
+    due_of,
+    parse_delayed_bucket,
+    parse_delayed_day,
+    parse_message_name,
+    promoted_name,
+)
+from ..zk.session import weak_callback
+from ..zk.watches import NODE_CREATED
+from .queues import Queues
+
+__all__ = ["DELAY_FROM", "Delayed", "due", "stats"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds: a message due sooner than this is delivered at once (its worker
+#: waits, as Celery's do on any broker); later, it waits in delayed/.
+DELAY_FROM = 1.0
+#: Most messages promoted in one multi (two or three operations each).
+PROMOTE_BATCH = 128
+_NEVER = float("inf")
+
+
+def due(message: dict[str, Any]) -> int | None:
+    """When a kombu message asks to be delivered (ms since the epoch): its task's
+    ``eta`` header (Celery's protocol 2, ``countdown`` included), if at least
+    :data:`DELAY_FROM` ahead; else None. An eta without a timezone is in the
+    app's, which the broker does not know: such a task is delivered at once."""
+    eta = (message.get("headers") or {}).get("eta")
+    if not isinstance(eta, str):
+        return None
+    try:
+        when = datetime.fromisoformat(eta)
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        return None
+    due_ms = int(when.timestamp() * 1000)
+    return due_ms if due_ms > (time.time() + DELAY_FROM) * 1000 else None
+
+
+def _now() -> int:
+    return int(time.time() * 1000)
+
+
+class Delayed:
+    """A queue's delayed messages, for its dispatcher's thread (see module docstring)."""
+
+    def __init__(self, queues: Queues, queue: str, wake: Callable[[], None]) -> None:
+        self.queues = queues
+        self.layout = queues.layout
+        self.queue = queue
+        self.wake = wake
+        #: For the persistent recursive watch on delayed/ (kazoo's thread).
+        self.callback = weak_callback(self._on_event)
+        self._arrived: deque[tuple[str, str]] = deque()   # (day/bucket, name): kazoo's thread
+        self.forget()
+
+    def forget(self) -> None:
+        """Know nothing: look at delayed/ again (a new connection, a new dispatcher)."""
+        self._heap: list[tuple[int, str, str]] = []   # (due, day/bucket, name)
+        self._known: set[str] = set()                 # the names in the heap
+        self._pending: dict[str, int] = {}            # day/bucket -> its names in the heap
+        self._opened: dict[str, int] = {}   # day/bucket listed (or seen made) -> its start
+        self._open_until = -1   # buckets starting before it: listed, later names by events
+        self._look_at = 0.0     # when to list delayed/ again (ms)
+        self._look_again = True   # set by the watch: something is due sooner than _look_at
+        self._arrived.clear()
+
+    # -- the watch: kazoo's thread, record and wake --------------------------------
+    def _on_event(self, event_type: int, path: str) -> None:
+        if event_type != NODE_CREATED:
+            return
+        parts = path.split("/")
+        bucket = parse_delayed_bucket(parts[1]) if len(parts) > 1 else None
+        if bucket is None:
+            return   # delayed/ or a day made: its first bucket comes next
+        if bucket[0] < self._open_until:
+            if len(parts) == 3:
+                self._arrived.append((f"{parts[0]}/{parts[1]}", parts[2]))
+                self.wake()
+        elif bucket[0] < self._look_at:   # due before all we know of: look now
+            self._look_again = True
+            self.wake()
+
+    # -- the dispatcher's thread ------------------------------------------------------
+    def round(self) -> float | None:
+        """Promote what is due; seconds until more is (None: nothing is delayed)."""
+        while self._arrived:
+            self._add(*self._arrived.popleft())
+        now = _now()
+        if self._look_again or now >= self._look_at:
+            self._look_again = False   # before the look: an event during it looks again
+            self._look(now)
+        if self._heap and self._heap[0][0] <= now:
+            self._promote(now)
+        if self._opened:
+            self._close(now)
+        nearest = min(self._heap[0][0] if self._heap else _NEVER, self._look_at)
+        return None if nearest == _NEVER else max(0.0, (nearest - _now()) / 1000)
+
+    def _add(self, bucket: str, name: str) -> None:
+        message = parse_message_name(name)
+        start = parse_delayed_bucket(bucket.partition("/")[2])
+        when = None if message is None else due_of(message)
+        if name in self._known or when is None or start is None:
+            return   # a listing and an event both told; or not ours, left alone
+        self._known.add(name)
+        self._pending[bucket] = self._pending.get(bucket, 0) + 1
+        self._opened.setdefault(bucket, start[0])
+        heapq.heappush(self._heap, (when, bucket, name))
+
+    def _look(self, now: int) -> None:
+        """List the buckets of minutes begun and not listed yet, and find when the next begins."""
+        client, delayed = self.queues.client, self.layout.delayed(self.queue)
+        # Before the listings: a name made in a bucket that begins before this
+        # comes from here on by its event, and before it in the listings.
+        self._open_until = max(self._open_until, (now // DELAYED_BUCKET_MS + 1) * DELAYED_BUCKET_MS)
+        self._look_at = _NEVER
+        try:
+            days = client.retry(client.get_children, delayed)
+        except NoNodeError:
+            return
+        listed: list[tuple[str, Any]] = []
+        for day, start in sorted(_parsed(days, parse_delayed_day)):
+            if start >= self._open_until:
+                self._look_at = min(self._look_at, start)
+                break
+            try:
+                buckets = client.retry(client.get_children, f"{delayed}/{day}")
+            except NoNodeError:
+                continue
+            if not buckets and start + DELAYED_DAY_MS < now:
+                self._delete(f"{delayed}/{day}")   # a day gone by, every bucket promoted
+            for bucket, begins in sorted(_parsed(buckets, lambda b: _start(b))):
+                if begins >= self._open_until:
+                    self._look_at = min(self._look_at, begins)
+                    break
+                if f"{day}/{bucket}" not in self._opened:
+                    listed.append((f"{day}/{bucket}",
+                                   client.get_children_async(f"{delayed}/{day}/{bucket}")))
+            if self._look_at < _NEVER:
+                break   # later days begin later still
+        for bucket, listing in listed:
+            try:
+                names = listing.get()
+            except NoNodeError:
+                continue
+            self._opened.setdefault(bucket, _start(bucket.partition("/")[2]))
+            for name in names:
+                self._add(bucket, name)
+
+    def _promote(self, now: int) -> None:
+        """Move every due message to wait in unowned/, :data:`PROMOTE_BATCH` per multi."""
+        buckets = set(self.queues.buckets(self.queue)[0])
+        while self._heap and self._heap[0][0] <= now:
+            batch = [heapq.heappop(self._heap)
+                     for _ in range(min(PROMOTE_BATCH, len(self._heap)))
+                     if self._heap[0][0] <= now]
+            if self._move(batch, buckets) is not None:
+                # One was revoked, purged or moved by another dispatcher, or a
+                # bucket came or went: each alone, looking again at the buckets.
+                buckets = set(self.queues.buckets(self.queue)[0])
+                for entry in batch:
+                    self._move_alone(entry, buckets)
+            for _, bucket, name in batch:
+                self._known.discard(name)
+                self._pending[bucket] -= 1
+                if not self._pending[bucket]:
+                    del self._pending[bucket]
+
+    def _move(self, batch: list[tuple[int, str, str]],
+              buckets: set[str]) -> tuple[int, Exception] | None:
+        layout, queue = self.layout, self.queue
+        txn = self.queues.client.transaction()
+        made: list[str] = []
+        for _, bucket, name in batch:
+            message = parse_message_name(name)
+            assert message is not None   # _add parsed it
+            if message.bucket not in buckets:   # emptied and deleted: made again, up front
+                txn.create(layout.bucket(queue, message.bucket))
+                buckets.add(message.bucket)
+                made.append(message.bucket)
+            txn.create(layout.unowned_message(queue, promoted_name(message)))
+            txn.delete(f"{layout.delayed(queue)}/{bucket}/{name}")
+        failure = multi_failure(txn.commit())
+        if failure is not None:
+            buckets.difference_update(made)
+        return failure
+
+    def _move_alone(self, entry: tuple[int, str, str], buckets: set[str]) -> None:
+        for _ in range(3):
+            failure = self._move([entry], buckets)
+            if failure is None:
+                return
+            error = failure[1]
+            message = parse_message_name(entry[2])
+            assert message is not None
+            if isinstance(error, NodeExistsError) and message.bucket not in buckets:
+                buckets.add(message.bucket)   # made meanwhile
+            elif isinstance(error, NoNodeError) and message.bucket in buckets:
+                buckets.discard(message.bucket)   # deleted meanwhile: make it
+            else:
+                return   # gone from delayed/ (revoked, purged, promoted by another)
+        logger.warning("celery_zk: could not promote the delayed message %s of queue %r "
+                       "(its bucket kept changing); the next look tries again",
+                       entry[2], self.queue)
+        self._opened.pop(entry[1], None)   # listed again at the next look
+        self._look_again = True
+
+    def _close(self, now: int) -> None:
+        """Delete the buckets of minutes gone by whose every message was promoted."""
+        delayed = self.layout.delayed(self.queue)
+        for bucket, start in list(self._opened.items()):
+            if start + DELAYED_BUCKET_MS < now and bucket not in self._pending:
+                del self._opened[bucket]
+                self._delete(f"{delayed}/{bucket}")
+                # Then its day, once gone by and empty (the look deletes it).
+                self._look_at = min(self._look_at, now + 1000)
+
+    def _delete(self, path: str) -> None:
+        """Delete an empty directory in the background (refused if something came)."""
+        def done(result: Any) -> None:   # kazoo's thread: never block
+            try:
+                result.get()
+            except (NoNodeError, NotEmptyError):
+                pass
+            except Exception as exc:
+                log_failure(logger, exc, "celery_zk: could not delete %s; a later "
+                            "look tries again", path)
+        self.queues.client.delete_async(path).rawlink(done)
+
+
+def stats(client: KazooClient, layout: Layout, queue: str) -> tuple[int, int | None]:
+    """``(how many delayed messages, when the next is due or None)``: a
+    listing per day and a stat per bucket, the earliest bucket listed."""
+    delayed = layout.delayed(queue)
+    try:
+        days = sorted(_parsed(client.retry(client.get_children, delayed), parse_delayed_day))
+    except NoNodeError:
+        return 0, None
+    buckets: list[tuple[int, str]] = []
+    for day, _ in days:
+        try:
+            names = client.retry(client.get_children, f"{delayed}/{day}")
+        except NoNodeError:
+            continue
+        buckets += [(start, f"{delayed}/{day}/{bucket}") for bucket, start in
+                    _parsed(names, _start)]
+    stats = [client.exists_async(path) for _, path in buckets]
+    count = sum(stat.numChildren for stat in (s.get() for s in stats) if stat is not None)
+    nearest: int | None = None
+    for start, path in sorted(buckets):
+        if nearest is not None and start >= nearest:
+            break
+        try:
+            names = client.retry(client.get_children, path)
+        except NoNodeError:
+            continue
+        dues = [when for when in (due_of(m) for m in map(parse_message_name, names)
+                                  if m is not None) if when is not None]
+        if dues:
+            nearest = min(dues) if nearest is None else min(nearest, *dues)
+    return count, nearest
+
+
+def _start(bucket: str) -> int:
+    parsed = parse_delayed_bucket(bucket)
+    return -1 if parsed is None else parsed[0]
+
+
+def _parsed(names: list[str], parse: Callable[[str], int | None]) -> list[tuple[str, int]]:
+    """``(name, start)`` of each name ``parse`` knows (its start ≥ 0)."""
+    return [(name, start) for name, start in ((n, parse(n)) for n in names)
+            if start is not None and start >= 0]

@@ -105,6 +105,11 @@ def _queue_metrics(status: Status) -> Iterator[Any]:
     limits = GaugeMetricFamily("celery_zk_queue_limit", "A queue's stored numeric arguments "
                                "(x-max-length, x-max-length-bytes, x-message-ttl, x-expires).",
                                labels=["queue_name", "argument"])
+    delayed = GaugeMetricFamily("celery_zk_queue_delayed", "Messages waiting for their eta "
+                                "(delivered when due).", labels=["queue_name"])
+    next_due = GaugeMetricFamily("celery_zk_queue_next_due_timestamp_seconds",
+                                 "When the first delayed message is due (absent when none "
+                                 "is delayed).", labels=["queue_name"])
     per_queue: dict[str, int] = {}
     for consumer in status.consumers:
         for name in consumer.queues:
@@ -121,11 +126,14 @@ def _queue_metrics(status: Status) -> Iterator[Any]:
         chunked_bytes.add_metric([queue.name], queue.chunked_bytes)
         undelivered.add_metric([queue.name, "expired"], queue.expired)
         undelivered.add_metric([queue.name, "dropped"], queue.dropped)
+        delayed.add_metric([queue.name], queue.delayed)
+        if queue.next_due is not None:
+            next_due.add_metric([queue.name], queue.next_due)
         for argument, value in sorted(queue.arguments.items()):
             if isinstance(value, int) and not isinstance(value, bool):
                 limits.add_metric([queue.name, argument], value)
     yield from (length, consumers, by_priority, owned, dead, oldest, chunked, chunked_bytes,
-                undelivered, limits)
+                undelivered, limits, delayed, next_due)
 
 
 def _limit_metrics(status: Status) -> Iterator[Any]:

@@ -18,6 +18,8 @@ from kazoo.exceptions import NoNodeError
 from kombu import Connection, Consumer, Queue
 
 from celery_zk.broker.channel import encode_message
+from celery_zk.ops.exporter import StatusCollector
+from celery_zk.ops.status import collect
 from celery_zk.zk.layout import Layout
 from celery_zk.zk.message_names import DELAYED_DAY_MS
 
@@ -54,6 +56,17 @@ def queue_status(url: str, queue: str = "celery") -> dict[str, Any]:
     return next(q for q in json.loads(done.stdout)["queues"] if q["name"] == queue)
 
 
+def exported(url: str) -> dict[str, float]:
+    """The exporter's delayed figures of queue celery."""
+    with Connection(url) as connection:
+        transport = connection.default_channel.connection
+        status = collect(transport.handle.client, transport.layout, transport.settings.hosts,
+                         queues=["celery"], health=False)
+    return {sample.name: sample.value for family in StatusCollector(lambda: status).collect()
+            for sample in family.samples if sample.name in (
+                "celery_zk_queue_delayed", "celery_zk_queue_next_due_timestamp_seconds")}
+
+
 def starts(task_log: Path) -> dict[Any, float]:
     return {entry["value"]["value"]: entry["value"]["start"]
             for entry in read_log(task_log) if entry["kind"] == "timed"}
@@ -63,7 +76,7 @@ def starts(task_log: Path) -> dict[Any, float]:
 def test_countdown_tasks_wait_in_zookeeper_and_run_when_due(
         client_app: Celery, zk_url: str, zk_client: KazooClient, worker, task_log: Path,
         pool: str) -> None:
-    running = worker(log=task_log, pool=pool, concurrency=2, extra_args=["--loglevel=DEBUG"])
+    running = worker(log=task_log, pool=pool, concurrency=2)
     sent = time.time()
     etas = {f"d{index}": sent + 3 + index * 0.5 for index in range(4)}
     for value, eta in etas.items():
@@ -73,7 +86,9 @@ def test_countdown_tasks_wait_in_zookeeper_and_run_when_due(
     assert len(delayed_names(zk_client)) == 4
     status = queue_status(zk_url)
     assert status["delayed"] == 4 and abs(status["next_due"] - etas["d0"]) < 0.002
-    assert "DELAYED" in celery_cli(["zk", "status"], zk_url).stdout
+    assert "4 (next in" in celery_cli(["zk", "status"], zk_url).stdout
+    assert exported(zk_url) == {"celery_zk_queue_delayed": 4.0,
+                                "celery_zk_queue_next_due_timestamp_seconds": status["next_due"]}
     wait_until(lambda: "now" in starts(task_log), 30)
     scheduled = celery_cli(["inspect", "scheduled", "--json"], zk_url)
     assert all(not held for held in json.loads(scheduled.stdout).values()), scheduled.stdout

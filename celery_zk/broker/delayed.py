@@ -284,15 +284,16 @@ def stats(client: KazooClient, layout: Layout, queue: str) -> tuple[int, int | N
     except NoNodeError:
         return 0, None
     buckets: list[tuple[int, str]] = []
-    for day, _ in days:
+    for day, listing in [(day, client.get_children_async(f"{delayed}/{day}"))
+                         for day, _ in days]:   # one pipelined round
         try:
-            names = client.retry(client.get_children, f"{delayed}/{day}")
+            names = listing.get()
         except NoNodeError:
             continue
         buckets += [(start, f"{delayed}/{day}/{bucket}") for bucket, start in
                     _parsed(names, _start)]
-    stats = [client.exists_async(path) for _, path in buckets]
-    count = sum(stat.numChildren for stat in (s.get() for s in stats) if stat is not None)
+    replies = [client.exists_async(path) for _, path in buckets]
+    count = sum(stat.numChildren for stat in (r.get() for r in replies) if stat is not None)
     nearest: int | None = None
     for start, path in sorted(buckets):
         if nearest is not None and start >= nearest:

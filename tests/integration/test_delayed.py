@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, group
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 from kombu import Connection, Consumer, Queue
@@ -183,3 +183,37 @@ def test_a_naive_or_near_eta_is_delivered_at_once(
     assert delayed_names(zk_client) == []
     worker(log=task_log, pool="threads")
     assert near.get(timeout=30) == "near" and naive.get(timeout=30) == "naive"
+
+
+def test_singles_groups_and_unconfirmed_publishes_roll_delayed_buckets_and_run_once(
+        zk_url: str, zk_client: KazooClient, start_worker, task_log: Path) -> None:
+    """Every publish path (one at a time, a group's multis, pipelined with
+    confirm_publish=false) delays its messages, a bucket of 5 rolling over to
+    the next generation as unowned/'s do; each runs once."""
+    url = f"{zk_url}?bucket_size=5"
+    confirmed = Celery("delayed", broker=url, backend=zk_url, set_as_current=False)
+    pipelined = Celery("delayed", broker=f"{url}&confirm_publish=false",
+                       set_as_current=False)
+    try:
+        eta = datetime.fromtimestamp(time.time() + 4, timezone.utc)
+        for index in range(12):
+            confirmed.send_task(TIMED, args=[f"single{index}"], eta=eta)
+        group(confirmed.signature(TIMED, args=[f"group{index}"]).set(eta=eta)
+              for index in range(12)).apply_async()
+        for index in range(6):
+            pipelined.send_task(TIMED, args=[f"pipelined{index}"], eta=eta)
+        pipelined.close()   # waits for the pipelined publishes
+        names = delayed_names(zk_client)
+        assert len(names) == 30
+        buckets = {name.rpartition("/")[0] for name in names}
+        assert len(buckets) >= 3, buckets   # generations of the one minute (or two)
+        start_worker(url, backend=zk_url, log=task_log, pool="threads", concurrency=4)
+        wait_until(lambda: len(starts(task_log)) == 30, 60,
+                   message=lambda: f"ran {sorted(starts(task_log))}")
+        time.sleep(0.5)
+        values = [entry["value"]["value"] for entry in read_log(task_log)
+                  if entry["kind"] == "timed"]
+        assert len(values) == 30 and min(starts(task_log).values()) >= eta.timestamp() - 0.01
+        assert delayed_names(zk_client) == []
+    finally:
+        confirmed.close()

@@ -36,9 +36,9 @@ from datetime import datetime
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
+from kazoo.exceptions import NodeExistsError, NoNodeError
 
-from ..zk.client import log_failure, multi_failure
+from ..zk.client import multi_failure
 from ..zk.layout import Layout
 from ..zk.message_names import (
     DELAYED_BUCKET_MS,
@@ -174,9 +174,9 @@ class Delayed:
                 buckets = client.retry(client.get_children, f"{delayed}/{day}")
             except NoNodeError:
                 continue
-            if not buckets and start + DELAYED_DAY_MS < now:
-                self._delete(f"{delayed}/{day}")   # a day gone by, every bucket promoted
-            for bucket, begins in sorted(_parsed(buckets, lambda b: _start(b))):
+            if not buckets and start + DELAYED_DAY_MS < now:   # gone by, all promoted
+                self.queues.delete_if_empty(f"{delayed}/{day}")
+            for bucket, begins in sorted(_parsed(buckets, _start)):
                 if begins >= self._open_until:
                     self._look_at = min(self._look_at, begins)
                     break
@@ -258,21 +258,9 @@ class Delayed:
         for bucket, start in list(self._opened.items()):
             if start + DELAYED_BUCKET_MS < now and bucket not in self._pending:
                 del self._opened[bucket]
-                self._delete(f"{delayed}/{bucket}")
+                self.queues.delete_if_empty(f"{delayed}/{bucket}")
                 # Then its day, once gone by and empty (the look deletes it).
                 self._look_at = min(self._look_at, now + 1000)
-
-    def _delete(self, path: str) -> None:
-        """Delete an empty directory in the background (refused if something came)."""
-        def done(result: Any) -> None:   # kazoo's thread: never block
-            try:
-                result.get()
-            except (NoNodeError, NotEmptyError):
-                pass
-            except Exception as exc:
-                log_failure(logger, exc, "celery_zk: could not delete %s; a later "
-                            "look tries again", path)
-        self.queues.client.delete_async(path).rawlink(done)
 
 
 def stats(client: KazooClient, layout: Layout, queue: str) -> tuple[int, int | None]:

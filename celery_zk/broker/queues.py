@@ -220,20 +220,23 @@ class Queues:
         return Listing(sort_messages(names)[0], foreign, complete)
 
     def _delete_bucket(self, queue: str, bucket: str) -> None:
-        """Delete an empty bucket, and its bodies' twin if that is empty too, in
-        the background (each refused if something came meanwhile; a twin that
-        still holds bodies of owned messages is left to :meth:`sweep_bodies`)."""
+        """Delete an empty bucket, and its bodies' twin if that is empty too (a
+        twin that still holds bodies of owned messages is left to :meth:`sweep_bodies`)."""
+        self.delete_if_empty(self.layout.bucket(queue, bucket))
+        self.delete_if_empty(self.layout.body_bucket(queue, bucket))
+
+    def delete_if_empty(self, path: str) -> None:
+        """Delete a directory in the background, refused if something came
+        meanwhile (whoever emptied it tries again at its next look)."""
         def done(result: Any) -> None:   # kazoo's thread: never block
             try:
                 result.get()
             except (NoNodeError, NotEmptyError):
                 pass
             except Exception as exc:
-                log_failure(logger, exc, "celery_zk: could not delete the empty bucket "
-                            "%s of queue %r; the next listing tries again", bucket, queue)
-        client = self.client
-        client.delete_async(self.layout.bucket(queue, bucket)).rawlink(done)
-        client.delete_async(self.layout.body_bucket(queue, bucket)).rawlink(done)
+                log_failure(logger, exc, "celery_zk: could not delete the empty %s; "
+                            "the next look tries again", path)
+        self.client.delete_async(path).rawlink(done)
 
     def sweep_bodies(self, queue: str, buckets: list[str]) -> None:
         """Delete the bodies' buckets whose bucket is gone (``buckets``: those of

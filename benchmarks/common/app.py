@@ -11,6 +11,8 @@ with:
   first/last execution times to the file when all of them have run.
 * ``BENCH_TALLY_FILE``: the ``bench.tally`` task marks its index there
   (:mod:`common.tally`: one drain counted across many processes).
+* ``BENCH_LATE_FILE``: the ``bench.late`` task appends its index and lateness
+  (its start minus the eta it was given) there (``delayed.py``).
 * ``BENCH_GATE_FILE``: once ready, the worker waits for this file before its
   consumer loop runs, so that K workers started one after another begin together.
 
@@ -44,6 +46,7 @@ NOOP = "bench.noop"
 IDENTITY = "bench.identity"
 MAKE = "bench.make"
 TALLY = "bench.tally"
+LATE = "bench.late"
 
 
 def _echo(self: Task, reply_queue: str, token: str) -> None:
@@ -113,6 +116,17 @@ def _tally(index: int) -> None:
     record_tally(os.environ["BENCH_TALLY_FILE"], index)
 
 
+def _late(index: int, eta: float) -> None:
+    """An eta task: ``{index} {seconds late}`` appended to ``BENCH_LATE_FILE``, one
+    ``O_APPEND`` write, so lines of threads and processes never interleave."""
+    line = f"{index} {time.time() - eta:.6f}\n".encode()
+    fd = os.open(os.environ["BENCH_LATE_FILE"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
 def make_app(broker: str, backend: str | None = None) -> Celery:
     app = Celery("common.app", broker=broker, backend=backend or None, set_as_current=False)
     app.conf.update(
@@ -131,6 +145,7 @@ def make_app(broker: str, backend: str | None = None) -> Celery:
     app.task(name=IDENTITY)(_identity)
     app.task(name=MAKE)(_make)
     app.task(name=TALLY, ignore_result=True)(_tally)
+    app.task(name=LATE, ignore_result=True)(_late)
     return app
 
 

@@ -105,6 +105,9 @@ class Delayed:
         self._heap: list[tuple[int, str, str]] = []   # (due, day/bucket, name)
         self._known: set[str] = set()                 # the names in the heap
         self._pending: dict[str, int] = {}            # day/bucket -> its names in the heap
+        # unowned/'s buckets as last listed (None: list them), kept while promotions
+        # succeed: a stale one fails a multi, which lists them again.
+        self._buckets: set[str] | None = None
         self._opened: dict[str, int] = {}   # day/bucket listed (or seen made) -> its start
         self._open_until = -1   # buckets starting before it: listed, later names by events
         self._look_at = 0.0     # when to list delayed/ again (ms)
@@ -196,7 +199,9 @@ class Delayed:
 
     def _promote(self, now: int) -> None:
         """Move every due message to wait in unowned/, :data:`PROMOTE_BATCH` per multi."""
-        buckets = set(self.queues.buckets(self.queue)[0])
+        if self._buckets is None:
+            self._buckets = set(self.queues.buckets(self.queue)[0])
+        buckets = self._buckets
         while self._heap and self._heap[0][0] <= now:
             batch = [heapq.heappop(self._heap)
                      for _ in range(min(PROMOTE_BATCH, len(self._heap)))
@@ -204,7 +209,7 @@ class Delayed:
             if self._move(batch, buckets) is not None:
                 # One was revoked, purged or moved by another dispatcher, or a
                 # bucket came or went: each alone, looking again at the buckets.
-                buckets = set(self.queues.buckets(self.queue)[0])
+                buckets = self._buckets = set(self.queues.buckets(self.queue)[0])
                 for entry in batch:
                     self._move_alone(entry, buckets)
             for _, bucket, name in batch:

@@ -216,6 +216,8 @@ class Publisher:
             if parsed.seq >= self.options.bucket_size - 1:
                 tail = (message.queue, delayed_bucket(message.due, 0))
                 following = message.delayed_generation + 1
+                if len(self._delayed_tails) >= 1024:   # minutes long gone among them:
+                    self._delayed_tails.clear()         # each climbs again, one create a step
                 self._delayed_tails[tail] = max(self._delayed_tails.get(tail, 0), following)
             return
         key = (message.queue, message.inverted_priority)

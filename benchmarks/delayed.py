@@ -65,14 +65,13 @@ from typing import Any
 
 import kombu.pools
 from common.app import LATE, NOOP, TALLY, make_app, waiting
-from common.figures import log, percentile, table, write_json
+from common.figures import log, percentile, run_info, table, write_json
 from common.machine import cpu_seconds, quiet_check, run_pids
 from common.processes import Processes, bench_run
 from common.servers import Server, add_server_options, choose, start_server
 from common.tally import Tally
 from common.worker import await_ready, spawn_worker
 
-import celery_zk
 from celery_zk.server import four_letter_word
 
 BROKERS = ("zk", "redis", "rabbitmq")
@@ -108,14 +107,6 @@ def publish(url: str, queue: str, name: str, total: int, message: Message) -> tu
     app.close()
     kombu.pools.reset()   # a connection closes once what it published is stored
     return start, time.monotonic() - start
-
-
-def checkout() -> dict[str, str]:
-    """The celery_zk this run imports, and its commit (workers.py's, without its warning)."""
-    used = os.path.dirname(os.path.dirname(os.path.abspath(celery_zk.__file__)))
-    git = subprocess.run(["git", "-C", used, "describe", "--always", "--dirty"],
-                         capture_output=True, text=True)
-    return {"path": used, "commit": git.stdout.strip() or "not a git checkout"}
 
 
 def rss_mb(pids: list[int]) -> float:
@@ -414,8 +405,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # clean up as on Ctrl-C
-    info: dict[str, Any] = {"celery_zk": checkout(), "nproc": os.cpu_count(),
-                            "loadavg1_at_start": round(os.getloadavg()[0], 2)}
+    info = run_info()
     with bench_run("celery-zk-delayed-", args.keep) as (procs, work_dir, stops):
         run = Run(args, work_dir, procs)
         for name in args.brokers:

@@ -43,7 +43,7 @@ from typing import Any
 
 from common import txnlog
 from common.app import preload
-from common.figures import log, write_json
+from common.figures import log, run_info, write_json
 from common.latency import Latency
 from common.machine import CLK_TCK, FOREIGN, QUIET, CpuWindow, quiet_check, run_pids
 from common.processes import Processes, bench_run
@@ -52,27 +52,10 @@ from common.servers import Server, add_server_options, choose, start_server
 from common.tally import Tally
 from common.worker import await_ready, spawn_worker
 
-import celery_zk
-
 BROKERS = ("zk", "redis", "rabbitmq")
 PARTS = ("scaling", "single", "latency")
 SINGLE = (("threads", 4), ("prefork", 4))
 POLL = 0.005         # the client's look at the tally: ±5 ms on a drain of seconds
-
-
-# -- the run's checkout ----------------------------------------------------------------
-def checkout() -> dict[str, str]:
-    """The celery_zk this run imports (its commit), and a warning when the current
-    directory holds another one: ``python -m celery`` workers would import that."""
-    used = os.path.dirname(os.path.dirname(os.path.abspath(celery_zk.__file__)))
-    cwd = os.getcwd()
-    if os.path.isfile(os.path.join(cwd, "celery_zk", "__init__.py")) and \
-            os.path.realpath(cwd) != os.path.realpath(used):
-        log(f"WARNING: run from {cwd}, a celery_zk checkout, while importing {used}: the "
-            "workers import the current directory's; run from another directory")
-    git = subprocess.run(["git", "-C", used, "describe", "--always", "--dirty"],
-                         capture_output=True, text=True)
-    return {"path": used, "commit": git.stdout.strip() or "not a git checkout"}
 
 
 def zxid(server: Server) -> int:
@@ -282,8 +265,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # clean up as on Ctrl-C
-    info: dict[str, Any] = {"celery_zk": checkout(), "nproc": os.cpu_count(),
-                            "loadavg1_at_start": round(os.getloadavg()[0], 2)}
+    info = run_info()
     if info["loadavg1_at_start"] > QUIET:
         log(f"WARNING: load average {info['loadavg1_at_start']:.2f} before the run: "
             "is something else running?")

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -11,6 +13,23 @@ from typing import Any
 
 def log(msg: str, tag: str = "bench") -> None:
     print(f"[{tag} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_info() -> dict[str, Any]:
+    """What a run's JSON says of it: the celery_zk it imports (path, commit), the
+    machine's cores and load. Warns when the current directory holds another
+    celery_zk: ``python -m celery`` workers would import that one."""
+    import celery_zk
+    used = os.path.dirname(os.path.dirname(os.path.abspath(celery_zk.__file__)))
+    cwd = os.getcwd()
+    if os.path.isfile(os.path.join(cwd, "celery_zk", "__init__.py")) and \
+            os.path.realpath(cwd) != os.path.realpath(used):
+        log(f"WARNING: run from {cwd}, a celery_zk checkout, while importing {used}: the "
+            "workers import the current directory's; run from another directory")
+    git = subprocess.run(["git", "-C", used, "describe", "--always", "--dirty"],
+                         capture_output=True, text=True)
+    return {"celery_zk": {"path": used, "commit": git.stdout.strip() or "not a git checkout"},
+            "nproc": os.cpu_count(), "loadavg1_at_start": round(os.getloadavg()[0], 2)}
 
 
 def percentile(values: list[float], pct: float) -> float:

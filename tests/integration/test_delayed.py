@@ -7,7 +7,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -181,8 +181,8 @@ def test_a_naive_or_near_eta_is_delivered_at_once(
     """An eta without a timezone (the app's, unknown to the broker) or under a second
     ahead goes to the worker at once, which waits for it, as on any broker."""
     near = client_app.send_task(TIMED, args=["near"], countdown=0.5)
-    naive = client_app.send_task(
-        TIMED, args=["naive"], eta=datetime.now(timezone.utc).replace(tzinfo=None))
+    naive = client_app.send_task(TIMED, args=["naive"], eta=datetime.now(
+        timezone.utc).replace(tzinfo=None) + timedelta(seconds=3))
     assert delayed_names(zk_client) == []
     worker(log=task_log, pool="threads")
     assert near.get(timeout=30) == "near" and naive.get(timeout=30) == "naive"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +129,11 @@ def test_countdown_task_held_by_live_worker_runs_once(zk_url: str, client_app: C
     start_worker(url, log=task_log, name="a")
     start_worker(url, log=task_log, name="b")
     # The server grants at least 4 s (2 ticks) for the 2 asked: 15 s of
-    # countdown is held through more than three session timeouts.
-    send(client_app, "record", "later", countdown=15)
+    # countdown is held through more than three session timeouts. A naive eta
+    # (the app's timezone, unknown to the broker) goes to a worker at once,
+    # which holds it; an aware one would wait in ZooKeeper (test_delayed.py).
+    eta = datetime.now(timezone.utc).replace(tzinfo=None) + timedelta(seconds=15)
+    send(client_app, "record", "later", eta=eta)
     wait_until(lambda: len(owned(zk_client, LAYOUT, "celery")) == 1, 10)
     wait_until(lambda: read_log(task_log), 30, message="the countdown task never ran")
     time.sleep(3)  # room for a second delivery, were there any

@@ -6,7 +6,7 @@ Each publish is one of (seeded):
 
 * a task (``nemesis.work``, 0-40 ms of work), one in five with a priority 0-9;
 * a chord of three such tasks and a ``nemesis.body``;
-* a task with a countdown (held by a worker until it is due), half of them
+* a task with a countdown (waiting in ZooKeeper until it is due), half of them
   revoked a second after the publish, long before they are due: those must
   never start after the revoke returned.
 

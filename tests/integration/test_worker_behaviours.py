@@ -9,6 +9,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -232,8 +233,11 @@ def test_soft_shutdown_on_idle_gives_back_held_countdown_tasks(
     countdown tasks stops on SIGQUIT; the tasks go back and run once, when due."""
     conf = {"worker_soft_shutdown_timeout": 1.0, "worker_enable_soft_shutdown_on_idle": True}
     first = worker(log=task_log, concurrency=2, name="first", conf=conf)
+    # A naive eta goes to a worker at once, which holds it (an aware one, such
+    # as countdown's, would wait in ZooKeeper: test_delayed.py).
+    eta = datetime.now(timezone.utc).replace(tzinfo=None) + timedelta(seconds=6)
     for index in range(3):
-        send(client_app, "timed", f"eta-{index}", 0.0, countdown=6)
+        send(client_app, "timed", f"eta-{index}", 0.0, eta=eta)
     wait_until(lambda: len(owned(zk_client, LAYOUT, "celery")) == 3, 15)   # held
     first.stop(signal.SIGQUIT, timeout=30)
     assert "Initiating Soft Shutdown" in first.output()

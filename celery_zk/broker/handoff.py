@@ -166,18 +166,18 @@ class HandOff:
                 synced(client, owned)   # else a lagging server may not know it yet
                 if client.retry(client.exists, owned) is not None:
                     return True   # it committed; only the reply was lost
+                if not lost:   # said before whatever makes it again: the retry below
+                    logger.warning(   # or, the offer gone with it, a publish
+                        "celery_zk: the reply to a hand-off was lost and message %s is not "
+                        "in the inbox it was handed to; handing or publishing it again (had "
+                        "it been stored and already acked, it runs twice: at-least-once)",
+                        message.uid)
                 lost = True
                 raise   # it did not (or was acked already): the retry tells
             failure = multi_failure(results)
             if failure is None:
                 return True
             if isinstance(failure[1], (NoNodeError, NodeExistsError)):
-                if lost:   # the offer went with our lost attempt, or another way
-                    logger.warning(
-                        "celery_zk: the reply to a hand-off was lost and message %s is not "
-                        "in the inbox it was handed to; publishing it again (had it been "
-                        "stored and already acked, it runs twice: at-least-once)",
-                        message.uid)
                 # The offer was taken or withdrawn, its consumer's inbox is gone,
                 # or the body's bucket is: publish it as usual.
                 return False

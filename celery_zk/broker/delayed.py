@@ -174,18 +174,18 @@ class Delayed:
                 self._look_at = min(self._look_at, start)
                 break
             try:
-                buckets = client.retry(client.get_children, f"{delayed}/{day}")
+                buckets = client.retry(client.get_children, self.layout.delayed(self.queue, day))
             except NoNodeError:
                 continue
             if not buckets and start + DELAYED_DAY_MS < now:   # gone by, all promoted
-                self.queues.delete_if_empty(f"{delayed}/{day}")
+                self.queues.delete_if_empty(self.layout.delayed(self.queue, day))
             for bucket, begins in sorted(_parsed(buckets, _start)):
                 if begins >= self._open_until:
                     self._look_at = min(self._look_at, begins)
                     break
                 if f"{day}/{bucket}" not in self._opened:
-                    listed.append((f"{day}/{bucket}",
-                                   client.get_children_async(f"{delayed}/{day}/{bucket}")))
+                    path = self.layout.delayed(self.queue, day, bucket)
+                    listed.append((f"{day}/{bucket}", client.get_children_async(path)))
             if self._look_at < _NEVER:
                 break   # later days begin later still
         for bucket, listing in listed:
@@ -231,7 +231,7 @@ class Delayed:
                 buckets.add(message.bucket)
                 made.append(message.bucket)
             txn.create(layout.unowned_message(queue, promoted_name(message)))
-            txn.delete(f"{layout.delayed(queue)}/{bucket}/{name}")
+            txn.delete(layout.delayed(queue, bucket, name))
         failure = multi_failure(txn.commit())
         if failure is not None:
             buckets.difference_update(made)
@@ -259,11 +259,10 @@ class Delayed:
 
     def _close(self, now: int) -> None:
         """Delete the buckets of minutes gone by whose every message was promoted."""
-        delayed = self.layout.delayed(self.queue)
         for bucket, start in list(self._opened.items()):
             if start + DELAYED_BUCKET_MS < now and bucket not in self._pending:
                 del self._opened[bucket]
-                self.queues.delete_if_empty(f"{delayed}/{bucket}")
+                self.queues.delete_if_empty(self.layout.delayed(self.queue, bucket))
                 # Then its day, once gone by and empty (the look deletes it).
                 self._look_at = min(self._look_at, now + 1000)
 
@@ -277,13 +276,13 @@ def stats(client: KazooClient, layout: Layout, queue: str) -> tuple[int, int | N
     except NoNodeError:
         return 0, None
     buckets: list[tuple[int, str]] = []
-    for day, listing in [(day, client.get_children_async(f"{delayed}/{day}"))
+    for day, listing in [(day, client.get_children_async(layout.delayed(queue, day)))
                          for day, _ in days]:   # one pipelined round
         try:
             names = listing.get()
         except NoNodeError:
             continue
-        buckets += [(start, f"{delayed}/{day}/{bucket}") for bucket, start in
+        buckets += [(start, layout.delayed(queue, day, bucket)) for bucket, start in
                     _parsed(names, _start)]
     replies = [client.exists_async(path) for _, path in buckets]
     count = sum(stat.numChildren for stat in (r.get() for r in replies) if stat is not None)

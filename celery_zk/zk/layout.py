@@ -154,12 +154,10 @@ class Layout:
                                    limit_key, size))
 
     # -- delayed messages: waiting for their eta (celery_zk.broker.delayed) ------
-    def delayed(self, queue: str) -> str:
-        """``delayed/{day}/{bucket}/{name}``: made by the first delayed message."""
-        return _queue_dir(self.root, queue, "delayed")
-
-    def delayed_bucket(self, queue: str, day: str, bucket: str) -> str:
-        return _queue_dir(self.root, queue, "delayed", day, bucket)
+    def delayed(self, queue: str, *below: str) -> str:
+        """``delayed/{day}/{bucket}/{name}`` (``below``: those parts, or some):
+        made by the first delayed message."""
+        return _queue_dir(self.root, queue, "delayed", *below)
 
     def new_delayed_prefix(self, queue: str, due_ms: int, delayed_generation: int,
                            inverted_priority: int, generation: int, uid: str,
@@ -169,7 +167,7 @@ class Layout:
         """Where a delayed message is created: named as it will wait once due
         (its body in the bucket of ``generation``), in the bucket of its due time."""
         day, bucket = delayed_bucket(due_ms, delayed_generation)
-        return join(self.delayed_bucket(queue, day, bucket),
+        return join(self.delayed(queue, day, bucket),
                     message_prefix(inverted_priority, generation, uid, affinity, kind, task,
                                    limit_key, size))
 

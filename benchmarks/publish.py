@@ -12,12 +12,19 @@ until the broker has taken it.
               ``confirm_publish=false`` (timed until the last is stored);
   group       seconds to ``apply_async`` a group of 1,000 given as a list
               (zk stores it 256 per multi), and given as a generator (which
-              Celery publishes as it yields).
+              Celery publishes as it yields);
+  call        p50 / p99 ms of one ``apply_async`` call, one thread, calls
+              paced apart; for zk and zk3 beside it the floor, a bare kazoo
+              client's synced ``create`` of a 1 KB sequential node on the same
+              server.
+
+``zk3`` and ``rabbitmq3`` (:mod:`common.replicated`): the replicated shape,
+three members on hosts of their own, RabbitMQ's publishes confirmed.
 
 Usage::
 
     .venv/bin/python benchmarks/publish.py [--quick] [--brokers zk,redis,redis-aof,rabbitmq]
-        [--publish 2000] [--zk-option KEY=VALUE] [--json out.json]
+        [--publish 2000] [--samples 200] [--zk-option KEY=VALUE] [--json out.json]
 """
 from __future__ import annotations
 
@@ -26,19 +33,22 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import kombu.pools
 from celery import group
 from common.app import NOOP, make_app
-from common.figures import log, table, threaded_rate, write_json
+from common.figures import log, percentile, sample, table, threaded_rate, write_json
 from common.processes import bench_run
 from common.servers import add_server_options, choose, start_servers
+from kazoo.client import KazooClient
 
-BROKERS = ("zk", "redis", "redis-aof", "rabbitmq")
+BROKERS = ("zk", "redis", "redis-aof", "rabbitmq", "zk3", "rabbitmq3")
+DEFAULT_BROKERS = "zk,redis,redis-aof,rabbitmq"
 GROUP_SIZE = 1000
 COLUMNS = ["publish/s 1 thread", "publish/s 8 threads", "group of 1,000 s",
-           "generator group s"]
+           "generator group s", "call ms", "bare create ms"]
 
 
 def stored(app: Any) -> None:
@@ -55,6 +65,41 @@ def publish(url: str, count: int, threads: int) -> float:
     task.apply_async((-1,), queue=queue)   # warm-up: connection, declaration
     return threaded_rate(lambda index: task.apply_async((index,), queue=queue), count,
                          threads, then=lambda: stored(app))
+
+
+def call_ms(url: str, samples: int) -> list[float]:
+    """Each ``apply_async`` call's milliseconds, one thread."""
+    queue = f"publish-call-{uuid.uuid4().hex[:8]}"
+    app = make_app(url)
+    task = app.tasks[NOOP]
+    try:
+        return sample(lambda: timed(task.apply_async, (-1,), queue=queue), samples)
+    finally:
+        stored(app)
+
+
+def bare_create_ms(hosts: str, samples: int) -> list[float]:
+    """Each synced ``create`` of a bare kazoo client's, milliseconds: the floor."""
+    client = KazooClient(hosts)
+    client.start()
+    try:
+        client.ensure_path("/bench-bare")
+        return sample(lambda: timed(client.create, "/bench-bare/m-", b"x" * 1000,
+                                    sequence=True), samples)
+    finally:
+        client.delete("/bench-bare", recursive=True)
+        client.stop()
+        client.close()
+
+
+def timed(call: Callable[..., object], *args: object, **kwargs: object) -> float:
+    t0 = time.perf_counter()
+    call(*args, **kwargs)
+    return time.perf_counter() - t0
+
+
+def p50_p99(values: list[float]) -> str:
+    return f"{percentile(values, 50):.2f} / {percentile(values, 99):.2f}"
 
 
 def group_seconds(url: str, lazy: bool = False) -> float:
@@ -86,22 +131,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "publish/s 1 thread": publish(url, args.publish, 1),
                     "publish/s 8 threads": publish(url, args.publish, 8),
                     "group of 1,000 s": group_seconds(url),
-                    "generator group s": group_seconds(url, lazy=True)}
+                    "generator group s": group_seconds(url, lazy=True),
+                    "call ms": p50_p99(call_ms(url, args.samples))}
+                if server.zk is not None and label == name:
+                    hosts = server.url.removeprefix("zk://").split("/")[0]
+                    results[label]["bare create ms"] = p50_p99(bare_create_ms(hosts,
+                                                                              args.samples))
     return results
 
 
 def render(results: dict[str, Any]) -> str:
     rows = [["broker", *COLUMNS]]
     for name, row in results.items():
-        rows.append([name, *(f"{row[k]:.2f}" if k.endswith(" s") else f"{row[k]:,.0f}"
+        rows.append([name, *(row.get(k, "-") if k.endswith(" ms") else
+                             f"{row[k]:.2f}" if k.endswith(" s") else f"{row[k]:,.0f}"
                              for k in COLUMNS)])
-    return "\n".join(["Publishing (tasks/s; a group: seconds to publish it)", *table(rows)])
+    return "\n".join(["Publishing (tasks/s; a group: seconds to publish it; "
+                      "a call: p50 / p99 ms)", *table(rows)])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--brokers", default=",".join(BROKERS))
+    parser.add_argument("--brokers", default=DEFAULT_BROKERS,
+                        help=f"some of {','.join(BROKERS)} (default {DEFAULT_BROKERS})")
     parser.add_argument("--publish", type=int, default=2000, help="tasks per rate measured")
+    parser.add_argument("--samples", type=int, default=200, help="calls timed one by one")
     parser.add_argument("--quick", action="store_true", help="small sizes: checks every part")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the work dir")
@@ -110,6 +164,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.brokers = choose(parser, args.brokers, BROKERS)
     if args.quick:
         args.publish = 400
+        args.samples = 20
         args.zk_warm_up = min(args.zk_warm_up, 2.0)
     return args
 

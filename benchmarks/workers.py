@@ -2,7 +2,12 @@
 
 Each broker in turn, back to back in this process, only its server running
 (zk: server defaults; Redis: no persistence; RabbitMQ: Debian's, durable
-queues); real ``celery worker`` processes running :mod:`common.app`.
+queues); real ``celery worker`` processes running :mod:`common.app`. The
+production shape (:mod:`common.replicated`): ``zk3``, a three-member ensemble,
+against ``rabbitmq3``, a three-node RabbitMQ cluster with quorum queues and
+confirmed publishes, each member on a host of its own; ``memory``: Celery
+alone (kombu's in-process transport, the backlog stored by the worker before
+it consumes; K = 1 and the single workers only): the ceiling no broker passes.
 
 (scaling) K = 1, 4, 16 workers ``-P threads -c 1`` drain one stored queue of
           ``--tasks`` no-op tasks, started together at a gate: tasks/s, CPU
@@ -14,7 +19,7 @@ queues); real ``celery worker`` processes running :mod:`common.app`.
 
 Usage::
 
-    .venv/bin/python benchmarks/workers.py [--quick] [--brokers zk,redis,rabbitmq]
+    .venv/bin/python benchmarks/workers.py [--quick] [--brokers zk,redis,rabbitmq,...]
         [--ks 1,4,16] [--tasks 20000] [--single-tasks 10000] [--only scaling,single,latency]
         [--rounds 1] [--zk-option KEY=VALUE] [--json out.json]
 
@@ -52,7 +57,8 @@ from common.servers import Server, add_server_options, choose, start_server
 from common.tally import Tally
 from common.worker import await_ready, spawn_worker
 
-BROKERS = ("zk", "redis", "rabbitmq")
+BROKERS = ("zk", "redis", "rabbitmq", "zk3", "rabbitmq3", "memory")
+DEFAULT_BROKERS = "zk,redis,rabbitmq"
 PARTS = ("scaling", "single", "latency")
 SINGLE = (("threads", 4), ("prefork", 4))
 POLL = 0.005         # the client's look at the tally: ±5 ms on a drain of seconds
@@ -78,7 +84,7 @@ class Run:
         out = self.results.setdefault(name, {"server": server.version})
         try:
             if "scaling" in args.only:
-                for k in args.ks:
+                for k in (args.ks if name != "memory" else [1]):
                     out.setdefault("scaling", {})[str(k)] = self.undisturbed(
                         server, f"k{k}", k, "threads", 1, args.tasks)
             if "single" in args.only:
@@ -87,7 +93,7 @@ class Run:
                         continue
                     out.setdefault("single", {})[f"{pool} -c {concurrency}"] = self.undisturbed(
                         server, pool, 1, pool, concurrency, args.single_tasks)
-            if "latency" in args.only:
+            if "latency" in args.only and name != "memory":
                 out["latency"] = self.latency(server)
         finally:
             stops.remove(server.stop)
@@ -120,7 +126,11 @@ class Run:
         queue = f"workers-{label}-{uuid.uuid4().hex[:6]}"
         log(f"{server.name}: {label}: store {total:,} tasks, then {k} worker(s) "
             f"-P {pool} -c {concurrency}")
-        preload(server.url, queue, total)
+        env = {}
+        if server.name == "memory":   # the worker's own queue, stored as it starts
+            env["BENCH_PRELOAD"] = str(total)
+        else:
+            preload(server.url, queue, total)
         tally = Tally(os.path.join(self.work_dir, f"{tag}.tally"), total)
         gate = os.path.join(self.work_dir, f"{tag}.gate")
         before = zxid(server) if server.zk else 0
@@ -131,7 +141,7 @@ class Run:
             workers = [spawn_worker(group, self.work_dir, f"{tag}-{i}", server.url, queue,
                                     pool=pool, concurrency=concurrency, wait=False,
                                     env={"BENCH_TALLY_FILE": tally.path,
-                                         "BENCH_GATE_FILE": gate})
+                                         "BENCH_GATE_FILE": gate, **env})
                        for i in range(k)]
             await_ready(self.work_dir, workers, [f"{tag}-{i}" for i in range(k)])
             entry.update(quiet_check(f"{server.name} {label}", self.args.settle))
@@ -225,7 +235,8 @@ class Run:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--brokers", default=",".join(BROKERS))
+    parser.add_argument("--brokers", default=DEFAULT_BROKERS,
+                        help=f"some of {','.join(BROKERS)} (default {DEFAULT_BROKERS})")
     parser.add_argument("--only", default=",".join(PARTS))
     parser.add_argument("--ks", help="worker processes per scaling drain (default 1,4,16)")
     parser.add_argument("--tasks", type=int, help="scaling backlog (default 20000)")

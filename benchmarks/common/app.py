@@ -15,6 +15,14 @@ with:
   (its start minus the eta it was given) there (``delayed.py``).
 * ``BENCH_GATE_FILE``: once ready, the worker waits for this file before its
   consumer loop runs, so that K workers started one after another begin together.
+* ``BENCH_PRELOAD``: ``{total}`` (and ``-Q``'s queue): the worker stores that
+  backlog itself as it starts, before it consumes: on ``memory://``, whose
+  queues live in the worker's process, Celery's own ceiling (``workers.py``).
+
+A broker URL that starts with :data:`QUORUM` is RabbitMQ as it replicates:
+Celery's quorum queues (``task_default_queue_type``, and
+``task_create_missing_queue_type`` for the scripts' own queues) and confirmed
+publishes.
 
 The client imports :func:`make_app` to get the same task names on any broker, and
 :func:`preload` to store a backlog before any worker runs.
@@ -29,7 +37,7 @@ import time
 from typing import Any
 
 from celery import Celery, Task
-from celery.signals import worker_ready
+from celery.signals import worker_init, worker_ready
 from kombu import Connection
 from kombu.exceptions import ChannelError
 
@@ -47,6 +55,7 @@ IDENTITY = "bench.identity"
 MAKE = "bench.make"
 TALLY = "bench.tally"
 LATE = "bench.late"
+QUORUM = "quorum+"
 
 
 def _echo(self: Task, reply_queue: str, token: str) -> None:
@@ -127,8 +136,19 @@ def _late(index: int, eta: float) -> None:
         os.close(fd)
 
 
+def broker_url(url: str) -> str:
+    """What kombu is given for a URL of these scripts (:data:`QUORUM` taken off)."""
+    return url.removeprefix(QUORUM)
+
+
 def make_app(broker: str, backend: str | None = None) -> Celery:
-    app = Celery("common.app", broker=broker, backend=backend or None, set_as_current=False)
+    app = Celery("common.app", broker=broker_url(broker), backend=backend or None,
+                 set_as_current=False)
+    if broker.startswith(QUORUM):
+        app.conf.update(task_default_queue_type="quorum", task_create_missing_queue_type="quorum",
+                        broker_transport_options={"confirm_publish": True})
+    elif broker.startswith("memory://"):   # the ceiling: no pause between looks (1 s)
+        app.conf.broker_transport_options = {"polling_interval": 0}
     app.conf.update(
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
@@ -151,7 +171,7 @@ def make_app(broker: str, backend: str | None = None) -> Celery:
 
 def waiting(url: str, queue: str) -> int:
     """Messages stored in ``queue``."""
-    with Connection(url) as conn:
+    with Connection(broker_url(url)) as conn:
         try:
             return int(conn.default_channel.queue_declare(queue, passive=True).message_count)
         except ChannelError:   # Redis: an emptied list is no key, so no queue
@@ -182,6 +202,14 @@ app = make_app(os.environ.get("BENCH_BROKER", "redis://127.0.0.1:6379/0"),
 
 
 announce_ready("BENCH_READY_FILE")
+
+
+@worker_init.connect
+def _preload(sender: Any, **_: Any) -> None:
+    """``BENCH_PRELOAD``: the backlog stored by the worker itself, before it consumes."""
+    if total := int(os.environ.get("BENCH_PRELOAD", "0")):
+        queue, = (queue.name for queue in sender.app.amqp.queues.consume_from.values())
+        preload(sender.app.conf.broker_url, queue, total)
 
 
 @worker_ready.connect

@@ -10,6 +10,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+#: The ratios the reports print: (ours, theirs), each side as the same run
+#: measured it (``memory``: Celery alone, the ceiling no broker passes).
+PAIRS = (("zk", "redis"), ("zk", "rabbitmq"), ("zk3", "rabbitmq3"), ("zk", "memory"))
+
 
 def log(msg: str, tag: str = "bench") -> None:
     print(f"[{tag} {time.strftime('%H:%M:%S')}] {msg}", flush=True)

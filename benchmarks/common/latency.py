@@ -27,8 +27,8 @@ from typing import Any
 from celery import Celery
 from kombu import Connection, Queue
 
-from .app import ADD, ECHO, MARK, make_app
-from .figures import percentile, sample, table
+from .app import ADD, ECHO, MARK, broker_url, make_app
+from .figures import PAIRS, percentile, sample, table
 from .load import load
 from .processes import Processes
 from .worker import Workers
@@ -124,7 +124,7 @@ def reply_round_trip(app: Celery, url: str, queue: str, reply: str
         got.append(body["token"])   # the sample ends here; the ack is not timed
         message.ack()
 
-    with Connection(url) as conn, conn.Consumer(
+    with Connection(broker_url(url)) as conn, conn.Consumer(
             Queue(reply, routing_key=reply, durable=False), accept=["json"],
             callbacks=[on_reply]):
         def once() -> float:
@@ -144,19 +144,18 @@ COLUMNS = [f"{shape} {state}" for state in ("idle", "loaded") for shape in SHAPE
 
 
 def render(results: dict[str, Any], load_rate: float) -> str:
-    """The shapes of each broker (``{name: {"oneway idle": {...}, ...}}``), and zk's
-    ratios to Redis and RabbitMQ."""
+    """The shapes of each broker (``{name: {"oneway idle": {...}, ...}}``), and the
+    ratios of :data:`~common.figures.PAIRS`."""
     out = [f"Latency p50 / p99 ms ('loaded': {load_rate:.0f} no-op tasks/s into the same queue)"]
     rows = [["broker", *COLUMNS]]
     for name, row in results.items():
         if any(key in row for key in COLUMNS):
             rows.append([name, *(f"{row[k]['p50']:.2f} / {row[k]['p99']:.2f}" if k in row
                                  else "-" for k in COLUMNS)])
-    zk = results.get("zk", {})
-    for other in ("redis", "rabbitmq"):
-        theirs = results.get(other, {})
+    for ours, other in PAIRS:
+        zk, theirs = results.get(ours, {}), results.get(other, {})
         if zk and any(k in zk and k in theirs for k in COLUMNS):
-            rows.append([f"zk / {other}", *(
+            rows.append([f"{ours} / {other}", *(
                 f"{zk[k]['p50'] / theirs[k]['p50']:.2f} / {zk[k]['p99'] / theirs[k]['p99']:.2f}"
                 if k in zk and k in theirs else "-" for k in COLUMNS)])
     if len(rows) > 1:

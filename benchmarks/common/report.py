@@ -1,11 +1,11 @@
-"""``workers.py``'s report: the tables, and issue 26's targets PASS or MISS."""
+"""``workers.py``'s report: the tables, and issue 60's targets PASS or MISS."""
 from __future__ import annotations
 
 import argparse
 import statistics
 from typing import Any, Optional
 
-from .figures import table
+from .figures import PAIRS, table
 from .latency import render as render_latency
 
 Results = dict[str, dict[str, Any]]
@@ -46,21 +46,21 @@ def scaling(results: Results, ks: list[int]) -> list[str]:
                                   _get(res, "scaling", str(a), "rate")) for a, b in steps)])
             cpu.append([name, *(_cell(_get(res, "scaling", str(k), "cpu_ms_per_task"), ".2f")
                                 for k in ks)])
-    for other in ("redis", "rabbitmq"):
-        if other in results and "zk" in results:
+    for ours, other in PAIRS:
+        if other in results and ours in results:
             for lines, key in ((rows, "rate"), (cpu, "cpu_ms_per_task")):
-                lines.append([f"zk ÷ {other}", *(_ratio(
-                    _get(results, "zk", "scaling", str(k), key),
+                lines.append([f"{ours} ÷ {other}", *(_ratio(
+                    _get(results, ours, "scaling", str(k), key),
                     _get(results, other, "scaling", str(k), key)) for k in ks)]
                     + [""] * (len(lines[0]) - len(ks) - 1))
     out = [*table(rows), "", *table(cpu)]
-    zk = _get(results, "zk", "scaling") or {}
-    if zk:
-        txn = [["zk, per delivered task", *heads]]
-        for label, key in (("failed transactions (server log)", "failed_per_message"),
-                           ("all transactions (server log)", "txns_per_message")):
-            txn.append([label, *(_cell(_get(zk, str(k), key), ".3f") for k in ks)])
-        out += ["", *table(txn)]
+    for name in ("zk", "zk3"):
+        if zk := _get(results, name, "scaling"):
+            txn = [[f"{name}, per delivered task", *heads]]
+            for label, key in (("failed transactions (server log)", "failed_per_message"),
+                               ("all transactions (server log)", "txns_per_message")):
+                txn.append([label, *(_cell(_get(zk, str(k), key), ".3f") for k in ks)])
+            out += ["", *table(txn)]
     return out
 
 
@@ -75,10 +75,10 @@ def single(results: Results) -> list[str]:
             rows.append([name, *(_cell(_get(res, "single", run, "rate"), ",.0f") for run in runs),
                          *(_cell(_get(res, "single", run, "cpu_ms_per_task"), ".2f")
                            for run in runs)])
-    for other in ("redis", "rabbitmq"):
-        if other in results and "zk" in results:
-            rows.append([f"zk ÷ {other}", *(
-                _ratio(_get(results, "zk", "single", run, key),
+    for ours, other in PAIRS:
+        if other in results and ours in results:
+            rows.append([f"{ours} ÷ {other}", *(
+                _ratio(_get(results, ours, "single", run, key),
                        _get(results, other, "single", run, key))
                 for key in ("rate", "cpu_ms_per_task") for run in runs)])
     return table(rows)
@@ -107,41 +107,31 @@ Check = tuple[str, Optional[float], str, float]
 
 
 def checks(results: Results, ks: list[int]) -> list[Check]:
-    """Issue 26's "Done when", each a ratio against a bound."""
-    def r(*path: str) -> float | None:
-        return _get(results, *path)
-
-    def div(a: float | None, b: float | None) -> float | None:
+    """Issue 60's "Done when" (the replicated shape, then one server), each a
+    ratio against a bound."""
+    def div(*paths: tuple[str, ...]) -> float | None:
+        a, b = (_get(results, *path) for path in paths)
         return a / b if a is not None and b else None
 
-    found: list[Check] = []
-    if 1 in ks and 4 in ks:
-        found.append(("zk rate K=4 ÷ K=1", div(r("zk", "scaling", "4", "rate"),
-                                               r("zk", "scaling", "1", "rate")), ">=", 1.5))
-    if 4 in ks and 16 in ks:
-        found.append(("zk rate K=16 ÷ K=4", div(r("zk", "scaling", "16", "rate"),
-                                                r("zk", "scaling", "4", "rate")), ">=", 0.9))
-    for k in ks:
-        found.append((f"zk ÷ redis rate, K={k}", div(r("zk", "scaling", str(k), "rate"),
-                                                      r("redis", "scaling", str(k), "rate")),
-                       ">=", 1.0))
-        found.append((f"zk failed transactions per task, K={k}",
-                       r("zk", "scaling", str(k), "failed_per_message"), "<=", 0.01))
-    top = str(max(ks))
-    found.append((f"zk ÷ rabbitmq CPU per task, K={top}",
-                   div(r("zk", "scaling", top, "cpu_ms_per_task"),
-                       r("rabbitmq", "scaling", top, "cpu_ms_per_task")), "<=", 1.5))
-    for run in ("threads -c 4", "prefork -c 4"):
-        for other, bound in (("redis", 1.0), ("rabbitmq", 0.8)):
-            found.append((f"zk ÷ {other} drain, one {run} worker",
-                           div(r("zk", "single", run, "rate"), r(other, "single", run, "rate")),
-                           ">=", bound))
-    for shape, pct, bound in (("oneway idle", "p50", 2.0), ("oneway loaded", "p50", 2.0),
-                              ("oneway idle", "p99", 3.0), ("oneway loaded", "p99", 3.0),
-                              ("get idle", "p50", 2.0)):
-        found.append((f"zk ÷ rabbitmq {shape} {pct}",
-                       div(r("zk", "latency", shape, pct), r("rabbitmq", "latency", shape, pct)),
-                       "<=", bound))
+    def zk3(*path: str) -> float | None:
+        return div(("zk3", *path), ("rabbitmq3", *path))
+
+    found: list[Check] = [(f"zk3 ÷ rabbitmq3 rate, K={k}", zk3("scaling", str(k), "rate"),
+                           ">=", 1.5) for k in ks]
+    found.append(("zk3 ÷ rabbitmq3 drain, one threads -c 4 worker",
+                  zk3("single", "threads -c 4", "rate"), ">=", 1.5))
+    for state in ("idle", "loaded"):
+        found += [(f"zk3 ÷ rabbitmq3 oneway {state} {pct}",
+                   zk3("latency", f"oneway {state}", pct), "<=", bound)
+                  for pct, bound in (("p50", 1.2), ("p99", 1.5))]
+        found.append((f"zk3 ÷ rabbitmq3 (rpc://) get {state} p50",
+                      zk3("latency", f"get {state}", "p50"), "<=", 1.2))
+    one = ("scaling", "1")
+    found += [("zk ÷ rabbitmq rate, K=1", div(("zk", *one, "rate"), ("rabbitmq", *one, "rate")),
+               ">=", 2.0),
+              ("zk ÷ rabbitmq CPU per task, K=1", div(("zk", *one, "cpu_ms_per_task"),
+                                                     ("rabbitmq", *one, "cpu_ms_per_task")),
+               "<=", 1.0)]
     return found
 
 
@@ -193,9 +183,9 @@ def render(results: Results, info: dict[str, Any], args: argparse.Namespace,
         out += [render_latency(latency, args.load), ""]
     if several:
         lines = round_targets(rounds, args.ks)
-        heading = f"Issue 26 targets (median of the {len(rounds)} rounds' own ratios):"
+        heading = f"Issue 60 targets (median of the {len(rounds)} rounds' own ratios):"
     else:
-        lines, heading = targets(results, args.ks), "Issue 26 targets:"
+        lines, heading = targets(results, args.ks), "Issue 60 targets:"
     if lines:
         out += [heading, *lines]
     return "\n".join(out)

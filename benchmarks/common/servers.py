@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from celery_zk.server import SERVER_JVM_FLAGS, ZooKeeperServer, four_letter_word, free_ports
 
 from .figures import log
+from .net import Host
 from .processes import Processes, tail
 
 REDIS_SERVER = "/usr/bin/redis-server"
@@ -138,49 +139,65 @@ class RedisServer:
 
 class RabbitServer:
     """A private RabbitMQ node in the foreground (Debian's wrapper runs it as user
-    rabbitmq, so its directories are that user's)."""
+    rabbitmq, so its directories are that user's): on this host's loopback, or
+    on ``host``, a network namespace (:mod:`common.net`), named by its address."""
 
-    def __init__(self, procs: Processes, work_dir: str) -> None:
+    def __init__(self, procs: Processes, work_dir: str, host: Host | None = None) -> None:
         if shutil.which("rabbitmq-server") is None:
             raise RuntimeError("rabbitmq-server not found: install Debian's package "
                                "(apt-get install rabbitmq-server), or leave rabbitmq out "
                                "with --brokers")
         self.procs = procs
         self.port, dist = free_ports(2)
-        self.node = f"scale{self.port}@localhost"
-        self.base = os.path.join(work_dir, "rabbitmq")
+        self.host = host
+        self.address = host.address if host else "127.0.0.1"
+        self.node = f"rabbit@{host.address}" if host else f"scale{self.port}@localhost"
+        self.base = os.path.join(work_dir, f"rabbitmq-{self.port}")
         os.chmod(work_dir, 0o755)   # mkdtemp's 0700 would keep user rabbitmq out
         os.makedirs(os.path.join(self.base, "log"))
         open(os.path.join(self.base, "enabled_plugins"), "w").write("[].")
+        # guest logs in from any host: clients reach a node on a host apart over the bridge
+        open(os.path.join(self.base, "rabbitmq.conf"), "w").write("loopback_users = none\n")
         shutil.chown(self.base, "rabbitmq", "rabbitmq")
         for name in os.listdir(self.base):
             shutil.chown(os.path.join(self.base, name), "rabbitmq", "rabbitmq")
         self.env = dict(os.environ, RABBITMQ_NODE_PORT=str(self.port),
                         RABBITMQ_NODENAME=self.node, RABBITMQ_DIST_PORT=str(dist),
+                        RABBITMQ_USE_LONGNAME="true" if host else "false",
                         RABBITMQ_MNESIA_BASE=os.path.join(self.base, "mnesia"),
                         RABBITMQ_LOG_BASE=os.path.join(self.base, "log"),
                         RABBITMQ_ENABLED_PLUGINS_FILE=os.path.join(self.base, "enabled_plugins"),
+                        RABBITMQ_CONFIG_FILE=os.path.join(self.base, "rabbitmq.conf"),
                         RABBITMQ_FEATURE_FLAGS_FILE=os.path.join(self.base, "feature_flags"))
-        self.out = os.path.join(work_dir, "rabbitmq.out")
+        self.out = self.base + ".out"
         self.proc: subprocess.Popen[bytes] | None = None
         self.beam = 0   # the node's OS pid
         self.epmd_before: set[int] = set()
 
     def url(self) -> str:
-        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+        return f"amqp://guest:guest@{self.address}:{self.port}//"
+
+    def run_ctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["rabbitmqctl", "-n", self.node, *args], env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
 
     def ctl(self, *args: str, timeout: float = 60) -> str:
-        return subprocess.run(["rabbitmqctl", "-n", self.node, *args], env=self.env,
-                              capture_output=True, text=True, timeout=timeout).stdout
+        return self.run_ctl(*args, timeout=timeout).stdout
 
     def start(self) -> RabbitServer:
+        self.spawn()
+        return self.await_startup()
+
+    def spawn(self) -> None:
         self.epmd_before = epmd_pids()
-        self.proc = self.procs.spawn(["rabbitmq-server"], self.out, self.env)
+        prefix = self.host.exec_prefix() if self.host else []
+        self.proc = self.procs.spawn([*prefix, "rabbitmq-server"], self.out, self.env)
+
+    def await_startup(self) -> RabbitServer:
+        assert self.proc is not None
         deadline = time.monotonic() + 120
         while True:   # await_startup fails at once until the node is known to epmd
-            result = subprocess.run(["rabbitmqctl", "-n", self.node, "await_startup",
-                                     "--timeout", "10"], env=self.env, capture_output=True,
-                                    text=True)
+            result = self.run_ctl("await_startup", "--timeout", "10", timeout=30)
             if result.returncode == 0:
                 self.beam = int(self.ctl("eval", "os:getpid().").strip().strip('"'))
                 return self
@@ -190,9 +207,12 @@ class RabbitServer:
             time.sleep(1)
 
     def stop(self) -> None:
+        self.stop_node()
+        stop_new_epmds(self.epmd_before)
+
+    def stop_node(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            subprocess.run(["rabbitmqctl", "-n", self.node, "stop"], env=self.env,
-                           capture_output=True, timeout=60)
+            self.run_ctl("stop")
             self.procs.stop(self.proc)
         if self.beam:   # su runs the node in a session of its own: wait for it by pid
             deadline = time.monotonic() + 30
@@ -203,13 +223,6 @@ class RabbitServer:
             except ProcessLookupError:
                 pass
             self.beam = 0
-        # The node starts epmd for the whole host (a daemon: not our child): stop
-        # the ones that were not running before we started, by pid.
-        for pid in epmd_pids() - self.epmd_before:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
 
     def version(self) -> str:
         return self.ctl("version").strip()
@@ -223,6 +236,16 @@ class RabbitServer:
 def epmd_pids() -> set[int]:
     found = subprocess.run(["pgrep", "-x", "epmd"], capture_output=True, text=True).stdout
     return {int(pid) for pid in found.split()}
+
+
+def stop_new_epmds(before: set[int]) -> None:
+    """A node starts epmd for its whole host (a daemon: not our child), and so does
+    ``rabbitmqctl``: stop the ones not running ``before``, by pid."""
+    for pid in epmd_pids() - before:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
 
 
 @dataclass
@@ -240,12 +263,12 @@ class Server:
 
 def start_server(name: str, args: argparse.Namespace, procs: Processes, work_dir: str,
                  stops: list[Callable[[], None]], root: str) -> Server:
-    """``name``'s server (``zk``, ``redis``, ``redis-aof`` or ``rabbitmq``), its stop
+    """``name``'s server (``zk``, ``redis``, ``redis-aof``, ``rabbitmq``, or the
+    replicated ``zk3`` and ``rabbitmq3`` of :mod:`common.replicated`; ``memory``:
+    none, Celery's own ceiling), its stop
     pushed on ``stops`` first (so it is stopped even if it fails to start); zk's
     URLs under ``/{root}``, with ``--zk-option``."""
     if name == "zk":
-        from .load import warm_up_with_load
-
         zk = measured_server(args)
 
         def stop_zk() -> None:
@@ -253,12 +276,14 @@ def start_server(name: str, args: argparse.Namespace, procs: Processes, work_dir
             zk.close()
         stops.append(stop_zk)
         zk.start()
-        warm_up_zookeeper(zk.hosts)
-        query = "?" + "&".join(args.zk_option) if args.zk_option else ""
-        warm_up_with_load(procs, work_dir, f"{zk.url}/warm-up{query}", args.zk_warm_up)
-        srvr = four_letter_word(zk.host, zk.port or 0, "srvr").splitlines()[0]
-        return Server(name, f"{zk.url}/{root}{query}", f"{zk.url}/{root}-results{query}",
-                      srvr, stop_zk, [zk.pid or 0], zk)
+        return warmed_up(name, args, procs, work_dir, root, zk.url, zk, [zk.pid or 0], stop_zk)
+    if name in ("zk3", "rabbitmq3"):
+        from .replicated import start_replicated
+        return start_replicated(name, args, procs, work_dir, stops, root)
+    if name == "memory":   # no server: the queues live in the worker's own process
+        stops.append(nothing := lambda: None)
+        return Server(name, "memory://", "", "Celery alone (kombu's memory transport)",
+                      nothing, [])
     if name in ("redis", "redis-aof"):
         redis = RedisServer(procs, work_dir, durable=name == "redis-aof")
 
@@ -279,6 +304,22 @@ def start_server(name: str, args: argparse.Namespace, procs: Processes, work_dir
     assert rabbit.proc is not None
     return Server(name, rabbit.url(), "rpc://", f"RabbitMQ {rabbit.version()}", rabbit.stop,
                   [rabbit.proc.pid, rabbit.beam])
+
+
+def warmed_up(name: str, args: argparse.Namespace, procs: Processes, work_dir: str,
+              root: str, url: str, leader: ZooKeeperServer, pids: list[int],
+              stop: Callable[[], None]) -> Server:
+    """ZooKeeper started at ``url`` (one server, or an ensemble ``leader`` leads),
+    warmed up, as a :class:`Server` whose URLs are under ``/{root}``, with
+    ``--zk-option``."""
+    from .load import warm_up_with_load
+
+    warm_up_zookeeper(url.removeprefix("zk://"))
+    query = "?" + "&".join(args.zk_option) if args.zk_option else ""
+    warm_up_with_load(procs, work_dir, f"{url}/warm-up{query}", args.zk_warm_up)
+    srvr = four_letter_word(leader.host, leader.port or 0, "srvr").splitlines()[0]
+    return Server(name, f"{url}/{root}{query}", f"{url}/{root}-results{query}", srvr, stop,
+                  pids, leader)
 
 
 def start_servers(args: argparse.Namespace, procs: Processes, work_dir: str,

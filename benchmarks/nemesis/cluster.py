@@ -1,5 +1,5 @@
 """The nemesis's machines: a ZooKeeper ensemble, ``celery worker`` hosts and a publisher,
-each in its own network namespace (:mod:`nemesis.net`).
+each in its own network namespace (:mod:`common.net`).
 
 Every process is started through ``ip netns exec`` (which execs it, so the
 pid is the program's) in a process group of its own: a kill or a pause
@@ -18,13 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from common.net import Network
 from common.processes import BENCHMARKS
 from kazoo.client import KazooClient
 
 from celery_zk.server import JVM_FLAGS, ZooKeeperEnsemble
 
 from .dispatcher import Lookup
-from .net import Network
 
 ROOT = "/nemesis"
 #: The launcher's fast-start flags with a smaller heap: three members share the machine.

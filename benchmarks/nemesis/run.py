@@ -5,7 +5,7 @@
 
 A three-member ZooKeeper ensemble, three ``celery worker`` hosts (threads,
 prefork, threads; ``-c 2``) and a publisher, each in a network namespace of
-its own on one bridge (:mod:`nemesis.net`, :mod:`nemesis.cluster`); a
+its own on one bridge (:mod:`common.net`, :mod:`nemesis.cluster`); a
 publisher at a steady rate of ``acks_late`` tasks with results, chords,
 priorities, countdowns and revokes (:mod:`nemesis.publisher`); a nemesis on a
 seeded plan of partitions, SIGKILLs and SIGSTOPs (:mod:`nemesis.schedule`,
@@ -29,12 +29,13 @@ import tempfile
 import time
 from typing import Any
 
+from common.net import Network, ensure_tools, exclusive, remove_leftovers
+
 from .checker import History, check
 from .cluster import ROOT, Cluster, WorkerSpec
 from .dispatcher import LOOKUPS
 from .faults import Nemesis, log
 from .history import PUBLISHER, Follower, read_executions, read_journal
-from .net import Network, ensure_tools, exclusive, remove_leftovers
 from .recovery import measure
 from .schedule import plan, short_seconds
 from .state import broadcast_reach, compare_members, queue_leftovers, read_results

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +146,38 @@ def test_txnlog_counts_failed_transactions(zookeeper_server: object, zk_client: 
     assert (counts.failed_multis, counts.failed_requests) == (3, 2)
     assert counts.errors == {"multi NoNode": 3, "request NodeExists": 2}
     assert counts.transactions == 6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(960)
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                    reason="hosts apart are network namespaces: needs root and iproute2")
+def test_quick_run_of_the_production_shape(tmp_path: Path) -> None:
+    """zk3 (three members) and rabbitmq3 (a cluster of three, quorum queues), each
+    member on a host of its own, and Celery alone: every figure, and nothing left."""
+    out = tmp_path / "workers.json"
+    run = run_script(SCRIPT, tmp_path, "--quick", "--brokers", "zk3,rabbitmq3,memory",
+                     "--ks", "1", "--settle", "0", "--retries", "0", "--samples", "5",
+                     "--json", str(out), timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    results = json.loads(out.read_text())["results"]
+    assert "a cluster of 3, quorum queues" in results["rabbitmq3"]["server"]
+    for name in ("zk3", "rabbitmq3"):
+        check_drain(results[name]["scaling"]["1"], 600, processes=1)
+        check_drain(results[name]["single"]["threads -c 4"], 300, processes=1)
+        for shape in ("oneway idle", "oneway loaded", "get idle", "get loaded"):
+            assert 0 < results[name]["latency"][shape]["p50"]
+    # All three members' processes count as the server, and every write is in the log
+    k1 = results["zk3"]["scaling"]["1"]
+    assert k1["cpu_ms_per_task_by_part"]["server"] > 0 and k1["server_txns"]["transactions"] > 0
+    memory = results["memory"]
+    assert list(memory["scaling"]) == ["1"] and "latency" not in memory
+    check_drain(memory["scaling"]["1"], 600, processes=1)
+    check_drain(memory["single"]["prefork -c 4"], 300)
+    assert "zk3 ÷ rabbitmq3" in run.stdout and "Issue 60 targets:" in run.stdout
+    # Nothing of the hosts apart is left: no namespace, no member, no node
+    assert "czkn-" not in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                         text=True).stdout
+    left = subprocess.run(["pgrep", "-af", "celery-zk-workers-|rabbit@10\\.231\\."],
+                          capture_output=True, text=True)   # the run's work dir, a node
+    assert left.stdout == ""

@@ -82,25 +82,25 @@ def test_workers_rounds_report_medians_and_each_rounds_own_ratio(benchmarks: Non
     with pytest.raises(SystemExit):
         workers.parse_args(["--rounds", "0"])
 
-    def results(zk: float, rabbit: float, redis: float) -> dict:
-        return {"zk": {"server": "zk 3.8", "scaling": {"4": {"rate": zk, "attempt": 1}}},
-                "redis": {"server": "Redis", "scaling": {"4": {"rate": redis}}},
+    def results(zk: float, rabbit: float, rabbit3: float) -> dict:
+        return {"zk3": {"server": "zk 3.8", "scaling": {"4": {"rate": zk, "attempt": 1}}},
+                "rabbitmq3": {"server": "RabbitMQ", "scaling": {"4": {"rate": rabbit3}}},
                 "rabbitmq": {"server": "RabbitMQ", "scaling": {"4": {"rate": rabbit}}}}
 
     # The machine drifts: round 2 runs everything at half speed.
     rounds = [results(900, 1000, 300), results(450, 500, 600), results(800, 1000, 700)]
     merged = median_of(rounds)
-    assert merged["zk"]["scaling"]["4"] == {"rate": 800, "attempt": 1}
-    assert merged["zk"]["server"] == "zk 3.8"
+    assert merged["zk3"]["scaling"]["4"] == {"rate": 800, "attempt": 1}
+    assert merged["zk3"]["server"] == "zk 3.8"
     assert median_of([{"a": None}, {"a": 2.0}]) == {"a": 2.0}
     assert median_of([{"a": None}]) == {"a": None}
 
     lines = round_targets(rounds, [4])
     by_what = {line.split("  ")[1].strip(): line for line in lines}
-    # zk ÷ redis within each round: 3.0, 0.75, 1.14; their median 1.14 (the
+    # zk3 ÷ rabbitmq3 within each round: 3.0, 0.75, 1.14; their median 1.14 (the
     # medians' ratio, 800 / 600, would say 1.33).
-    line = by_what["zk ÷ redis rate, K=4"]
-    assert " 1.143 " in line and "PASS" in line and "3.00 0.75 1.14 (2 of 3 pass)" in line
+    line = by_what["zk3 ÷ rabbitmq3 rate, K=4"]
+    assert " 1.143 " in line and "MISS" in line and "3.00 0.75 1.14 (1 of 3 pass)" in line
     args = workers.parse_args(["--ks", "4", "--rounds", "3", "--only", "scaling"])
     text = render(merged, {"nproc": 2}, args, rounds)
     assert "the median of 3 rounds" in text and "rounds' own ratios" in text

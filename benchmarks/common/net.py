@@ -1,4 +1,5 @@
-"""The nemesis's network: one namespace per host on a bridge, and partitions between them.
+"""Hosts apart on this machine: one network namespace per host on a bridge, and
+partitions between them (the nemesis's faults; ``workers.py``'s replicated servers).
 
 Every host (a ZooKeeper member, a worker machine, the publisher) gets a
 network namespace ``czkn-{host}`` with a veth pair to the bridge ``czkn-br``
@@ -43,9 +44,9 @@ def run(*args: str, check: bool = True, input: str | None = None) -> str:
 def ensure_tools() -> None:
     """Root, ``ip``, and ``nft`` (installed from Debian's nftables when missing)."""
     if os.geteuid() != 0:
-        raise RuntimeError("the nemesis makes network namespaces: run it as root")
+        raise RuntimeError("hosts apart are network namespaces: run this as root")
     if shutil.which("ip") is None:
-        raise RuntimeError("the nemesis needs iproute2's ip (apt-get install iproute2)")
+        raise RuntimeError("hosts apart need iproute2's ip (apt-get install iproute2)")
     if shutil.which("nft") is None:
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "nftables"]):
@@ -90,8 +91,9 @@ def exclusive() -> IO[str]:
         lock.seek(0)
         holder = lock.read().strip()
         lock.close()
-        raise RuntimeError(f"another nemesis run (pid {holder or '?'}) holds {LOCK_PATH}: "
-                           "its namespaces are named like ours; wait for it to end") from None
+        raise RuntimeError(f"another run with hosts apart (pid {holder or '?'}) holds "
+                           f"{LOCK_PATH}: its namespaces are named like ours; wait for it "
+                           "to end") from None
     lock.truncate(0)
     lock.write(str(os.getpid()))
     lock.flush()

@@ -70,6 +70,13 @@ def zxid(server: Server) -> int:
     return txnlog.last_zxid(server.zk.host, server.zk.port)
 
 
+def client_packets(server: Server) -> tuple[int, int]:
+    """What every member received from clients (requests, pings) and sent them
+    (replies, watch events)."""
+    counts = [txnlog.packets(member.host, member.port or 0) for member in server.members]
+    return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+
 # -- the run -------------------------------------------------------------------------------
 @dataclass
 class Run:
@@ -134,6 +141,7 @@ class Run:
         tally = Tally(os.path.join(self.work_dir, f"{tag}.tally"), total)
         gate = os.path.join(self.work_dir, f"{tag}.gate")
         before = zxid(server) if server.zk else 0
+        packets_before = client_packets(server)
         group = Processes()   # these workers only: stopped together, then counted
         entry: dict[str, Any] = {"tasks": total, "workers": k, "pool": pool,
                                  "concurrency": concurrency}
@@ -170,6 +178,9 @@ class Run:
                         if key not in ("first", "last")})
         if server.zk is not None:
             entry.update(self.transactions(server, before, total))
+            received, sent = (b - a for a, b in zip(packets_before, client_packets(server)))
+            entry.update(requests_per_message=received / total,
+                         packets_sent_per_message=sent / total)
         log(f"{server.name}: {label}: {entry['rate']:,.0f} tasks/s, "
             f"{entry['cpu_ms_per_task']:.2f} ms CPU per task ("
             + ", ".join(f"{name} {ms:.2f}"

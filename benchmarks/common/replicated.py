@@ -79,9 +79,7 @@ def start_ensemble(net: Network, args: argparse.Namespace, procs: Processes, wor
     stops.append(stop)
     log("starting a ZooKeeper ensemble of three")
     ensemble.start(timeout=120)
-    leader = ensemble.members[ensemble.wait_for_quorum()]
-    return warmed_up("zk3", args, procs, work_dir, root, ensemble.url, leader,
-                     [member.pid or 0 for member in ensemble.members], stop)
+    return warmed_up("zk3", args, procs, work_dir, root, ensemble.url, ensemble.members, stop)
 
 
 def start_cluster(net: Network, procs: Processes, work_dir: str,

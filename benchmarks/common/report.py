@@ -58,7 +58,11 @@ def scaling(results: Results, ks: list[int]) -> list[str]:
         if zk := _get(results, name, "scaling"):
             txn = [[f"{name}, per delivered task", *heads]]
             for label, key in (("failed transactions (server log)", "failed_per_message"),
-                               ("all transactions (server log)", "txns_per_message")):
+                               ("all transactions (server log)", "txns_per_message"),
+                               ("requests received (srvr, all members)",
+                                "requests_per_message"),
+                               ("packets sent: replies, watch events",
+                                "packets_sent_per_message")):
                 txn.append([label, *(_cell(_get(zk, str(k), key), ".3f") for k in ks)])
             out += ["", *table(txn)]
     return out

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from celery_zk.server import SERVER_JVM_FLAGS, ZooKeeperServer, four_letter_word, free_ports
 
@@ -258,7 +258,8 @@ class Server:
     version: str
     stop: Callable[[], None]
     pids: list[int]   # the server's processes (their process groups count as the server)
-    zk: ZooKeeperServer | None = None
+    zk: ZooKeeperServer | None = None   # the one whose log is read (an ensemble's leader)
+    members: list[ZooKeeperServer] = field(default_factory=list)   # every ZooKeeper member
 
 
 def start_server(name: str, args: argparse.Namespace, procs: Processes, work_dir: str,
@@ -276,7 +277,7 @@ def start_server(name: str, args: argparse.Namespace, procs: Processes, work_dir
             zk.close()
         stops.append(stop_zk)
         zk.start()
-        return warmed_up(name, args, procs, work_dir, root, zk.url, zk, [zk.pid or 0], stop_zk)
+        return warmed_up(name, args, procs, work_dir, root, zk.url, [zk], stop_zk)
     if name in ("zk3", "rabbitmq3"):
         from .replicated import start_replicated
         return start_replicated(name, args, procs, work_dir, stops, root)
@@ -307,9 +308,9 @@ def start_server(name: str, args: argparse.Namespace, procs: Processes, work_dir
 
 
 def warmed_up(name: str, args: argparse.Namespace, procs: Processes, work_dir: str,
-              root: str, url: str, leader: ZooKeeperServer, pids: list[int],
+              root: str, url: str, members: list[ZooKeeperServer],
               stop: Callable[[], None]) -> Server:
-    """ZooKeeper started at ``url`` (one server, or an ensemble ``leader`` leads),
+    """ZooKeeper started at ``url`` (one server, or an ensemble of ``members``),
     warmed up, as a :class:`Server` whose URLs are under ``/{root}``, with
     ``--zk-option``."""
     from .load import warm_up_with_load
@@ -317,9 +318,13 @@ def warmed_up(name: str, args: argparse.Namespace, procs: Processes, work_dir: s
     warm_up_zookeeper(url.removeprefix("zk://"))
     query = "?" + "&".join(args.zk_option) if args.zk_option else ""
     warm_up_with_load(procs, work_dir, f"{url}/warm-up{query}", args.zk_warm_up)
-    srvr = four_letter_word(leader.host, leader.port or 0, "srvr").splitlines()[0]
-    return Server(name, f"{url}/{root}{query}", f"{url}/{root}-results{query}", srvr, stop,
-                  pids, leader)
+    modes = {member: four_letter_word(member.host, member.port or 0, "srvr")
+             for member in members}
+    leader = next(member for member, srvr in modes.items()
+                  if len(members) == 1 or "Mode: leader" in srvr)
+    return Server(name, f"{url}/{root}{query}", f"{url}/{root}-results{query}",
+                  modes[leader].splitlines()[0], stop,
+                  [member.pid or 0 for member in members], leader, members)
 
 
 def start_servers(args: argparse.Namespace, procs: Processes, work_dir: str,

@@ -56,6 +56,15 @@ def last_zxid(host: str, port: int) -> int:
     raise RuntimeError(f"no Zxid in srvr's reply: {reply!r}")
 
 
+def packets(host: str, port: int) -> tuple[int, int]:
+    """The client packets a server received (requests, pings) and sent (their
+    replies, and watch events) since it started (``srvr``)."""
+    reply = four_letter_word(host, port, "srvr", timeout=10)
+    counts = dict(line.split(":", 1) for line in reply.splitlines()
+                  if line.startswith(("Received:", "Sent:")))
+    return int(counts["Received"]), int(counts["Sent"])
+
+
 #: KeeperException codes a queue's transactions meet.
 CODES = {-101: "NoNode", -103: "BadVersion", -110: "NodeExists", -111: "NotEmpty",
          -2: "RuntimeInconsistency"}

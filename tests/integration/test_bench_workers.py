@@ -170,6 +170,8 @@ def test_quick_run_of_the_production_shape(tmp_path: Path) -> None:
     # All three members' processes count as the server, and every write is in the log
     k1 = results["zk3"]["scaling"]["1"]
     assert k1["cpu_ms_per_task_by_part"]["server"] > 0 and k1["server_txns"]["transactions"] > 0
+    # Each message is read and acked through some member: requests, replies and events counted
+    assert k1["requests_per_message"] > 0 and k1["packets_sent_per_message"] > 0
     memory = results["memory"]
     assert list(memory["scaling"]) == ["1"] and "latency" not in memory
     check_drain(memory["scaling"]["1"], 600, processes=1)

@@ -64,19 +64,6 @@ SINGLE = (("threads", 4), ("prefork", 4))
 POLL = 0.005         # the client's look at the tally: ±5 ms on a drain of seconds
 
 
-def zxid(server: Server) -> int:
-    """The last transaction ZooKeeper committed (``srvr``)."""
-    assert server.zk is not None and server.zk.port is not None
-    return txnlog.last_zxid(server.zk.host, server.zk.port)
-
-
-def client_packets(server: Server) -> tuple[int, int]:
-    """What every member received from clients (requests, pings) and sent them
-    (replies, watch events)."""
-    counts = [txnlog.packets(member.host, member.port or 0) for member in server.members]
-    return sum(c[0] for c in counts), sum(c[1] for c in counts)
-
-
 # -- the run -------------------------------------------------------------------------------
 @dataclass
 class Run:
@@ -140,8 +127,8 @@ class Run:
             preload(server.url, queue, total)
         tally = Tally(os.path.join(self.work_dir, f"{tag}.tally"), total)
         gate = os.path.join(self.work_dir, f"{tag}.gate")
-        before = zxid(server) if server.zk else 0
-        packets_before = client_packets(server)
+        before = server.zxid() if server.zk else 0
+        packets_before = server.client_packets()
         group = Processes()   # these workers only: stopped together, then counted
         entry: dict[str, Any] = {"tasks": total, "workers": k, "pool": pool,
                                  "concurrency": concurrency}
@@ -178,7 +165,7 @@ class Run:
                         if key not in ("first", "last")})
         if server.zk is not None:
             entry.update(self.transactions(server, before, total))
-            received, sent = (b - a for a, b in zip(packets_before, client_packets(server)))
+            received, sent = (b - a for a, b in zip(packets_before, server.client_packets()))
             entry.update(requests_per_message=received / total,
                          packets_sent_per_message=sent / total)
         log(f"{server.name}: {label}: {entry['rate']:,.0f} tasks/s, "
@@ -220,7 +207,7 @@ class Run:
         """ZooKeeper's transactions over the workers' lifetime, the failed ones
         (conflicts) too, read from the server's log."""
         assert server.zk is not None
-        counts = txnlog.count(server.zk.data_dir, before, zxid(server))
+        counts = txnlog.count(server.zk.data_dir, before, server.zxid())
         return {"server_txns": {**asdict(counts), "failed": counts.failed},
                 "failed_per_message": counts.failed / total,
                 "txns_per_message": counts.transactions / total}

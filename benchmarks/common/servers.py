@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from celery_zk.server import SERVER_JVM_FLAGS, ZooKeeperServer, four_letter_word, free_ports
 
+from . import txnlog
 from .figures import log
 from .net import Host
 from .processes import Processes, tail
@@ -260,6 +261,17 @@ class Server:
     pids: list[int]   # the server's processes (their process groups count as the server)
     zk: ZooKeeperServer | None = None   # the one whose log is read (an ensemble's leader)
     members: list[ZooKeeperServer] = field(default_factory=list)   # every ZooKeeper member
+
+    def zxid(self) -> int:
+        """The last transaction ZooKeeper committed (the leader's ``srvr``)."""
+        assert self.zk is not None and self.zk.port is not None
+        return txnlog.last_zxid(self.zk.host, self.zk.port)
+
+    def client_packets(self) -> tuple[int, int]:
+        """What every member received from clients (requests, pings) and sent them
+        (replies, watch events)."""
+        counts = [txnlog.packets(member.host, member.port or 0) for member in self.members]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
 def start_server(name: str, args: argparse.Namespace, procs: Processes, work_dir: str,

@@ -183,3 +183,21 @@ def test_quick_run_of_the_production_shape(tmp_path: Path) -> None:
     left = subprocess.run(["pgrep", "-af", "celery-zk-workers-|rabbit@10\\.231\\."],
                           capture_output=True, text=True)   # the run's work dir, a node
     assert left.stdout == ""
+
+
+@pytest.mark.slow
+def test_fleet_drains_with_every_consumer_counted(tmp_path: Path) -> None:
+    """benchmarks/fleet.py, small: lean consumers in several processes drain one
+    queue; the dispatcher's CPU is found in exactly one of them."""
+    out = tmp_path / "fleet.json"
+    run = run_script(ROOT / "benchmarks" / "fleet.py", tmp_path, "--brokers", "zk",
+                     "--consumers", "3,8", "--per-process", "4", "--tasks", "400",
+                     "--zk-warm-up", "0", "--json", str(out))
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    entries = json.loads(out.read_text())["results"]["zk"]
+    assert [(e["consumers"], e["processes"]) for e in entries] == [(3, 1), (8, 2)]
+    for entry in entries:
+        assert entry["rate"] > 0 and entry["dispatchers_seen"] == 1
+        assert entry["dispatcher_cpu_ms_per_message"] > 0
+        assert entry["txns_per_message"] > 0 and entry["requests_per_message"] > 0
+    assert "One queue, N lean consumers" in run.stdout

@@ -18,7 +18,7 @@ until the broker has taken it.
               client's synced ``create`` of a 1 KB sequential node on the same
               server.
 
-``zk3`` and ``rabbitmq3`` (:mod:`common.replicated`): the replicated shape,
+``zk3`` and ``rabbitmq3`` (:mod:`common.servers`): the replicated shape,
 three members on hosts of their own, RabbitMQ's publishes confirmed.
 
 Usage::

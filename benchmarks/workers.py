@@ -3,7 +3,7 @@
 Each broker in turn, back to back in this process, only its server running
 (zk: server defaults; Redis: no persistence; RabbitMQ: Debian's, durable
 queues); real ``celery worker`` processes running :mod:`common.app`. The
-production shape (:mod:`common.replicated`): ``zk3``, a three-member ensemble,
+production shape (:mod:`common.servers`): ``zk3``, a three-member ensemble,
 against ``rabbitmq3``, a three-node RabbitMQ cluster with quorum queues and
 confirmed publishes, each member on a host of its own; ``memory``: Celery
 alone (kombu's in-process transport, the backlog stored by the worker before

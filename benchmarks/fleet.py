@@ -1,20 +1,22 @@
-"""Past one machine, by simulation: many lean consumers on one queue.
+"""Past one machine, by simulation: many lean consumers on one queue, or on many.
 
 Celery's worker costs a host a process per pool; the broker's side of many
 hosts is their consumers. Here each consumer is a kombu consumer of its own
 (a thread with its own ``Connection``, prefetch ``--prefetch``), ``--per-process``
 of them in a process (one ZooKeeper session each, as celery_zk keeps one per
 process): 16, 64, 256, 1,024 consumers on one queue of ``--tasks`` stored
-messages, started together at a gate. Each message is acked as it arrives;
-no Celery, no task runs, so what is measured is the queue's side: its rate,
-the dispatcher's CPU per assignment (the thread that gives work, in whichever
-consumer process the election chose, read from its thread CPU clock), and
-ZooKeeper's logged transactions, requests and packets sent per message.
+messages, started together at a gate; with ``--queues Q``, consumer ``j``
+and message ``i`` on queue ``j % Q`` and ``i % Q``, a dispatcher for each.
+Each message is acked as it arrives; no Celery, no task runs, so what is
+measured is the queues' side: their rate, the dispatchers' CPU per
+assignment (the thread that gives a queue's work, in whichever consumer
+process its election chose, read from its thread CPU clock), and ZooKeeper's
+logged transactions, requests and packets sent per message.
 
 Usage::
 
     .venv/bin/python benchmarks/fleet.py [--brokers zk3] [--consumers 16,64,256,1024]
-        [--per-process 32] [--tasks 20000] [--prefetch 4] [--json out.json]
+        [--per-process 32] [--tasks 20000] [--prefetch 4] [--queues 1] [--json out.json]
 """
 from __future__ import annotations
 
@@ -40,10 +42,11 @@ from common.tally import Tally, record
 BROKERS = ("zk3", "zk")
 
 
-def consume(url: str, queue: str, count: int, prefetch: int, tally: str, gate: str,
-            done: str, out: str) -> None:
-    """A consumer process: ``count`` consumers from the gate on, then (once
-    ``done`` exists) the dispatcher thread's CPU seconds, if it ran here, to ``out``."""
+def consume(url: str, base: str, queues: int, first: int, count: int, prefetch: int,
+            tally: str, gate: str, done: str, out: str) -> None:
+    """A consumer process: consumers ``first`` .. ``first + count - 1`` from the
+    gate on, then (once ``done`` exists) the CPU seconds of the dispatcher threads
+    that ran here to ``out``."""
     from kombu import Connection, Queue
 
     import celery_zk  # noqa: F401  (registers zk://)
@@ -54,7 +57,7 @@ def consume(url: str, queue: str, count: int, prefetch: int, tally: str, gate: s
 
     connected = threading.Semaphore(0)
 
-    def one() -> None:
+    def one(queue: str) -> None:
         with Connection(url) as conn:
             conn.connect()   # the session before the gate
             connected.release()
@@ -68,8 +71,8 @@ def consume(url: str, queue: str, count: int, prefetch: int, tally: str, gate: s
                     except socket.timeout:
                         pass
 
-    for _ in range(count):
-        threading.Thread(target=one, daemon=True).start()
+    for j in range(first, first + count):
+        threading.Thread(target=one, args=(f"{base}-{j % queues}",), daemon=True).start()
     for _ in range(count):
         connected.acquire()
     open(out + ".ready", "w").close()
@@ -77,24 +80,28 @@ def consume(url: str, queue: str, count: int, prefetch: int, tally: str, gate: s
         time.sleep(0.05)
     cpu = [time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
            for thread in threading.enumerate()
-           if thread.name == f"celery_zk-dispatch-{queue}" and thread.ident is not None]
+           if thread.name.startswith(f"celery_zk-dispatch-{base}-")
+           and thread.ident is not None]
     with open(out, "w") as fh:
-        json.dump({"dispatcher_cpu_s": sum(cpu) if cpu else None}, fh)
+        json.dump({"dispatcher_cpu_s": cpu}, fh)
     os._exit(0)   # 32 sessions closing one by one would only slow the next drain
 
 
-def store(url: str, queue: str, total: int) -> None:
-    """``total`` messages (their index as the body), pipelined, stored before a consumer."""
+def store(url: str, base: str, queues: int, total: int) -> None:
+    """``total`` messages (their index as the body; message ``i`` on queue ``i % queues``),
+    pipelined, stored before a consumer."""
     from kombu import Connection, Queue
+    names = [f"{base}-{q}" for q in range(queues)]
     with Connection(url, transport_options={"confirm_publish": False}) as conn:
         producer = conn.Producer(serializer="json")
         for index in range(total):
-            producer.publish(index, routing_key=queue, declare=[Queue(queue)] if not index
-                             else [])
+            name = names[index % queues]
+            producer.publish(index, routing_key=name,
+                             declare=[Queue(name)] if index < queues else [])
     deadline = time.monotonic() + 300
-    while waiting(url, queue) < total:
+    while sum(waiting(url, name) for name in names) < total:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{queue}: not all {total} messages stored")
+            raise RuntimeError(f"{base}: not all {total} messages stored")
         time.sleep(0.2)
 
 
@@ -102,8 +109,8 @@ def drain(server: Server, args: argparse.Namespace, work_dir: str, consumers: in
           ) -> dict[str, Any]:
     queue = f"fleet-{consumers}-{uuid.uuid4().hex[:6]}"
     url = server.url.split("?")[0]
-    log(f"{server.name}: {consumers} consumers: store {args.tasks:,}")
-    store(url, queue, args.tasks)
+    log(f"{server.name}: {consumers} consumers: store {args.tasks:,} on {args.queues} queue(s)")
+    store(url, queue, args.queues, args.tasks)
     tag = os.path.join(work_dir, queue)
     tally = Tally(f"{tag}.tally", args.tasks)
     gate, done = f"{tag}.gate", f"{tag}.done"
@@ -113,8 +120,9 @@ def drain(server: Server, args: argparse.Namespace, work_dir: str, consumers: in
     try:
         for i, out in enumerate(outs):
             count = min(args.per_process, consumers - i * args.per_process)
-            group.spawn([sys.executable, __file__, "--consume", url, queue, str(count),
-                         str(args.prefetch), tally.path, gate, done, out], f"{tag}-{i}.out",
+            group.spawn([sys.executable, __file__, "--consume", url, queue, str(args.queues),
+                         str(i * args.per_process), str(count), str(args.prefetch),
+                         tally.path, gate, done, out], f"{tag}-{i}.out",
                         child_env())
         deadline = time.monotonic() + 300   # every process imported, every consumer connected
         while not all(os.path.exists(out + ".ready") for out in outs):
@@ -142,8 +150,9 @@ def drain(server: Server, args: argparse.Namespace, work_dir: str, consumers: in
         tally.close()
     assert server.zk is not None
     counts = txnlog.count(server.zk.data_dir, before, after)
-    cpu = [value for value in found if value is not None]
-    entry = {"consumers": consumers, "processes": processes, "tasks": args.tasks,
+    cpu = [value for values in found for value in values]
+    entry = {"consumers": consumers, "queues": args.queues, "processes": processes,
+             "tasks": args.tasks,
              "rate": args.tasks / (summary.last - summary.first),
              "first_after_gate_s": summary.first - opened,
              "dispatcher_cpu_ms_per_message": sum(cpu) * 1000 / args.tasks if cpu else None,
@@ -164,13 +173,13 @@ COLUMNS = (("messages/s", "rate", ",.0f"), ("dispatcher CPU ms/msg",
 
 
 def render(results: dict[str, list[dict[str, Any]]]) -> str:
-    rows = [["broker", "consumers", *(head for head, _, _ in COLUMNS)]]
+    rows = [["broker", "consumers", "queues", *(head for head, _, _ in COLUMNS)]]
     for name, entries in results.items():
         for entry in entries:
-            rows.append([name, f"{entry['consumers']:,}", *(
+            rows.append([name, f"{entry['consumers']:,}", str(entry["queues"]), *(
                 "-" if entry[key] is None else format(entry[key], spec)
                 for _, key, spec in COLUMNS)])
-    return "\n".join(["One queue, N lean consumers (acked on arrival, no Celery)", *table(rows)])
+    return "\n".join(["N lean consumers (acked on arrival, no Celery)", *table(rows)])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -180,6 +189,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--per-process", type=int, default=32)
     parser.add_argument("--tasks", type=int, default=20000)
     parser.add_argument("--prefetch", type=int, default=4)
+    parser.add_argument("--queues", type=int, default=1, help="queues the consumers share out")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--keep", action="store_true", help="keep the work dir")
     add_server_options(parser)
@@ -192,8 +202,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--consume"]:
-        url, queue, count, prefetch, tally, gate, done, out = argv[1:]
-        consume(url, queue, int(count), int(prefetch), tally, gate, done, out)
+        url, base, queues, first, count, prefetch, tally, gate, done, out = argv[1:]
+        consume(url, base, int(queues), int(first), int(count), int(prefetch), tally, gate,
+                done, out)
         return 0
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # clean up as on Ctrl-C

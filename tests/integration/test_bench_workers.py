@@ -188,7 +188,7 @@ def test_quick_run_of_the_production_shape(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_fleet_drains_with_every_consumer_counted(tmp_path: Path) -> None:
     """benchmarks/fleet.py, small: lean consumers in several processes drain one
-    queue; the dispatcher's CPU is found in exactly one of them."""
+    queue (the dispatcher's CPU found in exactly one of them), then two."""
     out = tmp_path / "fleet.json"
     run = run_script(ROOT / "benchmarks" / "fleet.py", tmp_path, "--brokers", "zk",
                      "--consumers", "3,8", "--per-process", "4", "--tasks", "400",
@@ -200,4 +200,11 @@ def test_fleet_drains_with_every_consumer_counted(tmp_path: Path) -> None:
         assert entry["rate"] > 0 and entry["dispatchers_seen"] == 1
         assert entry["dispatcher_cpu_ms_per_message"] > 0
         assert entry["txns_per_message"] > 0 and entry["requests_per_message"] > 0
-    assert "One queue, N lean consumers" in run.stdout
+    assert "N lean consumers" in run.stdout
+    # Eight consumers on two queues: a dispatcher for each
+    run = run_script(ROOT / "benchmarks" / "fleet.py", tmp_path, "--brokers", "zk",
+                     "--consumers", "8", "--per-process", "4", "--tasks", "400",
+                     "--queues", "2", "--zk-warm-up", "0", "--json", str(out))
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    entry, = json.loads(out.read_text())["results"]["zk"]
+    assert (entry["queues"], entry["dispatchers_seen"]) == (2, 2) and entry["rate"] > 0

@@ -61,13 +61,6 @@ from .limits import LimitStatus, limit_statuses
 __all__ = ["BudgetStatus", "ConsumerStatus", "QueueStatus", "ResultsStatus", "Status", "collect",
            "server_health"]
 
-#: mntr keys worth showing (ZooKeeper 3.5+ names); the rest stay in --json.
-HEALTH_KEYS = ("zk_server_state", "zk_avg_latency", "zk_max_latency",
-               "zk_outstanding_requests", "zk_znode_count", "zk_watch_count",
-               "zk_approximate_data_size", "zk_num_alive_connections", "zk_followers",
-               "zk_synced_followers")
-
-
 @dataclass
 class QueueStatus:
     name: str

@@ -12,17 +12,17 @@ or with ``redis-aof`` every write synced; RabbitMQ is Debian's
 The production shape: ``zk3``, ZooKeeper's three-member ensemble, and
 ``rabbitmq3``, RabbitMQ's three-node cluster with quorum queues, each member
 on a host of its own. The hosts are network namespaces on one bridge
-(:mod:`common.net`), made at
-the first replicated server a run starts and deleted at its end. Clients (the
-workers, the script) stay on this host and reach the members over the bridge,
-as clients on other machines would, with every member in their URL (kazoo
-picks one at random; kombu takes the first and fails over to the next).
+(:mod:`common.net`), made at the first replicated server a run starts and
+deleted at its end. Clients (the workers, the script) stay on this host and
+reach the members over the bridge, as clients on other machines would, with
+every member in their URL (kazoo picks one at random; kombu takes the first
+and fails over to the next).
 
 * ``zk3``: three members with ``zk``'s settings (ZooKeeper's defaults,
   ``forceSync``, production JVM flags), warmed up as ``zk`` is.
 * ``rabbitmq3``: three nodes joined into one cluster; its URL
   (:data:`common.app.QUORUM`) makes Celery declare quorum queues
-  (``task_default_queue_type``) and confirm every publish, the promise a
+  (:func:`common.app.make_app`) and confirm every publish, the promise a
   replicated ZooKeeper makes. Results go by ``rpc://``.
 """
 from __future__ import annotations

@@ -134,9 +134,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "generator group s": group_seconds(url, lazy=True),
                     "call ms": p50_p99(call_ms(url, args.samples))}
                 if server.zk is not None and label == name:
-                    hosts = server.url.removeprefix("zk://").split("/")[0]
-                    results[label]["bare create ms"] = p50_p99(bare_create_ms(hosts,
-                                                                              args.samples))
+                    results[label]["bare create ms"] = p50_p99(
+                        bare_create_ms(server.zk_hosts, args.samples))
     return results
 
 

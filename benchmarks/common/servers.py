@@ -35,6 +35,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from celery_zk.server import (
     SERVER_JVM_FLAGS,
@@ -80,10 +81,16 @@ def choose(parser: argparse.ArgumentParser, value: str, known: Sequence[str]) ->
     return names
 
 
+def measured_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """A production-like server's: full JIT, default GC, ZooKeeper's default tickTime
+    (a member of ``zk3`` has them too)."""
+    return {"extra_config": {"forceSync": args.zk_force_sync},
+            "jvm_flags": (*SERVER_JVM_FLAGS, *args.zk_jvm_flag), "tick_time": 2000}
+
+
 def measured_server(args: argparse.Namespace) -> ZooKeeperServer:
-    """A production-like server: full JIT, default GC, ZooKeeper's default tickTime."""
-    return ZooKeeperServer(extra_config={"forceSync": args.zk_force_sync},
-                           jvm_flags=(*SERVER_JVM_FLAGS, *args.zk_jvm_flag), tick_time=2000)
+    """One production-like server (:func:`measured_settings`)."""
+    return ZooKeeperServer(**measured_settings(args))
 
 
 def warm_up_zookeeper(hosts: str) -> None:
@@ -272,6 +279,11 @@ def stop_new_epmds(before: set[int]) -> None:
             pass
 
 
+def hosts_of(members: Sequence[ZooKeeperServer]) -> str:
+    """ZooKeeper members' ``host:port`` list, as a kazoo client takes it."""
+    return ",".join(member.hosts for member in members)
+
+
 @dataclass
 class Server:
     """A broker's server, started: the URLs its clients use and how it stops."""
@@ -289,6 +301,10 @@ class Server:
         """The last transaction ZooKeeper committed (the leader's ``srvr``)."""
         assert self.zk is not None and self.zk.port is not None
         return txnlog.last_zxid(self.zk.host, self.zk.port)
+
+    @property
+    def zk_hosts(self) -> str:
+        return hosts_of(self.members)
 
     def client_packets(self) -> tuple[int, int]:
         """What every member received from clients (requests, pings) and sent them
@@ -312,7 +328,7 @@ def start_server(name: str, args: argparse.Namespace, procs: Processes, work_dir
             zk.close()
         stops.append(stop_zk)
         zk.start()
-        return warmed_up(name, args, procs, work_dir, root, zk.url, [zk], stop_zk)
+        return warmed_up(name, args, procs, work_dir, root, [zk], stop_zk)
     if name in ("zk3", "rabbitmq3"):
         return start_replicated(name, args, procs, work_dir, stops, root)
     if name == "memory":   # no server: the queues live in the worker's own process
@@ -342,20 +358,19 @@ def start_server(name: str, args: argparse.Namespace, procs: Processes, work_dir
 
 
 def warmed_up(name: str, args: argparse.Namespace, procs: Processes, work_dir: str,
-              root: str, url: str, members: list[ZooKeeperServer],
-              stop: Callable[[], None]) -> Server:
-    """ZooKeeper started at ``url`` (one server, or an ensemble of ``members``),
-    warmed up, as a :class:`Server` whose URLs are under ``/{root}``, with
-    ``--zk-option``."""
+              root: str, members: list[ZooKeeperServer], stop: Callable[[], None]) -> Server:
+    """ZooKeeper started (one server, or an ensemble of ``members``), warmed up, as
+    a :class:`Server` whose URLs are under ``/{root}``, with ``--zk-option``."""
     from .load import warm_up_with_load
 
-    warm_up_zookeeper(url.removeprefix("zk://"))
-    query = "?" + "&".join(args.zk_option) if args.zk_option else ""
-    warm_up_with_load(procs, work_dir, f"{url}/warm-up{query}", args.zk_warm_up)
     modes = {member: four_letter_word(member.host, member.port or 0, "srvr")
              for member in members}
     leader = next(member for member, srvr in modes.items()
                   if len(members) == 1 or "Mode: leader" in srvr)
+    url = f"zk://{hosts_of(members)}"
+    warm_up_zookeeper(hosts_of(members))
+    query = "?" + "&".join(args.zk_option) if args.zk_option else ""
+    warm_up_with_load(procs, work_dir, f"{url}/warm-up{query}", args.zk_warm_up)
     return Server(name, f"{url}/{root}{query}", f"{url}/{root}-results{query}",
                   modes[leader].splitlines()[0], stop,
                   [member.pid or 0 for member in members], leader, members)
@@ -421,9 +436,7 @@ def start_ensemble(net: Network, args: argparse.Namespace, procs: Processes, wor
     ensemble = ZooKeeperEnsemble(
         hosts=[net[host].address for host in ZK_HOSTS],
         command_prefixes=[net[host].exec_prefix() for host in ZK_HOSTS],
-        data_dir=os.path.join(work_dir, "zk3"), tick_time=2000,
-        extra_config={"forceSync": args.zk_force_sync},
-        jvm_flags=(*SERVER_JVM_FLAGS, *args.zk_jvm_flag))
+        data_dir=os.path.join(work_dir, "zk3"), **measured_settings(args))
 
     def stop() -> None:
         close_sessions(ensemble.hosts)
@@ -431,7 +444,7 @@ def start_ensemble(net: Network, args: argparse.Namespace, procs: Processes, wor
     stops.append(stop)
     log("starting a ZooKeeper ensemble of three")
     ensemble.start(timeout=120)
-    return warmed_up("zk3", args, procs, work_dir, root, ensemble.url, ensemble.members, stop)
+    return warmed_up("zk3", args, procs, work_dir, root, ensemble.members, stop)
 
 
 def start_cluster(net: Network, procs: Processes, work_dir: str,

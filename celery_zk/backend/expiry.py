@@ -24,7 +24,7 @@ from kazoo.exceptions import BadVersionError, NoNodeError, NotEmptyError
 from kazoo.protocol.paths import join
 
 from ..exceptions import PayloadError
-from ..zk.client import CONNECTION_ERRORS, multi_failure, reply_or_retry
+from ..zk.client import CONNECTION_ERRORS, children, multi_failure, reply_or_retry
 from ..zk.layout import Layout
 from ..zk.names import PayloadName
 from ..zk.payload import (
@@ -90,12 +90,8 @@ class ExpiryIndex:
         will expire it later.
         """
         client = self.client
-        try:
-            buckets = client.retry(client.get_children, self.layout.expiry)
-        except NoNodeError:
-            return 0
         removed = 0
-        for name in sorted(buckets):
+        for name in sorted(children(client, self.layout.expiry)):
             hour = self.layout.parse_expiry_bucket(name)
             if hour is None or not bucket_expired(hour, cutoff):
                 continue

@@ -28,7 +28,7 @@ import time
 from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
-from ..zk.client import log_failure
+from ..zk.client import children, log_failure
 from ..zk.layout import Layout
 from ..zk.message_names import MessageName
 from ..zk.payload import (
@@ -117,11 +117,8 @@ def delete_paths(client: KazooClient, layout: Layout, queue: str,
 def sweep(client: KazooClient, layout: Layout, queue: str, now: float | None = None) -> int:
     """Collect the orphans among ``queue``'s chunk containers; how many."""
     now = time.time() if now is None else now
-    try:
-        names = client.retry(client.get_children, layout.chunks(queue))
-    except NoNodeError:
-        return 0
-    reads = [(name, client.get_async(layout.chunk_container(queue, name))) for name in names]
+    reads = [(name, client.get_async(layout.chunk_container(queue, name)))
+             for name in children(client, layout.chunks(queue))]
     collected = 0
     for name, read in reads:
         try:
@@ -151,12 +148,9 @@ def sweep(client: KazooClient, layout: Layout, queue: str, now: float | None = N
 def stored(client: KazooClient, layout: Layout, queue: str) -> tuple[int, int]:
     """How many big messages ``queue`` stores (waiting, owned or dead), and
     their bytes, from their containers' data (a round trip; they are few)."""
-    try:
-        names = client.retry(client.get_children, layout.chunks(queue))
-    except NoNodeError:
-        return 0, 0
     count = size = 0
-    for read in [client.get_async(layout.chunk_container(queue, name)) for name in names]:
+    for read in [client.get_async(layout.chunk_container(queue, name))
+                 for name in children(client, layout.chunks(queue))]:
         try:
             data, _ = read.get()
         except NoNodeError:

@@ -27,6 +27,7 @@ from typing import Any, Callable
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoNodeError
 
+from ..zk.client import children
 from ..zk.layout import Layout
 from ..zk.names import parse_binding_name, unescape
 from ..zk.session import AfterExpiry, ClientHandle, weak_callback
@@ -145,11 +146,7 @@ class Bindings:
         """``[(exchange, routing key), ...]`` of one queue, across all exchanges."""
         client = self.client
         found = []
-        try:
-            exchanges = client.retry(client.get_children, self.layout.exchanges)
-        except NoNodeError:
-            return []
-        for escaped in exchanges:
+        for escaped in children(client, self.layout.exchanges):
             exchange = unescape(escaped)
             found += [(exchange, rk) for rk, q in self.table(exchange, fresh=True) if q == queue]
         return found

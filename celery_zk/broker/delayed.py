@@ -38,7 +38,7 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
-from ..zk.client import multi_failure
+from ..zk.client import children, multi_failure
 from ..zk.layout import Layout
 from ..zk.message_names import (
     DELAYED_BUCKET_MS,
@@ -290,11 +290,7 @@ def stats(client: KazooClient, layout: Layout, queue: str) -> tuple[int, int | N
     for start, path in sorted(buckets):
         if nearest is not None and start >= nearest:
             break
-        try:
-            names = client.retry(client.get_children, path)
-        except NoNodeError:
-            continue
-        dues = [when for when in (due_of(m) for m in map(parse_message_name, names)
+        dues = [when for when in (due_of(m) for m in map(parse_message_name, children(client, path))
                                   if m is not None) if when is not None]
         if dues:
             nearest = min(dues) if nearest is None else min(nearest, *dues)

@@ -29,7 +29,7 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoNodeError, NotEmptyError
 from kazoo.recipe.watchers import ChildrenWatch
 
-from ..zk.client import create_once, log_failure
+from ..zk.client import children, create_once, log_failure
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
 from ..zk.message_names import parse_message_name, slot_of
@@ -274,11 +274,7 @@ class Recovery:
         """
         client, layout = self.session.client, self.layout
         owned = [(queue, self.queues.owned_listing(queue)) for queue in self.queues.queue_names()]
-        try:
-            children = client.retry(client.get_children, layout.consumers)
-        except NoNodeError:
-            children = []
-        live = {p for p in map(parse_consumer_name, children) if p}
+        live = {p for p in map(parse_consumer_name, children(client, layout.consumers)) if p}
         moved = 0
         for queue, names in owned:
             for name in names:
@@ -327,11 +323,7 @@ def node_meta(data: bytes | None) -> dict[str, Any]:
 def consumer_nodes(client: KazooClient, layout: Layout) -> list[tuple[str, dict[str, Any], float]]:
     """``(consumer id, node data, registered at)`` of every live consumer, oldest
     first; the data as :func:`node_meta` reads it."""
-    try:
-        names = [n for n in client.retry(client.get_children, layout.consumers)
-                 if parse_consumer_name(n)]
-    except NoNodeError:
-        return []
+    names = [n for n in children(client, layout.consumers) if parse_consumer_name(n)]
     replies = [client.get_async(layout.consumer(n)) for n in names]
     found = []
     for name, reply in zip(names, replies):

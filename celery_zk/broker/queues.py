@@ -20,7 +20,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 from kazoo.protocol.states import ZnodeStat
 
 from ..zk.background import Deferred
-from ..zk.client import log_failure, multi_failure, reply_or_retry
+from ..zk.client import children, log_failure, multi_failure, reply_or_retry
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
 from ..zk.message_names import (
@@ -207,14 +207,14 @@ class Queues:
                 complete = False
                 break
             try:
-                children = client.retry(client.get_children, self.layout.bucket(queue, bucket))
+                listed = client.retry(client.get_children, self.layout.bucket(queue, bucket))
             except NoNodeError:
                 continue   # emptied and deleted meanwhile
-            if not children:
+            if not listed:
                 if index + 1 < len(buckets) and same_priority(bucket, buckets[index + 1]):
                     self._delete_bucket(queue, bucket)   # nobody publishes to it again
                 continue
-            ours, theirs = _in_place(bucket, children)
+            ours, theirs = _in_place(bucket, listed)
             names += ours
             foreign += theirs
         return Listing(sort_messages(names)[0], foreign, complete)
@@ -242,12 +242,8 @@ class Queues:
         """Delete the bodies' buckets whose bucket is gone (``buckets``: those of
         ``unowned/`` now) once their last body was acked; refused while not empty."""
         client = self.client
-        try:
-            twins = client.retry(client.get_children, self.layout.bodies(queue))
-        except NoNodeError:
-            return
         present = set(buckets)
-        for twin in twins:
+        for twin in children(client, self.layout.bodies(queue)):
             if twin not in present and parse_bucket_name(twin) is not None:
                 self._delete_bucket(queue, twin)
 
@@ -336,15 +332,7 @@ class Queues:
         delete_tree(self.client, self.layout.queue(queue))
 
     def owned_listing(self, queue: str) -> list[str]:
-        client = self.client
-        try:
-            return client.retry(client.get_children, self.layout.owned(queue))
-        except NoNodeError:
-            return []
+        return children(self.client, self.layout.owned(queue))
 
     def queue_names(self) -> Iterable[str]:
-        client = self.client
-        try:
-            return [unescape(n) for n in client.retry(client.get_children, self.layout.queues)]
-        except NoNodeError:
-            return []
+        return [unescape(n) for n in children(self.client, self.layout.queues)]

@@ -19,7 +19,7 @@ from ..broker import big
 from ..broker.dead import UNKNOWN, unwrap
 from ..broker.queues import Queues
 from ..exceptions import CeleryZKError
-from ..zk.client import multi_failure
+from ..zk.client import children, multi_failure
 from ..zk.message_names import bucket_name, parse_message_name, requeued_name
 from ..zk.payload import delete_container, is_manifest, parse_manifest
 
@@ -60,11 +60,7 @@ class DeadLetters:
                 f"{', '.join(known) if known else 'none'}")
 
     def ids(self) -> list[str]:
-        try:
-            return sorted(self.client.retry(self.client.get_children,
-                                            self.layout.dead(self.queue)))
-        except NoNodeError:
-            return []
+        return sorted(children(self.client, self.layout.dead(self.queue)))
 
     def list(self) -> list[DeadLetter]:
         """Every dead letter, read in one pipelined round."""

@@ -51,7 +51,7 @@ from ..broker.liveness import consumer_nodes
 from ..broker.queue_arguments import read_meta
 from ..broker.queue_limits import dropped_counts
 from ..server.launcher import four_letter_word
-from ..zk.client import reply_or_retry
+from ..zk.client import children, reply_or_retry
 from ..zk.layout import Layout
 from ..zk.message_names import MAX_PRIORITY, parse_bucket_name, sort_messages
 from ..zk.names import parse_consumer_name, parse_offer_name, parse_payload_name, unescape
@@ -189,7 +189,7 @@ def _budget(client: KazooClient, layout: Layout, max_nodes: int,
     use = Use.parse(stats[0]) if stats is not None else None
     if use is not None:
         status.nodes, status.bytes = use.nodes, use.size
-    names = _children(client, layout.blocked)
+    names = children(client, layout.blocked)
     for reply in [client.get_async(layout.listed(layout.blocked, n)) for n in names]:
         got = _reply_or_none(reply)
         try:
@@ -202,22 +202,12 @@ def _budget(client: KazooClient, layout: Layout, max_nodes: int,
 
 
 def queue_names(client: KazooClient, layout: Layout) -> list[str]:
-    try:
-        return sorted(unescape(n) for n in client.retry(client.get_children, layout.queues))
-    except NoNodeError:
-        return []
-
-
-def _children(client: KazooClient, path: str) -> list[str]:
-    try:
-        return client.retry(client.get_children, path)
-    except NoNodeError:
-        return []
+    return sorted(unescape(n) for n in children(client, layout.queues))
 
 
 def _queue(client: KazooClient, layout: Layout, queue: str, now: float) -> QueueStatus:
     status = QueueStatus(queue)
-    unowned = _children(client, layout.unowned(queue))
+    unowned = children(client, layout.unowned(queue))
     buckets = sorted(n for n in unowned if parse_bucket_name(n) is not None)
     # One pipelined round: every bucket's stat, owned/, dead/ and offers/.
     stats = [client.exists_async(layout.bucket(queue, b)) for b in buckets]
@@ -309,7 +299,7 @@ def _results(client: KazooClient, layout: Layout, result_expires: float | None,
     if result_expires:
         cutoff = now - result_expires
         hours = [hour for hour in map(layout.parse_expiry_bucket,
-                                      _children(client, layout.expiry)) if hour is not None]
+                                      children(client, layout.expiry)) if hour is not None]
         status.expired = sum(
             _sharded_count(client, layout.shards(layout.expiry_bucket(hour)))
             for hour in hours if bucket_expired(hour, cutoff))
@@ -319,7 +309,7 @@ def _results(client: KazooClient, layout: Layout, result_expires: float | None,
 def _payload_bytes(client: KazooClient, layout: Layout) -> tuple[int, int]:
     """How many payload containers there are, and their bytes, from names alone."""
     listings = [client.get_children_async(layout.listed(layout.payloads, shard))
-                for shard in _children(client, layout.payloads)]
+                for shard in children(client, layout.payloads)]
     sizes = [parsed.size for reply in listings for parsed in
              map(parse_payload_name, _reply_or_empty(reply)) if parsed is not None]
     return len(sizes), sum(sizes)

@@ -19,11 +19,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from kazoo.client import KazooClient, TransactionRequest
+from kazoo.client import TransactionRequest
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from ..broker.queues import Queues
-from ..zk.client import multi_failure
+from ..zk.client import children, multi_failure
 from ..zk.message_names import MessageName, parse_bucket_name, parse_legacy_name, requeued_name
 from ..zk.names import OWNER_SEP, parse_consumer_name, unescape
 
@@ -44,24 +44,24 @@ def upgrade(queues: Queues) -> Upgrade:
     """Store every message of ``queues``' root kept in a form before 0.2 anew."""
     client, layout = queues.client, queues.layout
     done = Upgrade()
-    live = {p for p in map(parse_consumer_name, _children(client, layout.consumers)) if p}
-    for escaped in _children(client, layout.queues):
+    live = {p for p in map(parse_consumer_name, children(client, layout.consumers)) if p}
+    for escaped in children(client, layout.queues):
         queue = unescape(escaped)
         queues.declare(queue)   # the directories later releases added
         unowned = layout.unowned(queue)
         waiting = []
-        for name in _children(client, unowned):
+        for name in children(client, unowned):
             if parse_bucket_name(name) is None:
                 waiting.append(f"{unowned}/{name}")
             else:
                 bucket = layout.bucket(queue, name)
-                waiting += [f"{bucket}/{child}" for child in _children(client, bucket)]
+                waiting += [f"{bucket}/{child}" for child in children(client, bucket)]
         for path in waiting:
             message = parse_legacy_name(path.rpartition("/")[2])
             if message is not None and _store_anew(queues, queue, path, message):
                 done.moved[queue] = done.moved.get(queue, 0) + 1
         owned = layout.owned(queue)
-        for name in _children(client, owned):
+        for name in children(client, owned):
             owner, sep, rest = name.partition(OWNER_SEP)   # claimed flat by 0.1
             message = parse_legacy_name(rest) if sep else None
             if message is None:
@@ -102,10 +102,3 @@ def _store_anew(queues: Queues, queue: str, old: str, message: MessageName) -> b
     logger.warning("celery_zk: %s was not upgraded (%s); run the upgrade again",
                    old, type(failure[1]).__name__)
     return False
-
-
-def _children(client: KazooClient, path: str) -> list[str]:
-    try:
-        return list(client.retry(client.get_children, path))
-    except NoNodeError:
-        return []

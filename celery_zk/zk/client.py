@@ -17,6 +17,7 @@ from kazoo.exceptions import (
     ConnectionClosedError,
     ConnectionLoss,
     NoAuthError,
+    NoNodeError,
     OperationTimeoutError,
     RolledBackError,
     RuntimeInconsistency,
@@ -290,6 +291,15 @@ def synced(client: KazooClient, path: str) -> None:
     for exactly this.
     """
     client.retry(client.sync, path)
+
+
+def children(client: KazooClient, path: str) -> list[str]:
+    """``path``'s children (retried through a lost connection); none where
+    ``path`` does not exist, as for a directory deleted or not made yet."""
+    try:
+        return client.retry(client.get_children, path)
+    except NoNodeError:
+        return []
 
 
 def create_once(client: KazooClient, create: Callable[[], str],

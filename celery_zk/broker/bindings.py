@@ -27,7 +27,7 @@ from typing import Any, Callable
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoNodeError
 
-from ..zk.client import children
+from ..zk.client import children, json_object
 from ..zk.layout import Layout
 from ..zk.names import parse_binding_name, unescape
 from ..zk.session import AfterExpiry, ClientHandle, weak_callback
@@ -83,9 +83,9 @@ class Bindings:
         client = self.client
         try:
             data, _ = client.retry(client.get, self.layout.exchange(exchange))
-            type_ = json.loads(data or b"{}").get("type")
-        except (NoNodeError, ValueError):
+        except NoNodeError:
             return None
+        type_ = json_object(data).get("type")
         if type_:
             self._types[exchange] = type_
         return type_

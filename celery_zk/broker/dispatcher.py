@@ -37,7 +37,7 @@ from typing import Any
 
 from kazoo.exceptions import ConnectionLoss, NoNodeError
 
-from ..zk.client import CONNECTION_ERRORS, log_failure
+from ..zk.client import CONNECTION_ERRORS, json_object, log_failure
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
 from ..zk.message_names import is_legacy, parse_message_name
@@ -355,7 +355,7 @@ class Dispatcher:
                 continue
             consumer = self.consumers.get(cid) or Consumer(cid, nodes[cid])
             consumer.node = nodes[cid]
-            meta = _meta(data)
+            meta = json_object(data)
             credit = meta.get("credit")
             # No prefetch limit: what it takes out of its inbox at a time.
             consumer.credit = (self.options.claim_batch
@@ -454,13 +454,5 @@ class Dispatcher:
                 self._list_inboxes()
             if client.retry(client.exists, self.layout.unowned_message(self.queue, name)) is None:
                 self.head.discard({name})
-
-
-def _meta(data: bytes) -> dict[str, Any]:
-    try:
-        meta = json.loads(data or b"{}")
-    except ValueError:
-        return {}
-    return meta if isinstance(meta, dict) else {}
 
 

@@ -29,7 +29,7 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoNodeError, NotEmptyError
 from kazoo.recipe.watchers import ChildrenWatch
 
-from ..zk.client import children, create_once, log_failure
+from ..zk.client import children, create_once, json_object, log_failure
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
 from ..zk.message_names import parse_message_name, slot_of
@@ -310,19 +310,10 @@ class Recovery:
         self._wake.set()
 
 
-def node_meta(data: bytes | None) -> dict[str, Any]:
-    """A consumer node's data as :meth:`ConsumerSession._data` wrote it
-    (``{"host", "pid", "queues"}``), ``{}`` if unreadable."""
-    try:
-        meta = json.loads(data or b"{}")
-    except ValueError:
-        return {}
-    return meta if isinstance(meta, dict) else {}
-
-
 def consumer_nodes(client: KazooClient, layout: Layout) -> list[tuple[str, dict[str, Any], float]]:
     """``(consumer id, node data, registered at)`` of every live consumer, oldest
-    first; the data as :func:`node_meta` reads it."""
+    first; the data as :meth:`ConsumerSession._data` wrote it (``{"host", "pid",
+    "queues"}``), ``{}`` if unreadable."""
     names = [n for n in children(client, layout.consumers) if parse_consumer_name(n)]
     replies = [client.get_async(layout.consumer(n)) for n in names]
     found = []
@@ -331,7 +322,7 @@ def consumer_nodes(client: KazooClient, layout: Layout) -> list[tuple[str, dict[
             data, stat = reply.get()
         except NoNodeError:
             continue   # gone meanwhile
-        found.append((parse_consumer_name(name) or name, node_meta(data),
+        found.append((parse_consumer_name(name) or name, json_object(data),
                       stat.ctime / 1000))
     return sorted(found, key=lambda consumer: consumer[2])
 

@@ -27,6 +27,7 @@ from typing import Any
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
 from ..exceptions import ZKConfigurationError
+from ..zk.client import json_object
 
 __all__ = ["DROP_HEAD", "REJECT_PUBLISH", "Limits", "expired", "meta", "prepare", "read_meta",
            "warn_unhonoured"]
@@ -98,12 +99,7 @@ def meta(arguments: Any, auto_delete: bool) -> bytes:
 def read_meta(data: bytes) -> tuple[bool, dict[str, Any]]:
     """What :func:`meta` wrote: whether the queue is auto-delete, and its
     stored arguments (damaged data: neither)."""
-    try:
-        fields = json.loads(data or b"{}")
-    except ValueError:
-        return False, {}
-    if not isinstance(fields, dict):
-        return False, {}
+    fields = json_object(data)
     arguments = fields.get("arguments")
     return bool(fields.get("auto_delete")), arguments if isinstance(arguments, dict) else {}
 

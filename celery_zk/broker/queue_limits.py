@@ -30,6 +30,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, KazooException, NodeExistsError, NoNodeError
 
 from ..exceptions import QueueFull
+from ..zk.client import json_object
 from ..zk.message_names import parse_message_name
 from .acks import Acks
 from .budget import CHECK_EVERY
@@ -276,9 +277,4 @@ def count_dropped(client: KazooClient, path: str, kind: str, count: int) -> None
 
 
 def dropped_counts(data: bytes) -> dict[str, int]:
-    try:
-        counts = json.loads(data or b"{}")
-    except ValueError:
-        return {}
-    return {k: v for k, v in counts.items() if isinstance(v, int)} if isinstance(
-        counts, dict) else {}
+    return {k: v for k, v in json_object(data).items() if isinstance(v, int)}

@@ -5,6 +5,7 @@ Nothing but :mod:`celery_zk.zk.session` makes clients: it shares one per process
 """
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -300,6 +301,16 @@ def children(client: KazooClient, path: str) -> list[str]:
         return client.retry(client.get_children, path)
     except NoNodeError:
         return []
+
+
+def json_object(data: bytes | None) -> dict[str, Any]:
+    """A node's data read as a JSON object; ``{}`` where it is empty or not one
+    (damaged, or written by something else)."""
+    try:
+        value = json.loads(data or b"{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def create_once(client: KazooClient, create: Callable[[], str],

@@ -15,7 +15,7 @@ from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 from kazoo.retry import ForceRetryError
 
 from ..exceptions import PayloadError, ResultTooLarge
-from ..zk.client import FAILOVER_PATIENCE, connected_retry, log_failure, multi_failure
+from ..zk.client import FAILOVER_PATIENCE, connected_retry, multi_failure, unwaited
 from ..zk.layout import Layout
 from ..zk.payload import commit_deleting, needs_chunks
 from .expiry import CHORD, Key, expiry_hour
@@ -175,15 +175,10 @@ class ResultWrites:
 
     def _fill_level(self, level: str) -> None:
         """Make every shard of a level this process created, without waiting."""
-        def done(result: Any) -> None:   # kazoo's thread: never block
-            try:
-                result.get()
-            except NodeExistsError:
-                pass
-            except Exception as exc:   # the shard is made by the first write needing it
-                log_failure(logger, exc, "celery_zk: could not make %s", level)
+        # One not made here is made by the first write needing it.
         for shard in self.layout.shards(level):
-            self.client.create_async(shard).rawlink(done)
+            unwaited(self.client.create_async(shard), logger, "celery_zk: could not make %s",
+                     level, expected=(NodeExistsError,))
 
     def _write_once(self, key: Key, data: bytes, keep_success: bool,
                     create_only: bool, stored: Stored | None) -> bool | None:

@@ -29,7 +29,7 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoNodeError, NotEmptyError
 from kazoo.recipe.watchers import ChildrenWatch
 
-from ..zk.client import children, create_once, json_object, log_failure
+from ..zk.client import children, create_once, json_object, log_failure, unwaited
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
 from ..zk.message_names import parse_message_name, slot_of
@@ -134,16 +134,9 @@ class ConsumerSession:
         if not (self._valid and self.node_path and self._pid == os.getpid()
                 and self.handle.started):
             return   # registering writes it
-        path = self.node_path
-
-        def done(result: Any) -> None:   # kazoo's thread: never block
-            try:
-                result.get()
-            except NoNodeError:
-                pass   # re-registered (an expiry) with the new data already
-            except Exception as exc:
-                log_failure(logger, exc, "celery_zk: could not update %s", path)
-        self.handle.client.set_async(path, self._data()).rawlink(done)
+        # NoNode: re-registered (an expiry) with the new data already.
+        unwaited(self.handle.client.set_async(self.node_path, self._data()), logger,
+                 "celery_zk: could not update %s", self.node_path, expected=(NoNodeError,))
 
     @property
     def registered(self) -> bool:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 
 from ..features import affinity
-from ..zk.client import CONNECTION_ERRORS, RedoThread, create_once, log_failure
+from ..zk.client import CONNECTION_ERRORS, RedoThread, create_once, log_failure, unwaited
 from ..zk.message_names import slot_of
 from .dispatcher import Dispatcher
 
@@ -100,16 +100,9 @@ class Membership:
         self.credit = credit
         if self.node is None or not self.transport.handle.started:
             return
-        path = self.node
-
-        def done(result: Any) -> None:   # kazoo's thread: never block
-            try:
-                result.get()
-            except NoNodeError:
-                pass   # gone with the session: registering again writes it
-            except Exception as exc:
-                log_failure(logger, exc, "celery_zk: could not update %s", path)
-        self.transport.handle.client.set_async(path, self._data()).rawlink(done)
+        # A node gone with the session is written again by registering.
+        unwaited(self.transport.handle.client.set_async(self.node, self._data()), logger,
+                 "celery_zk: could not update %s", self.node, expected=(NoNodeError,))
 
     def leave(self, consumer_id: str | None, handed: set[str], keep: set[str]) -> None:
         """Stop being given work, and give back the inbox's entries but those

@@ -20,7 +20,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 from kazoo.protocol.states import ZnodeStat
 
 from ..zk.background import Deferred
-from ..zk.client import children, log_failure, multi_failure, reply_or_retry
+from ..zk.client import children, multi_failure, reply_or_retry, unwaited
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
 from ..zk.message_names import (
@@ -228,15 +228,9 @@ class Queues:
     def delete_if_empty(self, path: str) -> None:
         """Delete a directory in the background, refused if something came
         meanwhile (whoever emptied it tries again at its next look)."""
-        def done(result: Any) -> None:   # kazoo's thread: never block
-            try:
-                result.get()
-            except (NoNodeError, NotEmptyError):
-                pass
-            except Exception as exc:
-                log_failure(logger, exc, "celery_zk: could not delete the empty %s; "
-                            "the next look tries again", path)
-        self.client.delete_async(path).rawlink(done)
+        unwaited(self.client.delete_async(path), logger, "celery_zk: could not delete the "
+                 "empty %s; the next look tries again", path,
+                 expected=(NoNodeError, NotEmptyError))
 
     def sweep_bodies(self, queue: str, buckets: list[str]) -> None:
         """Delete the bodies' buckets whose bucket is gone (``buckets``: those of

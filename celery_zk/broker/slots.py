@@ -22,7 +22,7 @@ from typing import Any
 
 from kazoo.exceptions import NoNodeError
 
-from ..zk.client import CONNECTION_ERRORS, log_failure, multi_failure
+from ..zk.client import CONNECTION_ERRORS, log_failure, multi_failure, unwaited
 from ..zk.message_names import SLOT, parse_message_name
 
 __all__ = ["SLOTS", "Slots"]
@@ -129,15 +129,10 @@ def _committed(done: Any, transport: Any, delivery_tag: str, consumer_node: str)
 def _release(client: Any, slot: str, made: Any) -> None:
     """Delete ``slot`` once its multi has answered (never blocks)."""
     def delete(_: Any) -> None:
-        def deleted(result: Any) -> None:
-            try:
-                result.get()
-            except NoNodeError:
-                pass   # never made, or deleted by recovery
-            except Exception as exc:   # recovery deletes it with its consumer
-                log_failure(logger, exc, "celery_zk: the slot %s was not released", slot)
+        # NoNode: never made, or deleted by recovery, as it is with its consumer.
         try:
-            client.delete_async(slot).rawlink(deleted)
+            unwaited(client.delete_async(slot), logger,
+                     "celery_zk: the slot %s was not released", slot, expected=(NoNodeError,))
         except Exception as exc:
             log_failure(logger, exc, "celery_zk: the slot %s was not released", slot)
     made.rawlink(delete)

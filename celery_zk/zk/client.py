@@ -203,6 +203,21 @@ def log_failure(log: logging.Logger, exc: BaseException, message: str, *args: An
         log.log(level, message, *args, exc_info=exc)
 
 
+def unwaited(result: Any, log: logging.Logger, message: str, *args: Any,
+             expected: tuple[type[Exception], ...] = (), level: int = logging.WARNING) -> None:
+    """Send a request's reply nowhere: what ``expected`` names is an outcome,
+    any other failure is logged (:func:`log_failure`) on kazoo's thread,
+    which this never blocks."""
+    def done(reply: Any) -> None:
+        try:
+            reply.get()
+        except expected:
+            pass
+        except Exception as exc:
+            log_failure(log, exc, message, *args, level=level)
+    result.rawlink(done)
+
+
 def multi_failure(results: list[Any]) -> tuple[int, Exception] | None:
     """Index and error of the op that made a multi transaction fail, or None.
 

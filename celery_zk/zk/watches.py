@@ -40,7 +40,7 @@ from kazoo.protocol.serialization import int_struct, write_string
 from ..compat import kazoo as kazoo_compat
 from ..exceptions import ZKServerTooOld
 from ..server.launcher import four_letter_word
-from .client import dispose_later, log_failure, make_client
+from .client import dispose_later, make_client, unwaited
 from .config import ZKSettings
 
 __all__ = ["NODE_CREATED", "NODE_DELETED", "TreeWatches", "require_add_watch", "watches_of"]
@@ -194,15 +194,10 @@ class TreeWatches:
         client = self._client
         if client is None or client is not self.handle.client:
             return False
-        def done(result: Any) -> None:   # kazoo's thread: log only
-            try:
-                result.get()
-            except Exception as exc:   # the watch dies with the connection anyway
-                log_failure(logger, exc, "celery_zk: could not remove the watch on %s",
-                            path, level=logging.DEBUG)
-
-        kazoo_compat.send(client, RemoveWatches(client.chroot + path, _ANY_WATCHER)
-                          ).rawlink(done)
+        # A watch not removed dies with the connection anyway.
+        unwaited(kazoo_compat.send(client, RemoveWatches(client.chroot + path, _ANY_WATCHER)),
+                 logger, "celery_zk: could not remove the watch on %s", path,
+                 level=logging.DEBUG)
         return True
 
     def _forget(self, path: str, callback: TreeCallback) -> bool:

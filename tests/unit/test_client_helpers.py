@@ -16,7 +16,7 @@ from kazoo.exceptions import (
 )
 
 from celery_zk.zk.background import Deferred
-from celery_zk.zk.client import RedoThread, log_failure, multi_failure
+from celery_zk.zk.client import RedoThread, json_object, log_failure, multi_failure, unwaited
 
 log = logging.getLogger("celery_zk.test")
 
@@ -27,6 +27,37 @@ def test_multi_failure_names_the_op_that_failed() -> None:
     assert failure is not None
     index, error = failure
     assert index == 1 and isinstance(error, BadVersionError)
+
+
+def test_an_unwaited_reply_logs_only_what_was_not_expected(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from kazoo.handlers.threading import SequentialThreadingHandler
+    handler = SequentialThreadingHandler()
+    handler.start()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="celery_zk.test"):
+            for outcome in (None, NoNodeError(), BadVersionError()):
+                result = handler.async_result()
+                unwaited(result, log, "could not delete %s", "/a", expected=(NoNodeError,))
+                if outcome is None:
+                    result.set("/a")
+                else:
+                    result.set_exception(outcome)
+            deadline = time.monotonic() + 5
+            while not caplog.records and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.1)   # anything else the callback thread would have logged
+    finally:
+        handler.stop()
+    (record,) = caplog.records
+    assert record.getMessage() == "could not delete /a"
+    assert record.exc_info is not None and isinstance(record.exc_info[1], BadVersionError)
+
+
+def test_json_object_reads_only_objects() -> None:
+    assert json_object(b'{"credit": 4}') == {"credit": 4}
+    for data in (None, b"", b"[1]", b"not json", b'"a"'):
+        assert json_object(data) == {}
 
 
 def test_a_lost_connection_is_a_plain_warning(caplog: pytest.LogCaptureFixture) -> None:

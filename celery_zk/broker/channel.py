@@ -248,12 +248,11 @@ class Channel(virtual.Channel):
         publisher = transport.publisher
         marker = self._once_marker(message)
         task, limit_key = limit_tokens(message, transport.limits(), self._arguments)
-        data = encode_message(message)
         priority = kombu_compat.priority_of(self, message)
         due = delayed.due(message)   # an eta far enough ahead: it waits in delayed/
+        new = publisher.new_message(queue, encode_message(message), priority, affinity, size,
+                                    task, limit_key, due)   # checks the size
         if marker is not None:   # one multi with its marker, stored now
-            new = publisher.new_message(queue, data, priority, affinity, size, task,
-                                        limit_key, due)
             if publisher.put_once(new, marker) is None:
                 logger.info("celery_zk: not publishing to %r again: %s exists (a chord's "
                             "body, sent by a worker that stopped before it finished the "
@@ -263,15 +262,11 @@ class Channel(virtual.Channel):
             return
         together = transport.publishing_together()
         if together is not None:   # stored when the group is (see publish_together)
-            together.append(publisher.new_message(queue, data, priority, affinity, size, task,
-                                                  limit_key, due))
+            together.append(new)
             return
         if transport.unconfirmed is not None:
-            transport.unconfirmed.put(queue, data, priority, affinity, size, task, limit_key,
-                                      due)
+            transport.unconfirmed.put(new)
             return
-        new = publisher.new_message(queue, data, priority, affinity, size, task,
-                                    limit_key, due)   # checks the size
         # A message with an affinity key waits where the dispatcher chooses a
         # consumer by its key: it is never handed to whichever consumer is idle.
         # Nor is a big one, whose chunks' state its publish multi sets, nor one

@@ -42,9 +42,8 @@ _publishers: weakref.WeakSet[UnconfirmedPublisher] = weakref.WeakSet()
 class UnconfirmedPublisher:
     """Pipelined publishes through one :class:`~celery_zk.broker.publish.Publisher`."""
 
-    def __init__(self, publisher: Publisher, window: int = WINDOW) -> None:
+    def __init__(self, publisher: Publisher) -> None:
         self.publisher = publisher
-        self.window = window
         self._pid = os.getpid()
         self._cond = threading.Condition()
         self._in_flight = 0
@@ -52,18 +51,12 @@ class UnconfirmedPublisher:
         _publishers.add(self)
         _hook_exit()
 
-    def put(self, queue: str, data: bytes, priority: int | None,
-            affinity: str | None = None, size: int | None = None,
-            task: str | None = None, limit_key: str | None = None,
-            due: int | None = None) -> None:
-        # Size errors raise here.
-        message = self.publisher.new_message(queue, data, priority, affinity, size, task,
-                                             limit_key, due)
+    def put(self, message: NewMessage) -> None:
         with self._cond:
             if self._pid != os.getpid():  # forked: the parent's replies never come here
                 self._pid, self._in_flight, self._redo = os.getpid(), 0, self._redo_thread()
                 _hook_exit()
-            while self._in_flight >= self.window:
+            while self._in_flight >= WINDOW:
                 self._cond.wait()
             self._in_flight += 1
         try:

@@ -72,7 +72,8 @@ def test_a_lost_reply_is_redone_without_a_duplicate(
         publisher = transport.unconfirmed
         assert publisher is not None
         for i in range(3):
-            publisher.put("lossy-pub", json.dumps({"body": json.dumps(i)}).encode(), None)
+            publisher.put(transport.publisher.new_message(
+                "lossy-pub", json.dumps({"body": json.dumps(i)}).encode(), None))
         assert publisher.flush(timeout=10)
     assert lost
     assert stored_bodies(zk_client, "lossy-pub") == [0, 1, 2]
@@ -109,7 +110,8 @@ def test_a_refused_publish_is_redone_without_looking_for_it(
             return put_new(message, maybe_made)
         monkeypatch.setattr(transport.publisher, "put_new", spy)
         for i in range(3):
-            publisher.put("refused-pub", json.dumps({"body": json.dumps(i)}).encode(), None)
+            publisher.put(transport.publisher.new_message(
+                "refused-pub", json.dumps({"body": json.dumps(i)}).encode(), None))
         assert publisher.flush(timeout=10)
     assert refused and looked == [False]
     assert sorted(stored_bodies(zk_client, "refused-pub")) == [0, 1, 2]
@@ -121,7 +123,8 @@ def test_a_publish_to_an_undeclared_queue_declares_it(zk_url: str,
     with Connection(zk_url + "?confirm_publish=false") as conn:
         publisher = conn.transport.unconfirmed
         assert publisher is not None
-        publisher.put("undeclared-pub", json.dumps({"body": "1"}).encode(), None)
+        publisher.put(conn.transport.publisher.new_message(
+            "undeclared-pub", json.dumps({"body": "1"}).encode(), None))
         assert publisher.flush(timeout=10)
     assert stored_bodies(zk_client, "undeclared-pub") == [1]
 

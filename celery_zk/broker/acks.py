@@ -27,7 +27,6 @@ from ..zk.client import (
     RedoThread,
     log_failure,
     multi_failure,
-    synced,
 )
 from ..zk.message_names import MessageName, parse_message_name, requeued_name, without_body
 from ..zk.multi import Multi
@@ -284,52 +283,13 @@ class Acks:
         by someone else): the delete in the same transaction makes a double
         requeue impossible.
         """
-        layout, client = self.layout, self.client
+        layout = self.layout
         queue, _, name = layout.split_owned_path(owned_path)
         message = parse_message_name(name)
         assert message is not None  # split_owned_path validated the name
         # Not sequential: the uid makes the name unique (one copy of a message
         # exists at a time), and no bucket's counter moves.
-        path = layout.unowned_message(queue, requeued_name(message))
-
-        bucket = layout.parent(path)
-        make_bucket = False
-
-        def move() -> bool:
-            nonlocal make_bucket
-            txn = client.transaction()
-            # The create before the delete: the dispatcher learns of the message
-            # waiting again before it sees the credit it frees (a transaction's
-            # watch events come in the order of its operations), so the freed
-            # credit never goes to what the message goes back ahead of.
-            if make_bucket:
-                txn.create(bucket)
-            txn.create(path)
-            txn.delete(owned_path)
-            try:
-                failure = multi_failure(txn.commit())
-            except ConnectionLoss:
-                synced(client, owned_path)
-                if client.retry(client.exists, owned_path) is None:
-                    return True  # it committed (or another survivor moved it)
-                raise
-            if failure is None:
-                return True
-            index, error = failure
-            if make_bucket and index == 0 and isinstance(error, NodeExistsError):
-                make_bucket = False   # made again meanwhile
-                return move()
-            if not make_bucket and index == 0 and isinstance(error, NoNodeError):
-                # Its bucket was emptied and deleted since: make it again, in the
-                # same transaction (it sorts ahead of later buckets, where the
-                # message belongs).
-                make_bucket = True
-                return move()
-            if isinstance(error, (NoNodeError, NodeExistsError)):
-                return False   # moved already (a retry, or another survivor)
-            raise error
-
-        return bool(client.retry(move))
+        return self.queues.move(owned_path, layout.unowned_message(queue, requeued_name(message)))
 
     def requeue_many(self, owned_paths: list[str], settled: list[str] | None = None) -> int:
         """:meth:`requeue` for many messages, each to its place, their names

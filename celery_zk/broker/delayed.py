@@ -36,7 +36,7 @@ from datetime import datetime
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import NoNodeError
 
 from ..zk.client import children, multi_failure
 from ..zk.layout import Layout
@@ -208,10 +208,14 @@ class Delayed:
                      if self._heap[0][0] <= now]
             if self._move(batch, buckets) is not None:
                 # One was revoked, purged or moved by another dispatcher, or a
-                # bucket came or went: each alone, looking again at the buckets.
+                # bucket came or went: each alone, the buckets looked at again after.
+                for _, bucket, name in batch:
+                    message = parse_message_name(name)
+                    assert message is not None   # _add parsed it
+                    self.queues.move(self.layout.delayed(self.queue, bucket, name),
+                                     self.layout.unowned_message(self.queue,
+                                                                 promoted_name(message)))
                 buckets = self._buckets = set(self.queues.buckets(self.queue)[0])
-                for entry in batch:
-                    self._move_alone(entry, buckets)
             for _, bucket, name in batch:
                 self._known.discard(name)
                 self._pending[bucket] -= 1
@@ -236,26 +240,6 @@ class Delayed:
         if failure is not None:
             buckets.difference_update(made)
         return failure
-
-    def _move_alone(self, entry: tuple[int, str, str], buckets: set[str]) -> None:
-        for _ in range(3):
-            failure = self._move([entry], buckets)
-            if failure is None:
-                return
-            error = failure[1]
-            message = parse_message_name(entry[2])
-            assert message is not None
-            if isinstance(error, NodeExistsError) and message.bucket not in buckets:
-                buckets.add(message.bucket)   # made meanwhile
-            elif isinstance(error, NoNodeError) and message.bucket in buckets:
-                buckets.discard(message.bucket)   # deleted meanwhile: make it
-            else:
-                return   # gone from delayed/ (revoked, purged, promoted by another)
-        logger.warning("celery_zk: could not promote the delayed message %s of queue %r "
-                       "(its bucket kept changing); the next look tries again",
-                       entry[2], self.queue)
-        self._opened.pop(entry[1], None)   # listed again at the next look
-        self._look_again = True
 
     def _close(self, now: int) -> None:
         """Delete the buckets of minutes gone by whose every message was promoted."""

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from kazoo.client import KazooClient, TransactionRequest
-from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
+from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError, NotEmptyError
 from kazoo.protocol.states import ZnodeStat
 
 from ..zk.background import Deferred
-from ..zk.client import children, multi_failure, reply_or_retry, unwaited
+from ..zk.client import children, multi_failure, reply_or_retry, synced, unwaited
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
 from ..zk.message_names import (
@@ -224,6 +224,48 @@ class Queues:
         twin that still holds bodies of owned messages is left to :meth:`sweep_bodies`)."""
         self.delete_if_empty(self.layout.bucket(queue, bucket))
         self.delete_if_empty(self.layout.body_bucket(queue, bucket))
+
+    def move(self, source: str, target: str) -> bool:
+        """Move a message's name from ``source`` (an inbox, ``delayed/``) to
+        ``target``, its place under ``unowned/``, in one multi that makes the
+        bucket again if it was emptied and deleted meanwhile (the bucket sorts
+        ahead of later ones, where the message belongs). False when ``source``
+        was gone (acked, moved by someone else): the delete in the multi makes
+        a double move impossible."""
+        client = self.client
+        bucket = self.layout.parent(target)
+        make_bucket = False
+
+        def attempt() -> bool:
+            nonlocal make_bucket
+            txn = client.transaction()
+            # The create before the delete: a dispatcher learns of the message
+            # waiting again before it sees the credit its delete frees (a
+            # transaction's watch events come in the order of its operations),
+            # so that credit never goes to what the message goes back ahead of.
+            if make_bucket:
+                txn.create(bucket)
+            txn.create(target)
+            txn.delete(source)
+            try:
+                failure = multi_failure(txn.commit())
+            except ConnectionLoss:
+                synced(client, source)
+                if client.retry(client.exists, source) is None:
+                    return True  # it committed (or another survivor moved it)
+                raise
+            if failure is None:
+                return True
+            index, error = failure
+            if index == 0 and isinstance(error, NodeExistsError if make_bucket
+                                         else NoNodeError):
+                make_bucket = not make_bucket   # the bucket came or went meanwhile
+                return attempt()
+            if isinstance(error, (NoNodeError, NodeExistsError)):
+                return False   # moved already (a retry, or another survivor)
+            raise error
+
+        return bool(client.retry(attempt))
 
     def delete_if_empty(self, path: str) -> None:
         """Delete a directory in the background, refused if something came

@@ -30,7 +30,6 @@ from ..zk.client import (
 )
 from ..zk.message_names import MessageName, parse_message_name, requeued_name, without_body
 from ..zk.multi import Multi
-from ..zk.payload import commit_deleting
 from . import big
 from .dead import wrap
 from .queues import ANY_VERSION, Queues
@@ -82,34 +81,6 @@ class Acks:
     def _big(self, owned_path: str) -> bool:
         return self._message(owned_path)[1].chunked
 
-    def _end_big(self, owned_path: str, consumer_node: str | None = None) -> bool:
-        """Ack or drop a big message: its name, its body, and in the same multi
-        as many of its chunks as fit (all of them at the defaults), the rest
-        right after (celery_zk.zk.payload.commit_deleting)."""
-        queue, message = self._message(owned_path)
-        client = self.client
-
-        def build(txn: TransactionRequest) -> None:
-            if consumer_node is not None:
-                txn.check(consumer_node, ANY_VERSION)   # as any ack: see ack()
-            self._delete_ops(txn, owned_path)
-
-        def attempt() -> tuple[int, Exception] | None:
-            return commit_deleting(client, build, big.delete_paths(client, self.layout,
-                                                                   queue, message))
-
-        failure = client.retry(attempt)
-        if failure is None:
-            return True
-        if consumer_node is not None and failure[0] == 0:
-            logger.warning("celery_zk: not acking %s: this worker's ZooKeeper session %s "
-                           "ended, so the message was requeued and will run again "
-                           "(at-least-once).", owned_path, consumer_node)
-            return False
-        if isinstance(failure[1], NoNodeError):
-            return False
-        raise failure[1]
-
     def _delete_ops(self, txn: TransactionRequest | Multi, owned_path: str) -> None:
         """Add the deletes that end ``owned_path``: its name, then its body."""
         txn.delete(owned_path)
@@ -117,32 +88,24 @@ class Acks:
 
     def _ack_outcome(self, owned_path: str, consumer_node: str, results: list[Any]) -> bool:
         failure = multi_failure(results)
-        if failure is None:
-            return True
-        if failure[0] == 0:
-            logger.warning(
-                "celery_zk: not acking %s: this worker's ZooKeeper session %s ended, so "
-                "the message was requeued and will run again (at-least-once).",
-                owned_path, consumer_node)
-        return False
+        if failure is not None and failure[0] == 0:
+            self._not_acked(owned_path, consumer_node)
+        return failure is None
 
     def ack(self, owned_path: str, consumer_node: str) -> bool:
         """Delete an owned message if the session that was given it still lives."""
-        if self._big(owned_path):
-            return self._end_big(owned_path, consumer_node)
+        # The check makes an ack from an expired session a no-op: by then a
+        # survivor may have requeued the message and another worker holds it.
+        failure = self.queues.end(owned_path, *self._message(owned_path), check=consumer_node)
+        if failure is not None and failure[0] == 0:
+            self._not_acked(owned_path, consumer_node)
+        return failure is None
 
-        def build(txn: TransactionRequest) -> None:
-            # The check makes an ack from an expired session a no-op: by then a
-            # survivor may have requeued the message and another worker holds it.
-            # Any version: the node's data (its queues) changes as consumers do.
-            txn.check(consumer_node, ANY_VERSION)
-            self._delete_ops(txn, owned_path)
-
-        try:
-            results = self.queues.commit(build)
-        except NoNodeError:
-            return False
-        return self._ack_outcome(owned_path, consumer_node, results)
+    def _not_acked(self, owned_path: str, consumer_node: str) -> None:
+        logger.warning(
+            "celery_zk: not acking %s: this worker's ZooKeeper session %s ended, so "
+            "the message was requeued and will run again (at-least-once).",
+            owned_path, consumer_node)
 
     def ack_async(self, owned_path: str, consumer_node: str) -> None:
         """:meth:`ack` without waiting for ZooKeeper, as AMQP's basic.ack.
@@ -333,17 +296,14 @@ class Acks:
         """Drop an owned message, or move it to the queue's dead/ directory;
         ``expected``: as its queue's arguments ask (logged at INFO, not ERROR)."""
         layout = self.layout
-        if not dead_letter and self._big(owned_path):
-            return self._end_big(owned_path)
+        queue, message = self._message(owned_path)
         if not dead_letter:
-            failure = multi_failure(
-                self.queues.commit(lambda txn: self._delete_ops(txn, owned_path)))
+            failure = self.queues.end(owned_path, queue, message)
             if failure is None:
                 return True
             if isinstance(failure[1], NoNodeError):
                 return False
             raise failure[1]
-        queue, message = self._message(owned_path)
         # Without a handed name's copy of its body: the dead node holds the body.
         name = without_body(layout.split_owned_path(owned_path)[2])
         return self._move_to_dead(owned_path, layout.dead_message(queue, name), reason,

@@ -322,7 +322,7 @@ class Queues:
         for name in names:
             message = parse_message_name(name)
             if message is not None and message.chunked:
-                removed += self._delete_big_waiting(queue, name, message)
+                removed += self.end(layout.unowned_message(queue, name), queue, message) is None
             else:
                 small.append(name)
         names = small
@@ -337,17 +337,26 @@ class Queues:
                            if multi_failure(self.commit(deletes([name]))) is None)
         return removed
 
-    def _delete_big_waiting(self, queue: str, name: str, message: MessageName) -> int:
-        """Delete a waiting big message: name, body and chunks (see celery_zk.broker.big)."""
-        layout, client = self.layout, self.client
-        body = layout.body(queue, message)
+    def end(self, path: str, queue: str, message: MessageName,
+            check: str | None = None) -> tuple[int, Exception] | None:
+        """Delete a message, its name at ``path`` (waiting or owned) and its body,
+        in one multi that first checks ``check`` exists (an ack's consumer node:
+        see :meth:`~celery_zk.broker.acks.Acks.ack`); a big one's chunks with
+        them, as many as fit, the rest right after (:func:`commit_deleting`).
+        The multi's failure (see :func:`multi_failure`), or None."""
+        client, body = self.client, self.layout.body(queue, message)
 
-        def build(txn: Any) -> None:
-            txn.delete(layout.unowned_message(queue, name))
+        def build(txn: TransactionRequest) -> None:
+            if check is not None:
+                # Any version: the node's data (its queues) changes as consumers do.
+                txn.check(check, ANY_VERSION)
+            txn.delete(path)
             txn.delete(body)
 
-        failure = commit_deleting(client, build, big.delete_paths(client, layout, queue, message))
-        return 1 if failure is None else 0
+        if not message.chunked:
+            return multi_failure(self.commit(build))
+        return client.retry(lambda: commit_deleting(
+            client, build, big.delete_paths(client, self.layout, queue, message)))
 
     def delete_all(self, paths: list[str]) -> int:
         """Pipelined deletes; how many this call deleted."""

@@ -24,7 +24,7 @@ from kazoo.exceptions import BadVersionError, NoNodeError, NotEmptyError
 from kazoo.protocol.paths import join
 
 from ..exceptions import PayloadError
-from ..zk.client import CONNECTION_ERRORS, children, multi_failure, reply_or_retry
+from ..zk.client import CONNECTION_ERRORS, children, listings, multi_failure, reply_or_retry
 from ..zk.layout import Layout
 from ..zk.names import PayloadName
 from ..zk.payload import (
@@ -111,7 +111,7 @@ class ExpiryIndex:
             entries: list[str] = []
             keys: list[Key] = []
             payloads: list[PayloadName] = []
-            for shard_path, names in self._list_all(group):
+            for shard_path, names in listings(self.client, group):   # missing: cleaned already
                 entries += [join(shard_path, name) for name in names]
                 for name in names:
                     payload = self.layout.parse_payload_entry(name)
@@ -128,18 +128,6 @@ class ExpiryIndex:
             self._delete_singly([(shard, -1) for shard in group])
         self._delete_quietly(bucket)
         return removed
-
-    def _list_all(self, paths: list[str]) -> list[tuple[str, list[str]]]:
-        """``get_children`` of every path in one pipelined round; missing ones skipped."""
-        client = self.client
-        listings = [(path, client.get_children_async(path)) for path in paths]
-        found = []
-        for path, listing in listings:
-            try:
-                found.append((path, reply_or_retry(client, listing, client.get_children, path)))
-            except NoNodeError:
-                pass  # another cleanup got there first
-        return found
 
     def _expire_nodes(self, keys: list[Key], cutoff: float) -> int:
         client = self.client

@@ -34,7 +34,7 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
-from ..zk.client import CONNECTION_ERRORS, log_failure, reply_or_retry
+from ..zk.client import CONNECTION_ERRORS, listings, log_failure, reply_or_retry
 from ..zk.layout import REVOKED_STAMP, REVOKED_TASK, Layout
 
 logger = logging.getLogger(__name__)
@@ -117,13 +117,8 @@ class RevokeStore:
         now = time.time() if now is None else now
         client = self.client
         shards = self.layout.shards(self.layout.revoked)
-        listings = [(shard, client.get_children_async(shard)) for shard in shards]
         paths = []
-        for shard, reply in listings:
-            try:
-                names = reply.get()
-            except NoNodeError:
-                continue
+        for shard, names in listings(client, shards):
             paths += [f"{shard}/{name}" for name in names
                       if name.startswith((REVOKED_TASK, REVOKED_STAMP))]
         reads = [(path, client.get_async(path)) for path in paths]

@@ -22,6 +22,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
 from ..features.limits import QUEUE, Limit, LimitStore, parse_rate
+from ..zk.client import listings
 from ..zk.layout import Layout
 from ..zk.message_names import parse_bucket_name, parse_message_name
 from ..zk.names import parse_consumer_name
@@ -91,14 +92,11 @@ def _names(client: KazooClient, layout: Layout, queues: list[str]) -> tuple[list
             parsed = parse_bucket_name(bucket)
             if parsed is not None:
                 firsts.setdefault(parsed[0], bucket)
-        reads = ([(owned, client.get_children_async(layout.inbox(queue, i))) for i in inboxes]
-                 + [(head, client.get_children_async(layout.bucket(queue, b)))
-                    for b in firsts.values()])
-        for into, read in reads:
-            try:
-                into += [m for m in map(parse_message_name, read.get()) if m is not None]
-            except NoNodeError:
-                continue
+        inbox_paths = [layout.inbox(queue, i) for i in inboxes]
+        for path, names in listings(client, [*inbox_paths, *(layout.bucket(queue, b)
+                                                            for b in firsts.values())]):
+            into = owned if path in inbox_paths else head
+            into += [m for m in map(parse_message_name, names) if m is not None]
     return owned, head
 
 

@@ -318,6 +318,19 @@ def children(client: KazooClient, path: str) -> list[str]:
         return []
 
 
+def listings(client: KazooClient, paths: list[str]) -> list[tuple[str, list[str]]]:
+    """``(path, its children)`` of every path, read in one pipelined round;
+    missing ones left out, a lost reply read again (:func:`reply_or_retry`)."""
+    replies = [(path, client.get_children_async(path)) for path in paths]
+    found = []
+    for path, reply in replies:
+        try:
+            found.append((path, reply_or_retry(client, reply, client.get_children, path)))
+        except NoNodeError:
+            pass
+    return found
+
+
 def json_object(data: bytes | None) -> dict[str, Any]:
     """A node's data read as a JSON object; ``{}`` where it is empty or not one
     (damaged, or written by something else)."""

@@ -39,7 +39,7 @@ from ..zk.payload import (
     write_chunks,
 )
 
-__all__ = ["ORPHAN_AGE", "State", "delete_paths", "mark", "parse_state", "prepare",
+__all__ = ["ORPHAN_AGE", "State", "mark", "parse_state", "prepare",
            "read_body", "stored", "sweep"]
 
 logger = logging.getLogger(__name__)
@@ -100,18 +100,6 @@ def read_body(client: KazooClient, layout: Layout, queue: str, message: MessageN
     if not message.chunked or not is_manifest(data):
         return data
     return read_payload(client, layout.chunk_container(queue, message.uid), data)
-
-
-def delete_paths(client: KazooClient, layout: Layout, queue: str,
-                 message: MessageName) -> list[str]:
-    """The chunks of a big message, then its container: what its ack deletes
-    after the name and the body."""
-    container = layout.chunk_container(queue, message.uid)
-    try:
-        names = client.retry(client.get_children, container)
-    except NoNodeError:
-        return []
-    return [*(Layout.listed(container, name) for name in sorted(names)), container]
 
 
 def sweep(client: KazooClient, layout: Layout, queue: str, now: float | None = None) -> int:

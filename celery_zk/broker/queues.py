@@ -31,9 +31,8 @@ from ..zk.message_names import (
     sort_messages,
 )
 from ..zk.names import unescape
-from ..zk.payload import commit_deleting
+from ..zk.payload import commit_deleting, container_paths
 from ..zk.tree import delete_tree
-from . import big
 
 logger = logging.getLogger(__name__)
 
@@ -355,8 +354,9 @@ class Queues:
 
         if not message.chunked:
             return multi_failure(self.commit(build))
+        container = self.layout.chunk_container(queue, message.uid)
         return client.retry(lambda: commit_deleting(
-            client, build, big.delete_paths(client, self.layout, queue, message)))
+            client, build, container_paths(client, container)))
 
     def delete_all(self, paths: list[str]) -> int:
         """Pipelined deletes; how many this call deleted."""

@@ -60,7 +60,8 @@ from .layout import Layout
 from .names import MAX_CHUNKS
 
 __all__ = ["IN_FLIGHT_BYTES", "MAGIC", "MAX_CHUNK_SIZE", "MIN_CHUNK_SIZE", "MULTI_DELETES",
-           "Manifest", "check_chunk_size", "chunk_paths", "commit_deleting", "delete_container",
+           "Manifest", "check_chunk_size", "chunk_paths", "commit_deleting", "container_paths",
+           "delete_container",
            "delete_nodes",
            "is_manifest", "needs_chunks", "parse_manifest", "read_payload", "read_payloads",
            "write_chunks"]
@@ -304,12 +305,17 @@ def delete_nodes(client: KazooClient, paths: Sequence[str]) -> None:
         client.retry(attempt)
 
 
-def delete_container(client: KazooClient, container: str) -> None:
-    """Delete a container and whatever chunks it holds (an orphan: its manifest is
-    not known, or it was never written whole)."""
+def container_paths(client: KazooClient, container: str) -> list[str]:
+    """Whatever chunks a container holds, then the container, in the order
+    their deletes must go; none where it is gone."""
     try:
         names = client.retry(client.get_children, container)
     except NoNodeError:
-        return
-    delete_nodes(client, [*(Layout.listed(container, name) for name in sorted(names)),
-                          container])
+        return []
+    return [*(Layout.listed(container, name) for name in sorted(names)), container]
+
+
+def delete_container(client: KazooClient, container: str) -> None:
+    """Delete a container and whatever chunks it holds (an orphan: its manifest is
+    not known, or it was never written whole)."""
+    delete_nodes(client, container_paths(client, container))

@@ -64,7 +64,7 @@ from ..exceptions import ResultTooLarge
 from ..zk.client import CONNECTION_ERRORS
 from ..zk.config import mask_in_celery_reports, mask_password, parse_url
 from ..zk.layout import Layout
-from ..zk.payload import commit_deleting
+from ..zk.payload import commit_deleting, deleting
 from ..zk.session import ClientHandle
 from ..zk.tree import delete_tree
 from .chord import ChordCounter
@@ -194,7 +194,8 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
 
     def _delete_key(self, key: Key) -> None:
         if key.kind == CHORD:
-            self._retry(self._delete, self.path(key))
+            # A chord counter and its parts: one multi.
+            self._retry(delete_tree, self.client, self.path(key))
         else:
             self._retry(self._delete_value, key)
 
@@ -207,18 +208,13 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         except NoNodeError:
             return
 
-        def delete(tx: Any) -> None:
-            tx.delete(path, version=stat.version)
-
-        failure = commit_deleting(self.client, delete, self.payloads.chunks_of(key, data))
+        failure = commit_deleting(self.client, deleting(path, stat.version),
+                                  self.payloads.chunks_of(key, data))
         if failure is None or isinstance(failure[1], NoNodeError):
             return
         if isinstance(failure[1], BadVersionError):
             raise ForceRetryError()   # rewritten meanwhile: read it again
         raise failure[1]
-
-    def _delete(self, path: str) -> None:
-        delete_tree(self.client, path)   # a chord counter and its parts: one multi
 
     def expire(self, key: Key, value: Any) -> None:
         """Per-key lifetimes are not kept: cleanup() applies ``result_expires``."""

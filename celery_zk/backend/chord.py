@@ -140,13 +140,6 @@ class ChordCounter:
         return self._retry(self._inner_increment, part_id, token,
                                  "" if group_index is None else str(group_index), completing)
 
-    def value(self) -> int:
-        try:
-            data, _ = self._retry(self.client.get, self.path)
-        except NoNodeError:
-            return 0
-        return int(data or b"0")
-
     def set_size(self, size: int) -> bool:
         """Record how many parts the chord waits for; False when there is no counter
         (an inner group's id, or a chord already finished)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from kazoo.client import KazooClient, TransactionRequest
+from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NoNodeError, NotEmptyError
 from kazoo.protocol.paths import join
 
@@ -32,6 +32,7 @@ from ..zk.payload import (
     chunk_paths,
     commit_deleting,
     delete_container,
+    deleting,
     is_manifest,
     parse_manifest,
 )
@@ -50,12 +51,6 @@ class Key(NamedTuple):
 
     kind: str
     id: str
-
-
-def _deleter(path: str, version: int) -> Callable[[TransactionRequest], None]:
-    def delete(tx: TransactionRequest) -> None:
-        tx.delete(path, version=version)
-    return delete
 
 
 def expiry_hour(timestamp: float) -> int:
@@ -172,7 +167,7 @@ class ExpiryIndex:
             if node is None or stat is None or manifest is None:
                 delete_container(client, container)
             elif stat.mtime / 1000.0 < cutoff:
-                commit_deleting(client, _deleter(node, stat.version),
+                commit_deleting(client, deleting(node, stat.version),
                                 chunk_paths(container, manifest))
 
     @staticmethod

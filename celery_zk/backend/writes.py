@@ -14,7 +14,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 from kazoo.retry import ForceRetryError
 
-from ..exceptions import PayloadError, ResultTooLarge
+from ..exceptions import ResultTooLarge
 from ..zk.client import FAILOVER_PATIENCE, connected_retry, multi_failure, unwaited
 from ..zk.layout import Layout
 from ..zk.payload import commit_deleting, needs_chunks
@@ -228,7 +228,5 @@ class ResultWrites:
             # A chunked result is read whole: rare (a rewrite of a big result).
             value = self.payloads.resolve([key], [data])[0]
             return bool(self.decode(value)["status"] == states.SUCCESS)
-        except PayloadError:   # chunks gone: nothing left to protect
-            return False
-        except Exception:  # an undecodable node is not a result to protect
+        except Exception:  # chunks gone, or an undecodable node: not a result to protect
             return False

@@ -373,10 +373,6 @@ class Layout:
         """The container of one write's chunks, sharded like the node it belongs to."""
         return join(self.payloads, result_shard(key), payload_name(kind, key, token, size))
 
-    def payload_in_shard(self, shard: str, name: str) -> str:
-        """A container by its shard and name as listed."""
-        return join(self.payloads, shard, name)
-
     @staticmethod
     def listed(directory: str, name: str) -> str:
         """A child of ``directory`` by its name as listed (already a node name)."""

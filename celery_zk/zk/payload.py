@@ -61,7 +61,7 @@ from .names import MAX_CHUNKS
 
 __all__ = ["IN_FLIGHT_BYTES", "MAGIC", "MAX_CHUNK_SIZE", "MIN_CHUNK_SIZE", "MULTI_DELETES",
            "Manifest", "check_chunk_size", "chunk_paths", "commit_deleting", "container_paths",
-           "delete_container",
+           "delete_container", "deleting",
            "delete_nodes",
            "is_manifest", "needs_chunks", "parse_manifest", "read_payload", "read_payloads",
            "write_chunks"]
@@ -284,6 +284,13 @@ def commit_deleting(client: KazooClient, build: Callable[[TransactionRequest], N
     if failure is None:
         delete_nodes(client, rest)
     return failure
+
+
+def deleting(path: str, version: int) -> Callable[[TransactionRequest], None]:
+    """What :func:`commit_deleting` builds to delete ``path`` at ``version``."""
+    def delete(tx: TransactionRequest) -> None:
+        tx.delete(path, version=version)
+    return delete
 
 
 def delete_nodes(client: KazooClient, paths: Sequence[str]) -> None:

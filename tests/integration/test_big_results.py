@@ -64,7 +64,7 @@ def containers(backend: ZooKeeperBackend) -> list[str]:
     client, layout = backend.client, backend.layout
     if client.exists(layout.payloads) is None:
         return []
-    return sorted(layout.payload_in_shard(shard, name)
+    return sorted(layout.listed(layout.listed(layout.payloads, shard), name)
                   for shard in client.get_children(layout.payloads)
                   for name in client.get_children(layout.listed(layout.payloads, shard)))
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from kombu.serialization import loads
 from kombu.transport import virtual
+from kombu.transport.base import to_rabbitmq_queue_arguments
 from kombu.transport.virtual.base import queue_declare_ok_t
 
 from ..compat import celery_pool
@@ -337,7 +338,9 @@ class Channel(virtual.Channel):
         transport.declared_queues.add(queue)
 
     def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> Any:
-        return queue_arguments.prepare(arguments, **kwargs)
+        # Queue(max_length=...) and the like as RabbitMQ's arguments, which a
+        # virtual transport's default drops (see celery_zk.broker.queue_arguments).
+        return to_rabbitmq_queue_arguments(arguments, **kwargs)
 
     def queue_declare(self, queue: str | None = None, passive: bool = False,
                       **kwargs: Any) -> Any:

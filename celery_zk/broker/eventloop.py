@@ -38,7 +38,7 @@ class Waker:
     def __init__(self) -> None:
         self._event = threading.Event()
         self._fds: list[int] = []   # [read, write] once an event loop asked for it
-        self._finalizer = weakref.finalize(self, _close, self._fds)
+        weakref.finalize(self, _close, self._fds)   # the pipe goes with the waker
 
     def fileno(self) -> int:
         """The read end, for an event loop's ``add_reader`` (made on first use)."""
@@ -85,6 +85,3 @@ class Waker:
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._event.wait(timeout)
-
-    def close(self) -> None:
-        self._finalizer()

@@ -24,12 +24,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from kombu.transport.base import to_rabbitmq_queue_arguments
-
 from ..exceptions import ZKConfigurationError
 from ..zk.client import json_object
 
-__all__ = ["DROP_HEAD", "REJECT_PUBLISH", "Limits", "expired", "meta", "prepare", "read_meta",
+__all__ = ["DROP_HEAD", "REJECT_PUBLISH", "Limits", "expired", "meta", "read_meta",
            "warn_unhonoured"]
 
 logger = logging.getLogger(__name__)
@@ -121,11 +119,6 @@ def expired(properties: dict[str, Any], stored_at: float | None, ttl: float | No
     if own == own and now >= stored_at + own:   # not nan
         reasons.append(f"its expiration of {own * 1000:g} ms")
     return " and ".join(reasons) or None
-
-
-def prepare(arguments: Any, **options: Any) -> dict[str, Any]:
-    """``Queue``'s keyword options as RabbitMQ's arguments, beside ``arguments``."""
-    return to_rabbitmq_queue_arguments(arguments, **options)
 
 
 def warn_unhonoured(queue: str, arguments: Any) -> None:

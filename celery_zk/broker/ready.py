@@ -79,9 +79,6 @@ class Ready:
     def pop(self) -> Claimed:
         return heapq.heappop(self._heap)[1]
 
-    def first(self) -> Claimed:
-        return self._heap[0][1]
-
     def first_key(self) -> Key | None:
         return self._heap[0][0] if self._heap else None
 

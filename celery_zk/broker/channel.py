@@ -157,7 +157,7 @@ class Channel(virtual.Channel):
             inbox.look(in_hand, slots)
             claimed = inbox.take()
             if claimed is None:
-                inbox.fill(self._claim_limit(), in_hand, slots)
+                inbox.fill(in_hand, slots)
                 claimed = inbox.take()
             if claimed is None:
                 raise Empty()
@@ -218,16 +218,11 @@ class Channel(virtual.Channel):
         except CONNECTION_ERRORS:
             return True
 
-    def _claim_limit(self) -> int:
-        limit = self.options.claim_batch
-        estimate = self.qos.can_consume_max_estimate()
-        return limit if estimate is None else min(limit, estimate)
-
     def withdraw_offers_if_full(self) -> None:
         """A channel that cannot take more must not be handed any (idle workers can)."""
         if self._consuming and not self.qos.can_consume():
             for queue in list(self._consuming):
-                self.connection.inbox(queue).fill(0, 0)
+                self.connection.inbox(queue).full()
 
 
     # -- publishing ---------------------------------------------------------------

@@ -168,28 +168,23 @@ class Inbox:
         self.close()
 
     # -- the consuming thread -------------------------------------------------------
-    def fill(self, limit: int, in_hand: int, slots: int = 1) -> None:
-        """Make up to ``limit`` messages ready in :attr:`buffer` (``in_hand``:
+    def fill(self, in_hand: int, slots: int = 1) -> None:
+        """Make what the inbox holds ready in :attr:`buffer` (``in_hand``:
         delivered and not done with; ``slots``: how many the worker runs at once)."""
         consumer_id = self._registered()
         if consumer_id is None:
             return
-        if limit <= 0:
-            if self.offer is not None:
-                self.offer.withdraw(wait=False)
-            self._hold(consumer_id)
-            return
         self.policy.taking()
         self._in_hand, self._slots = in_hand, max(1, slots)
         self._learn(consumer_id)
-        self._read_bodies(limit)
+        self._read_bodies()
         self.transport.acks.running_low(self._inbox_path(), len(self.buffer) + len(self.pending),
                                         self.member.credit or self.options.claim_batch)
         if self.buffer:
             return
         if self.pending:
             # The first read has not landed: wait for it (the others were sent with it).
-            self._read_bodies(limit, block=True)
+            self._read_bodies(block=True)
             return
         self.policy.dry()
         self.member.write_credit(self.policy.value)
@@ -201,10 +196,15 @@ class Inbox:
         and the inbox's watch held (what is handed over is heard of)."""
         return bool(self.consuming and len(self.delivered) < self._slots and self._watching)
 
-    def _hold(self, consumer_id: str) -> None:
-        """The channel takes nothing now (its prefetch is full): what the credit
-        policy says would wait too long goes back to the queue (see
-        :mod:`celery_zk.broker.credit`)."""
+    def full(self) -> None:
+        """The channel takes nothing now (its prefetch is full): no offer, and
+        what the credit policy says would wait too long goes back to the queue
+        (see :mod:`celery_zk.broker.credit`)."""
+        consumer_id = self._registered()
+        if consumer_id is None:
+            return
+        if self.offer is not None:
+            self.offer.withdraw(wait=False)
         if not self.policy.hold_due():
             return
         # What arrived since the channel filled waits too: given while our acks
@@ -312,7 +312,7 @@ class Inbox:
             self.offer.given(handed, self._in_hand + len(self.buffer) + len(self.pending)
                              >= self._slots)
 
-    def _read_bodies(self, limit: int, block: bool = False) -> None:
+    def _read_bodies(self, block: bool = False) -> None:
         """Move landed reads into the buffer."""
         client = self.transport.handle.client
         layout = self.transport.layout
@@ -355,11 +355,11 @@ class Inbox:
             self._learn(consumer_id)
         if not self.pending:
             return
-        self._read_bodies(0)
+        self._read_bodies()
         # With the buffer empty, take() finds nothing and fill() waits instead.
         while (self.pending and self.buffer and self.pending_first is not None
                and self.pending_first < self.buffer.first_key()):  # type: ignore[operator]
-            self._read_bodies(0, block=True)
+            self._read_bodies(block=True)
 
     def _lost(self, owned: str, name: str) -> None:
         """An entry whose body is gone: acked already (a redelivery of our own
@@ -381,7 +381,7 @@ class Inbox:
         if consumer_id is None:
             return None
         self._learn(consumer_id)
-        self._read_bodies(1, block=bool(self.pending))
+        self._read_bodies(block=bool(self.pending))
         if self.buffer:
             return self.take()
         transport = self.transport

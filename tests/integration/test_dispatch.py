@@ -739,14 +739,14 @@ def test_held_acks_go_at_once_only_when_they_keep_the_inbox_from_a_refill(
             layout = conn.transport.layout
             messages[0].ack()
             assert acks.holds_acks(layout.inbox("work", consumer_id)) == 1
-            conn.transport.inbox("work").fill(4, 0)   # one of 4: room to refill
+            conn.transport.inbox("work").fill(0)   # one of 4: room to refill
             assert sent == []
             for message in messages[1:]:
                 message.ack()
             assert acks.holds_acks(layout.inbox("work", consumer_id)) == 4
             assert not acks.holds_acks(layout.inbox("idle", consumer_id))
-            conn.transport.inbox("idle").fill(4, 0)   # empty, and none of the acks are its
+            conn.transport.inbox("idle").fill(0)   # empty, and none of the acks are its
             assert sent == []
-            conn.transport.inbox("work").fill(4, 0)   # empty, and waiting for its refill
+            conn.transport.inbox("work").fill(0)   # empty, and waiting for its refill
             assert sent == [4]
             assert not acks.holds_acks(layout.inbox("work", consumer_id))

@@ -290,7 +290,7 @@ def test_an_offer_stands_for_every_message_until_it_is_withdrawn(
     queue(conn.channel()).declare()
     transport = conn.transport
     consumer_id, _ = transport.session.ensure_registered()
-    transport.inbox("race").fill(0, 0)   # makes the inbox, as consuming would
+    transport.inbox("race").full()   # makes the inbox, as consuming would
     offer = Offer(transport.handoff, "race", transport.look_again)
     offer.make(consumer_id)
     wait_until(lambda: offers(zk_client, "race"), 5, 0.02, "no offer was made")

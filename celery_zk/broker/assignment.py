@@ -35,25 +35,11 @@ from ..zk.multi import Multi
 from ..zk.session import SharedSession
 from .queues import ANY_VERSION, OP_OVERHEAD, REQUEST_BUDGET
 
-__all__ = ["CLAIMS", "Assignment", "Consumer", "Head", "Planner", "assignment", "settle"]
+__all__ = ["Assignment", "Consumer", "Head", "Planner", "assignment", "settle"]
 
 #: Most operations in one assignment multi (each a path of ~150 bytes at most:
 #: far below jute.maxbuffer).
 ASSIGN_OPS = 1000
-
-
-@dataclass
-class ClaimCounts:
-    """What this process's assignments cost (for tests and diagnostics)."""
-
-    transactions: int = 0   # assignment and claim multis sent
-    conflicts: int = 0      # of those, refused (a consumer or a message gone meanwhile)
-    messages: int = 0       # messages given (hand-offs not counted)
-
-
-#: This process's counts (a forked child starts from its parent's: read the
-#: difference).
-CLAIMS = ClaimCounts()
 
 
 @dataclass
@@ -301,7 +287,6 @@ def assignment(client: KazooClient, layout: Layout, queue: str, plan: dict[str, 
             txn.create(layout.inbox_message(queue, consumer, name))
             done.ops += [("delete", consumer, name), ("create", consumer, name)]
         done.size += size
-    CLAIMS.transactions += 1
     return txn, done
 
 def settle(done: Assignment, results: list[Any]) -> tuple[str, str, str] | None:
@@ -309,10 +294,8 @@ def settle(done: Assignment, results: list[Any]) -> tuple[str, str, str] | None:
     (``(kind, consumer, name)``): its consumer or message is gone."""
     failure = multi_failure(results)
     if failure is None:
-        CLAIMS.messages += sum(1 for kind, _, _ in done.ops if kind == "create")
         return None
     index, error = failure
     if not isinstance(error, (NoNodeError, NodeExistsError, BadVersionError)):
         raise error
-    CLAIMS.conflicts += 1
     return done.ops[index]

@@ -43,7 +43,6 @@ from ..zk.reads import read_many
 from ..zk.session import weak_callback
 from ..zk.watches import NODE_CREATED, NODE_DELETED
 from . import big
-from .assignment import CLAIMS
 from .credit import Credit
 from .membership import Membership
 from .offer import Offer
@@ -413,7 +412,6 @@ class Inbox:
         # One multi: a crash between the two would lose the message or give it twice.
         txn.delete(layout.unowned_message(self.queue, name))
         txn.create(owned)
-        CLAIMS.transactions += 1
         try:
             results = txn.commit()
         except ConnectionLoss:
@@ -422,10 +420,8 @@ class Inbox:
             return owned if client.retry(client.exists, owned) is not None else None
         failure = multi_failure(results)
         if failure is None:
-            CLAIMS.messages += 1
             return owned
         if isinstance(failure[1], (NoNodeError, NodeExistsError)):
-            CLAIMS.conflicts += 1
             return None
         raise failure[1]
 

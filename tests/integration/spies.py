@@ -36,3 +36,19 @@ def count_multis(monkeypatch: pytest.MonkeyPatch, client: Any) -> list[int]:
         return real(request, *args, **kwargs)
     monkeypatch.setattr(client, "_call", call)
     return sizes
+
+
+def count_assignments(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    """``(messages given, refused)`` of each assignment multi this process's
+    dispatchers send, as they learn its outcome."""
+    from celery_zk.broker import dispatcher
+
+    seen: list[tuple[int, bool]] = []
+    real = dispatcher.settle
+
+    def settle(done: Any, results: list[Any]) -> Any:
+        refused = real(done, results)
+        seen.append((sum(map(len, done.given().values())), refused is not None))
+        return refused
+    monkeypatch.setattr(dispatcher, "settle", settle)
+    return seen

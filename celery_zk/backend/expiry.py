@@ -24,7 +24,14 @@ from kazoo.exceptions import BadVersionError, NoNodeError, NotEmptyError
 from kazoo.protocol.paths import join
 
 from ..exceptions import PayloadError
-from ..zk.client import CONNECTION_ERRORS, children, listings, multi_failure, reply_or_retry
+from ..zk.client import (
+    CONNECTION_ERRORS,
+    children,
+    delete_if_there,
+    listings,
+    multi_failure,
+    reply_or_retry,
+)
 from ..zk.layout import Layout
 from ..zk.names import PayloadName
 from ..zk.payload import (
@@ -225,7 +232,5 @@ class ExpiryIndex:
 
     def _delete_quietly(self, path: str) -> None:
         client = self.client
-        try:
-            client.retry(client.delete, path)
-        except (NoNodeError, NotEmptyError):
-            pass  # gone already, or written to meanwhile: the next cleanup gets it
+        # Gone already, or written to meanwhile: the next cleanup gets it
+        delete_if_there(client, path, also=(NotEmptyError,))

@@ -26,7 +26,13 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 
-from ..zk.client import CONNECTION_ERRORS, log_failure, multi_failure, not_connected
+from ..zk.client import (
+    CONNECTION_ERRORS,
+    delete_if_there,
+    log_failure,
+    multi_failure,
+    not_connected,
+)
 from ..zk.layout import Layout
 from ..zk.session import AfterExpiry, ClientHandle
 from ..zk.tree import DELETE_BATCH, list_tree
@@ -201,10 +207,7 @@ class AutoDeleteQueues(Sweeper):
         try:
             for queue in list(self.held):
                 holder = self._holder(client, queue)
-                try:
-                    client.retry(client.delete, holder)
-                except NoNodeError:
-                    pass
+                delete_if_there(client, holder)
                 self.handle.disown(holder)
                 self.delete_if_unheld(queue)
         except CONNECTION_ERRORS as exc:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoNodeError
 
-from ..zk.client import children, json_object
+from ..zk.client import children, delete_if_there, json_object
 from ..zk.layout import Layout
 from ..zk.names import parse_binding_name, unescape
 from ..zk.session import AfterExpiry, ClientHandle, weak_callback
@@ -118,10 +118,7 @@ class Bindings:
             self.handle.release_held(path)   # deleted when no other connection holds it
         else:
             client = self.client
-            try:
-                client.retry(client.delete, path)
-            except NoNodeError:
-                pass
+            delete_if_there(client, path)
         self._tables.pop(exchange, None)
 
     def table(self, exchange: str, fresh: bool = False) -> list[tuple[str, str]]:

@@ -47,7 +47,14 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
 
-from ..zk.client import RedoThread, connected_retry, log_failure, multi_failure, synced
+from ..zk.client import (
+    RedoThread,
+    connected_retry,
+    delete_if_there,
+    log_failure,
+    multi_failure,
+    synced,
+)
 from ..zk.layout import Layout
 from ..zk.message_names import BODY_APART, encode_body, handed_name
 from ..zk.names import OFFER_TAKES_BODY, offer_name, parse_offer_name
@@ -293,10 +300,7 @@ class HandOff:
         """Delete an offer (gone already: a lost reply of ours deleted it)."""
         client = self.client
         path = self.layout.offer(queue, offer_name(consumer_id, token))
-        try:
-            client.retry(client.delete, path)
-        except NoNodeError:
-            pass
+        delete_if_there(client, path)
         self.handle.disown(path)   # gone either way (a failure above keeps it ours)
 
     def withdraw_async(self, queue: str, consumer_id: str, token: str) -> None:

@@ -34,6 +34,7 @@ from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
 from ..exceptions import ChunkMissing
 from ..zk.client import (
     CONNECTION_ERRORS,
+    delete_if_there,
     multi_failure,
     reply_or_retry,
     synced,
@@ -368,10 +369,7 @@ class Inbox:
         if client.retry(client.exists, owned) is not None:
             logger.error("celery_zk: the body of %s is missing; the message cannot be "
                          "delivered and is removed", owned)
-            try:
-                client.retry(client.delete, owned)
-            except NoNodeError:
-                pass
+            delete_if_there(client, owned)
 
     def get_one(self) -> Claimed | None:
         """``basic_get``: what is in our inbox already, else the head of the queue,

@@ -29,7 +29,7 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoNodeError, NotEmptyError
 from kazoo.recipe.watchers import ChildrenWatch
 
-from ..zk.client import children, create_once, json_object, log_failure, unwaited
+from ..zk.client import children, create_once, delete_if_there, json_object, log_failure, unwaited
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
 from ..zk.message_names import parse_message_name, slot_of
@@ -292,10 +292,8 @@ class Recovery:
         # Its running tasks' slots: they ran or died with it (broker.slots).
         self.acks.queues.delete_all([layout.inbox_message(queue, consumer_id, name)
                                      for name in names if slot_of(name) is not None])
-        try:
-            client.retry(client.delete, inbox)
-        except (NoNodeError, NotEmptyError):
-            pass   # gone already; or refilled, which a dead owner's inbox cannot be
+        # Gone already; or refilled, which a dead owner's inbox cannot be
+        delete_if_there(client, inbox, also=(NotEmptyError,))
         return moved
 
     def stop(self) -> None:

@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 from kazoo.exceptions import NodeExistsError, NoNodeError, NotEmptyError
 
 from ..features import affinity
-from ..zk.client import CONNECTION_ERRORS, RedoThread, create_once, log_failure, unwaited
+from ..zk.client import (
+    CONNECTION_ERRORS,
+    RedoThread,
+    create_once,
+    delete_if_there,
+    log_failure,
+    unwaited,
+)
 from ..zk.message_names import slot_of
 from .dispatcher import Dispatcher
 
@@ -128,10 +135,7 @@ class Membership:
         transport = self.transport
         client, layout = transport.handle.client, transport.layout
         if node is not None:
-            try:
-                client.retry(client.delete, node)
-            except NoNodeError:
-                pass
+            delete_if_there(client, node)
             transport.handle.disown(node)
         inbox = layout.inbox(self.queue, consumer_id)
         try:
@@ -142,10 +146,8 @@ class Membership:
                                      for name in names if name not in handed and name not in keep
                                      and slot_of(name) is None])   # running: kept
         if not keep:
-            try:   # refused while a delivered message waits for its ack
-                client.retry(client.delete, inbox)
-            except (NoNodeError, NotEmptyError):
-                pass
+            # Refused while a delivered message waits for its ack
+            delete_if_there(client, inbox, also=(NotEmptyError,))
 
 
 def _give_back_again(item: tuple[Membership, str, str | None, set[str], set[str]]) -> None:

@@ -41,7 +41,7 @@ from kazoo.client import KazooState
 from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 
 from ..exceptions import CeleryZKError
-from ..zk.client import log_failure, multi_failure
+from ..zk.client import delete_if_there, log_failure, multi_failure
 from ..zk.layout import Layout
 from ..zk.message_names import affinity_token
 from ..zk.names import parse_holding_name
@@ -340,10 +340,7 @@ class Board:
         # A shard not made yet, or a retried multi that had landed: one by one,
         # idempotent (each node stands on its own).
         for path in delete:
-            try:
-                client.retry(client.delete, path)
-            except NoNodeError:
-                pass
+            delete_if_there(client, path)
         for path in create:
             try:
                 client.retry(client.create, path, ephemeral=True, makepath=True)

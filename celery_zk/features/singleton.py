@@ -44,6 +44,7 @@ from celery import Task
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from ..exceptions import CeleryZKError
+from ..zk.client import delete_if_there
 from ..zk.layout import Layout
 
 __all__ = ["LockHeld", "Singleton", "TaskLock"]
@@ -97,10 +98,8 @@ class Singleton(Task):
                 return self.run(*args, **kwargs)
             finally:
                 self.request.zk_lock = previous
-                try:
-                    client.retry(client.delete, lock.path)
-                except NoNodeError:
-                    pass   # its session ended: ZooKeeper released it already
+                # Its session ended: ZooKeeper released it already
+                delete_if_there(client, lock.path)
 
     def lock_key_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         template = self.lock_key or self.name

@@ -318,6 +318,16 @@ def children(client: KazooClient, path: str) -> list[str]:
         return []
 
 
+def delete_if_there(client: KazooClient, path: str,
+                    also: tuple[type[Exception], ...] = ()) -> None:
+    """Delete ``path`` (retried through a lost connection); a node gone already
+    is no error, nor what ``also`` names (NotEmptyError: a directory refilled)."""
+    try:
+        client.retry(client.delete, path)
+    except (NoNodeError, *also):
+        pass
+
+
 def listings(client: KazooClient, paths: list[str]) -> list[tuple[str, list[str]]]:
     """``(path, its children)`` of every path, read in one pipelined round;
     missing ones left out, a lost reply read again (:func:`reply_or_retry`)."""

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import NodeExistsError
 
-from .client import CONNECTION_ERRORS
+from .client import CONNECTION_ERRORS, delete_if_there
 
 __all__ = ["HeldNodes"]
 
@@ -134,10 +134,7 @@ class HeldNodes:
             client = self._client()
             if client is None:
                 return
-            try:
-                client.retry(client.delete, path)
-            except NoNodeError:
-                pass
+            delete_if_there(client, path)
 
     def paths(self) -> list[str]:
         """Every counted ephemeral node (re-made after a session expiry)."""

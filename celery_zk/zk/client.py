@@ -1,5 +1,6 @@
 """Making kazoo clients from :class:`~celery_zk.zk.config.ZKSettings`, and the
-request helpers every module shares (retries, lost replies, held-back writes).
+request helpers every module shares (retries, lost replies, listings and
+deletes of nodes that may be gone, replies nobody waits for).
 
 Nothing but :mod:`celery_zk.zk.session` makes clients: it shares one per process.
 """

@@ -246,13 +246,14 @@ class Acks:
         by someone else): the delete in the same transaction makes a double
         requeue impossible.
         """
-        layout = self.layout
-        queue, _, name = layout.split_owned_path(owned_path)
-        message = parse_message_name(name)
-        assert message is not None  # split_owned_path validated the name
-        # Not sequential: the uid makes the name unique (one copy of a message
-        # exists at a time), and no bucket's counter moves.
-        return self.queues.move(owned_path, layout.unowned_message(queue, requeued_name(message)))
+        return self.queues.move(owned_path, self._waiting_again(owned_path))
+
+    def _waiting_again(self, owned_path: str) -> str:
+        """Where a requeued message waits: its own place in its bucket. Not
+        sequential: the uid makes the name unique (one copy of a message exists
+        at a time), and no bucket's counter moves."""
+        queue, message = self._message(owned_path)
+        return self.layout.unowned_message(queue, requeued_name(message))
 
     def requeue_many(self, owned_paths: list[str], settled: list[str] | None = None) -> int:
         """:meth:`requeue` for many messages, each to its place, their names
@@ -264,15 +265,10 @@ class Acks:
         given, gets each path whose fate is known as it becomes known (moved,
         or found not there): a caller dropping them from its own memory
         drops exactly those when a later one raises."""
-        layout, client = self.layout, self.client
+        client = self.client
         done = settled.append if settled is not None else (lambda _path: None)
-        moves: list[tuple[str, str]] = []
+        moves = [(owned_path, self._waiting_again(owned_path)) for owned_path in owned_paths]
         moved = 0
-        for owned_path in owned_paths:
-            queue, _, name = layout.split_owned_path(owned_path)
-            message = parse_message_name(name)
-            assert message is not None  # split_owned_path validated the name
-            moves.append((owned_path, layout.unowned_message(queue, requeued_name(message))))
         for start in range(0, len(moves), REQUEUE_BATCH):
             batch = moves[start:start + REQUEUE_BATCH]
             txn = client.transaction()

@@ -42,7 +42,7 @@ from kazoo.exceptions import (
 )
 from kazoo.retry import ForceRetryError
 
-from ..zk.client import FAILOVER_PATIENCE, connected_retry, multi_failure
+from ..zk.client import FAILOVER_PATIENCE, answered, connected_retry, multi_failure
 from ..zk.layout import Layout
 from ..zk.names import OWNER_SEP, unescape
 
@@ -198,11 +198,7 @@ class ChordCounter:
         reads = [(name, client.get_async(self.layout.chord_child(self.group_id, name)))
                  for name in names]
         keyed = []
-        for name, read in reads:
-            try:
-                data, _ = read.get()
-            except NoNodeError:
-                continue
+        for name, (data, _) in answered(reads):
             count, _, index = _parse_part(data)
             keyed.append(((math.inf if index is None else index, count), unescape(name)))
         return [task_id for _, task_id in sorted(keyed)]

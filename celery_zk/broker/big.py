@@ -26,9 +26,9 @@ import logging
 import time
 
 from kazoo.client import KazooClient, TransactionRequest
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import NodeExistsError
 
-from ..zk.client import children, log_failure
+from ..zk.client import answered, children, log_failure
 from ..zk.layout import Layout
 from ..zk.message_names import MessageName
 from ..zk.payload import (
@@ -108,11 +108,7 @@ def sweep(client: KazooClient, layout: Layout, queue: str, now: float | None = N
     reads = [(name, client.get_async(layout.chunk_container(queue, name)))
              for name in children(client, layout.chunks(queue))]
     collected = 0
-    for name, read in reads:
-        try:
-            data, stat = read.get()
-        except NoNodeError:
-            continue
+    for name, (data, stat) in answered(reads):
         state, bucket, _ = parse_state(data)
         if now - stat.ctime / 1000 < ORPHAN_AGE or state == State.DEAD:
             continue
@@ -137,12 +133,8 @@ def stored(client: KazooClient, layout: Layout, queue: str) -> tuple[int, int]:
     """How many big messages ``queue`` stores (waiting, owned or dead), and
     their bytes, from their containers' data (a round trip; they are few)."""
     count = size = 0
-    for read in [client.get_async(layout.chunk_container(queue, name))
-                 for name in children(client, layout.chunks(queue))]:
-        try:
-            data, _ = read.get()
-        except NoNodeError:
-            continue
+    for _, (data, _) in answered([(name, client.get_async(layout.chunk_container(queue, name)))
+                                  for name in children(client, layout.chunks(queue))]):
         state, _, bytes_ = parse_state(data)
         if state != State.PENDING:
             count, size = count + 1, size + bytes_

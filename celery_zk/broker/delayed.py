@@ -38,7 +38,7 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
-from ..zk.client import children, multi_failure
+from ..zk.client import answered, children, multi_failure
 from ..zk.layout import Layout
 from ..zk.message_names import (
     DELAYED_BUCKET_MS,
@@ -188,11 +188,7 @@ class Delayed:
                     listed.append((f"{day}/{bucket}", client.get_children_async(path)))
             if self._look_at < _NEVER:
                 break   # later days begin later still
-        for bucket, listing in listed:
-            try:
-                names = listing.get()
-            except NoNodeError:
-                continue
+        for bucket, names in answered(listed):
             self._opened.setdefault(bucket, _start(bucket.partition("/")[2]))
             for name in names:
                 self._add(bucket, name)

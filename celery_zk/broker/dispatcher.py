@@ -37,7 +37,7 @@ from typing import Any
 
 from kazoo.exceptions import ConnectionLoss, NoNodeError
 
-from ..zk.client import CONNECTION_ERRORS, json_object, log_failure
+from ..zk.client import CONNECTION_ERRORS, answered, json_object, log_failure
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
 from ..zk.message_names import is_legacy, parse_message_name
@@ -348,11 +348,7 @@ class Dispatcher:
                                         watch=self._child_cb_for_consumers))
                  for cid in live]
         found: dict[str, Consumer] = {}
-        for cid, read in reads:
-            try:
-                data, _ = read.get()
-            except NoNodeError:
-                continue
+        for cid, (data, _) in answered(reads):
             consumer = self.consumers.get(cid) or Consumer(cid, nodes[cid])
             consumer.node = nodes[cid]
             meta = json_object(data)

@@ -18,6 +18,7 @@ from kazoo.exceptions import (
 from ..exceptions import MessageTooLarge
 from ..zk.client import (
     connected_retry,
+    listings,
     multi_failure,
     synced,
 )
@@ -386,13 +387,8 @@ class Publisher:
     def _names_by_uid(self, directories: Iterable[str]) -> dict[str, str]:
         """``{uid: name}`` of the messages in ``directories``, listed in one
         pipelined round (a directory that does not exist holds none)."""
-        listings = [self.client.get_children_async(path) for path in directories]
         found: dict[str, str] = {}
-        for listing in listings:
-            try:
-                names = listing.get()
-            except NoNodeError:
-                continue
+        for _, names in listings(self.client, list(directories)):
             for name in names:
                 parsed = parse_message_name(name)
                 if parsed is not None:

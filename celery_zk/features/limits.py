@@ -43,6 +43,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from ..exceptions import ZKConfigurationError
+from ..zk.client import answered
 from ..zk.layout import Layout
 from ..zk.message_names import limit_key_token, task_token
 from ..zk.tree import delete_tree
@@ -150,11 +151,7 @@ class LimitStore:
         parsed = [(p, name) for name in names if (p := self.layout.parse_limit_name(name))]
         reads = [(p, client.get_async(self.layout.limit(*p), watch=watch)) for p, _ in parsed]
         found = []
-        for (kind, name), read in reads:
-            try:
-                data, _ = read.get()
-            except NoNodeError:
-                continue
+        for (kind, name), (data, _) in answered(reads):
             limit = Limit.from_node(kind, name, data)
             if limit is not None:
                 found.append(limit)

@@ -16,6 +16,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 from kazoo.protocol.paths import join
 
+from ..zk.client import answered
 from ..zk.config import mask_password
 
 __all__ = ["export"]
@@ -30,12 +31,8 @@ def export(client: KazooClient, path: str, data: bool = False) -> dict[str, Any]
     while level:
         replies = [(node, client.get_children_async(node["path"])) for node in level]
         following = []
-        for node, reply in replies:
-            try:
-                names = sorted(reply.get())
-            except NoNodeError:
-                continue   # deleted meanwhile
-            children = _nodes(client, [join(node["path"], name) for name in names], data)
+        for node, names in answered(replies):   # one deleted meanwhile: left out
+            children = _nodes(client, [join(node["path"], name) for name in sorted(names)], data)
             node["children"] = children
             following.extend(children)
         level = following

@@ -11,6 +11,7 @@ import logging
 import socket
 import threading
 from collections import deque
+from collections.abc import Iterable, Iterator
 from time import monotonic
 from typing import Any, Callable, Generic, TypeVar
 
@@ -233,6 +234,7 @@ def multi_failure(results: list[Any]) -> tuple[int, Exception] | None:
 
 
 T = TypeVar("T")
+K = TypeVar("K")
 
 #: What kazoo's command retry retries (KazooRetry's defaults, ignore_expire on).
 _RETRIED = KazooRetry.RETRY_EXCEPTIONS + KazooRetry.EXPIRED_EXCEPTIONS
@@ -338,8 +340,19 @@ def listings(client: KazooClient, paths: list[str]) -> list[tuple[str, list[str]
         try:
             found.append((path, reply_or_retry(client, reply, client.get_children, path)))
         except NoNodeError:
-            pass
+            pass   # a lost reply is read again: not answered()
     return found
+
+
+def answered(replies: Iterable[tuple[K, Any]]) -> Iterator[tuple[K, Any]]:
+    """``(key, value)`` of each pipelined ``(key, reply)`` in turn, those of
+    nodes gone meanwhile (NoNodeError) left out."""
+    for key, reply in replies:
+        try:
+            value = reply.get()
+        except NoNodeError:
+            continue
+        yield key, value
 
 
 def json_object(data: bytes | None) -> dict[str, Any]:

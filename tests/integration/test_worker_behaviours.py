@@ -304,8 +304,8 @@ def test_what_a_busy_worker_looked_ahead_for_goes_back_to_an_idle_one(
     at its pace goes back to the queue (the busy worker's event loop looks when
     it is woken, here by the idle worker joining the queue), and the idle
     worker runs it long before the long task ends."""
-    worker(log=task_log, pool=pool, concurrency=1, name="busy",
-           conf={"worker_prefetch_multiplier": 1})
+    busy = worker(log=task_log, pool=pool, concurrency=1, name="busy",
+                  conf={"worker_prefetch_multiplier": 1})
     for i in range(40):   # a burst drained fast: the busy worker looks ahead
         send(client_app, "record", f"warm-{i}")
     wait_until(lambda: sum(str(v).startswith("warm-") for v in executed_values(task_log)) == 40,
@@ -323,3 +323,4 @@ def test_what_a_busy_worker_looked_ahead_for_goes_back_to_an_idle_one(
     # before the long task ends (40 s after it started).
     wait_until(lambda: sum(v in executed_values(task_log) for v in quick) >= len(quick) - 1,
                30, message="what the busy worker held did not go back")
+    busy.kill()   # a warm shutdown would wait out the long task (30 s of teardown)

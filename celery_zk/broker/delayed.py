@@ -43,6 +43,7 @@ from ..zk.layout import Layout
 from ..zk.message_names import (
     DELAYED_BUCKET_MS,
     DELAYED_DAY_MS,
+    MessageName,
     due_of,
     parse_delayed_bucket,
     parse_delayed_day,
@@ -206,11 +207,7 @@ class Delayed:
                 # One was revoked, purged or moved by another dispatcher, or a
                 # bucket came or went: each alone, the buckets looked at again after.
                 for _, bucket, name in batch:
-                    message = parse_message_name(name)
-                    assert message is not None   # _add parsed it
-                    self.queues.move(self.layout.delayed(self.queue, bucket, name),
-                                     self.layout.unowned_message(self.queue,
-                                                                 promoted_name(message)))
+                    self.queues.move(*self._promotion(bucket, name)[1:])
                 buckets = self._buckets = set(self.queues.buckets(self.queue)[0])
             for _, bucket, name in batch:
                 self._known.discard(name)
@@ -220,22 +217,27 @@ class Delayed:
 
     def _move(self, batch: list[tuple[int, str, str]],
               buckets: set[str]) -> tuple[int, Exception] | None:
-        layout, queue = self.layout, self.queue
         txn = self.queues.client.transaction()
         made: list[str] = []
         for _, bucket, name in batch:
-            message = parse_message_name(name)
-            assert message is not None   # _add parsed it
+            message, source, target = self._promotion(bucket, name)
             if message.bucket not in buckets:   # emptied and deleted: made again, up front
-                txn.create(layout.bucket(queue, message.bucket))
+                txn.create(self.layout.bucket(self.queue, message.bucket))
                 buckets.add(message.bucket)
                 made.append(message.bucket)
-            txn.create(layout.unowned_message(queue, promoted_name(message)))
-            txn.delete(layout.delayed(queue, bucket, name))
+            txn.create(target)
+            txn.delete(source)
         failure = multi_failure(txn.commit())
         if failure is not None:
             buckets.difference_update(made)
         return failure
+
+    def _promotion(self, bucket: str, name: str) -> tuple[MessageName, str, str]:
+        """A delayed message, where it waits, and where it goes when due."""
+        message = parse_message_name(name)
+        assert message is not None   # _add parsed it
+        return (message, self.layout.delayed(self.queue, bucket, name),
+                self.layout.unowned_message(self.queue, promoted_name(message)))
 
     def _close(self, now: int) -> None:
         """Delete the buckets of minutes gone by whose every message was promoted."""

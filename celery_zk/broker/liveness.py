@@ -29,7 +29,15 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoNodeError, NotEmptyError
 from kazoo.recipe.watchers import ChildrenWatch
 
-from ..zk.client import children, create_once, delete_if_there, json_object, log_failure, unwaited
+from ..zk.client import (
+    answered,
+    children,
+    create_once,
+    delete_if_there,
+    json_object,
+    log_failure,
+    unwaited,
+)
 from ..zk.config import ZKOptions
 from ..zk.layout import Layout
 from ..zk.message_names import parse_message_name, slot_of
@@ -306,13 +314,9 @@ def consumer_nodes(client: KazooClient, layout: Layout) -> list[tuple[str, dict[
     first; the data as :meth:`ConsumerSession._data` wrote it (``{"host", "pid",
     "queues"}``), ``{}`` if unreadable."""
     names = [n for n in children(client, layout.consumers) if parse_consumer_name(n)]
-    replies = [client.get_async(layout.consumer(n)) for n in names]
+    replies = [(name, client.get_async(layout.consumer(name))) for name in names]
     found = []
-    for name, reply in zip(names, replies):
-        try:
-            data, stat = reply.get()
-        except NoNodeError:
-            continue   # gone meanwhile
+    for name, (data, stat) in answered(replies):   # one gone meanwhile: left out
         found.append((parse_consumer_name(name) or name, json_object(data),
                       stat.ctime / 1000))
     return sorted(found, key=lambda consumer: consumer[2])

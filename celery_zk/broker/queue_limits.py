@@ -30,7 +30,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, KazooException, NodeExistsError, NoNodeError
 
 from ..exceptions import QueueFull
-from ..zk.client import json_object
+from ..zk.client import answered, json_object
 from ..zk.message_names import parse_message_name
 from .acks import Acks
 from .budget import CHECK_EVERY
@@ -154,13 +154,9 @@ class QueueLimits:
             if known.get(bucket, (None,))[0] == stat.cversion:
                 counted[bucket] = known[bucket]
             else:
-                listings.append((bucket, stat.cversion,
+                listings.append(((bucket, stat.cversion),
                                  client.get_children_async(layout.bucket(queue, bucket))))
-        for bucket, cversion, result in listings:
-            try:
-                names = result.get()
-            except NoNodeError:
-                continue   # emptied and deleted meanwhile
+        for (bucket, cversion), names in answered(listings):   # emptied and deleted: left out
             counted[bucket] = (cversion, len(names), sum(map(named_size, names)))
         self._buckets[queue] = counted
         return (sum(count for _, count, _ in counted.values()),

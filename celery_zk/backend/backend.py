@@ -64,11 +64,11 @@ from ..exceptions import ResultTooLarge
 from ..zk.client import CONNECTION_ERRORS
 from ..zk.config import mask_in_celery_reports, mask_password, parse_url
 from ..zk.layout import Layout
-from ..zk.payload import commit_deleting, deleting
+from ..zk.payload import commit_deleting, deleting, needs_chunks
 from ..zk.session import ClientHandle
 from ..zk.tree import delete_tree
 from .chord import ChordCounter
-from .chord_body import LastPartResult, send_chord_body
+from .chord_body import PartResult, send_chord_body
 from .expiry import CHORD, GROUP, HOUR, RESULT, ExpiryIndex, Key, bucket_expired, expiry_hour
 from .payloads import ResultPayloads
 from .result_consumer import ResultConsumer, read_nodes
@@ -255,18 +255,39 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         self._counter(group_id).add(also_in_saved_group)
 
     # -- writes ---------------------------------------------------------------
+    def mark_as_done(self, task_id: str, result: Any, request: Any = None,
+                     store_result: bool = True, state: str = states.SUCCESS) -> None:
+        """Celery's, but a chord part's SUCCESS is stored as STARTED and becomes
+        SUCCESS in the multi that counts the part (see
+        :class:`~celery_zk.backend.chord_body.PartResult`): stopped in between, the
+        part runs again even with ``worker_deduplicate_successful_tasks`` (B21)."""
+        if not (store_result and state == states.SUCCESS and request is not None
+                and getattr(request, "chord", None) and getattr(request, "group", None)
+                and not getattr(request, "ignore_result", False)):
+            return super().mark_as_done(task_id, result, request, store_result, state)
+        part = PartResult(self, str(task_id))
+        self.store_result(task_id, result, state, request=request, part=part)
+        self.on_chord_part_return(request, state, result, part=part)
+        return None
+
     def _store_result(self, task_id: str, result: Any, state: str,
                       traceback: str | None = None, request: Any = None,
-                      **kwargs: Any) -> Any:
+                      part: PartResult | None = None, **kwargs: Any) -> Any:
         meta = self._get_result_meta(result=result, state=state,
                                      traceback=traceback, request=request)
         meta["task_id"] = str(task_id)
         data = self.encode(meta)
         self.check_size(task_id, data)
+        raw = data.encode() if isinstance(data, str) else data
+        if part is not None and not needs_chunks(raw, self.chunk_size):
+            raw = part.hold(meta, raw)   # SUCCESS once counted
         # Most tasks are written once: try a blind create first, saving the
         # read. With task_track_started the final state is a rewrite.
         fresh = state == states.STARTED or not self.app.conf.task_track_started
-        self._write(self.get_key_for_task(task_id), data, keep_success=True, fresh=fresh)
+        written = self._write(self.get_key_for_task(task_id), raw, keep_success=True,
+                              fresh=fresh)
+        if part is not None and not written:
+            part.success = None   # a SUCCESS stored before stays, and is what counts
         return result
 
     # -- groups and chords ----------------------------------------------------
@@ -297,7 +318,7 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
                 "unique). Nothing was sent.")
 
     def on_chord_part_return(self, request: Any, state: str, result: Any,
-                             **kwargs: Any) -> Any:
+                             part: PartResult | None = None, **kwargs: Any) -> Any:
         """Count this header task once; the last part sends the body
         (:mod:`celery_zk.backend.chord_body`). Celery's own protocol restores
         the saved header, every result of it, on each part: O(parts²) for a
@@ -306,25 +327,26 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         if not gid:
             return None
         counter = self._counter(str(gid))
-        own = LastPartResult(self, str(request.id))
+        own = part or PartResult(self, str(request.id))
         counted, size, lazy, stalled = counter.increment(
-            str(request.id), getattr(request, "group_index", None), completing=own.mark)
+            str(request.id), getattr(request, "group_index", None), also=own.counting)
         if counted is None and stalled and counter.sent():
             logger.warning("celery_zk: chord %s: its body was sent by a worker that "
                            "stopped before it finished the chord; part %s, run again, "
                            "finishes it", gid, request.id)
-            counter.finish()
+            counter.finish(also=own.restore)
             self.delete_group(str(gid))
             return None
         if counted is None and stalled:
             logger.warning("celery_zk: chord %s: every part is counted but the body was "
                            "never sent (the worker that counted the last part stopped "
                            "first); part %s, run again, sends it", gid, request.id)
-            send_chord_body(self, request, counter, lazy)
+            send_chord_body(self, request, counter, lazy, own)
             return None
         if counted is None:
             logger.warning("celery_zk: chord %s part %s was already counted; ignoring "
                            "the duplicate", gid, request.id)
+            self._retry(self._settle, own)
             return None
         if size is None:
             # Celery says the size before it sends the header's last task: this
@@ -337,6 +359,14 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
             return None
         send_chord_body(self, request, counter, lazy, own)
         return None
+
+    def _settle(self, part: PartResult) -> None:
+        """A part counted before: its SUCCESS, if this run stored it as STARTED."""
+        if part.success is not None:
+            try:
+                self.client.set(part.path, part.success)
+            except NoNodeError:
+                pass
 
     # -- reading --------------------------------------------------------------
     def is_cached(self, task_id: str) -> bool:

@@ -130,15 +130,15 @@ class ChordCounter:
         raise failure[1]
 
     def increment(self, part_id: str, group_index: int | None = None,
-                  completing: Callable[[TransactionRequest], None] | None = None) -> Count:
+                  also: Callable[[TransactionRequest, bool], None] | None = None) -> Count:
         """Count ``part_id`` (the ``group_index``-th task of the header).
-        ``completing(tx)`` adds its own operations to the multi that counts the
-        run's last part (and only to that one)."""
+        ``also(tx, last)`` adds its own operations to the multi that counts it;
+        ``last``: this part completes the count."""
         # One token per call: a commit that succeeded just before a
         # ConnectionLoss is recognised as ours on the retry, not as a duplicate.
         token = uuid.uuid4().hex
         return self._retry(self._inner_increment, part_id, token,
-                                 "" if group_index is None else str(group_index), completing)
+                                 "" if group_index is None else str(group_index), also)
 
     def set_size(self, size: int) -> bool:
         """Record how many parts the chord waits for; False when there is no counter
@@ -262,7 +262,7 @@ class ChordCounter:
         raise error
 
     def _inner_increment(self, part_id: str, token: str, group_index: str,
-                         completing: Callable[[TransactionRequest], None] | None = None
+                         also: Callable[[TransactionRequest, bool], None] | None = None
                          ) -> Count:
         part_path = self.layout.chord_part(self.group_id, part_id)
         client = self.client
@@ -288,14 +288,14 @@ class ChordCounter:
         tx = client.transaction()
         tx.create(part_path, f"{count}:{token}:{group_index}".encode())
         tx.set_data(self.path, str(count).encode(), version=stat.version)
-        if completing is not None and size is not None and count == size:
-            completing(tx)
+        if also is not None:
+            also(tx, size is not None and count == size)
         failure = multi_failure(tx.commit())
         if failure is None:
             return Count(count, size, lazy)
         error = failure[1]
         if failure[0] > 1:
-            raise ForceRetryError()   # what ``completing`` reads changed: again
+            raise ForceRetryError()   # what ``also`` reads changed: again
         if isinstance(error, BadVersionError):
             raise ForceRetryError()  # another part was counted meanwhile
         if isinstance(error, NodeExistsError):

@@ -27,9 +27,10 @@ does) before the body is failed: a read that fell into an election failed
 the chord for good (a possible cause of the nemesis's B19). The publish has
 Celery's own retry (``task_publish_retry_policy``).
 
-While it sends, the last part's own result reads STARTED
-(:class:`LastPartResult`), so that a worker stopped in between leaves a part
-that runs again even with ``worker_deduplicate_successful_tasks``.
+A part's own result reads STARTED until the part is counted, and the last
+part's until the run is finished (:class:`PartResult`), so that a worker
+stopped in between leaves a part that runs again even with
+``worker_deduplicate_successful_tasks``.
 
 The outcome is Celery's: the body gets the header's results in header order
 (a nested group's as a list); the first failed part fails the body with
@@ -58,7 +59,7 @@ from ..zk.names import ONCE_PROPERTY
 from ..zk.payload import is_manifest
 from .chord import ChordCounter
 
-__all__ = ["LastPartResult", "send_chord_body"]
+__all__ = ["PartResult", "send_chord_body"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,29 +102,53 @@ class _PartFailed(Exception):
         self.error = error
 
 
-class LastPartResult:
-    """The last part's own stored result, shown as STARTED while it sends the body.
+class PartResult:
+    """A chord part's own stored result, shown as STARTED until the part counts.
 
     With ``worker_deduplicate_successful_tasks`` Celery skips a redelivered
-    task whose result is SUCCESS without calling the backend. A worker that
-    stopped after counting a chord's last part and before sending its body
-    left a part nobody ran again, and the body was never sent (the nemesis's
-    B7; Redis's backend has the same gap). So the multi that counts the last
-    part also turns its SUCCESS into STARTED, and the one that finishes the
-    run turns it back: stopped in between, the part runs again and sends the
-    body. A chunked result (above ``chunk_size``) is left as it is.
+    task whose result is SUCCESS without calling the backend. A worker stopped
+    after a part's SUCCESS was stored and before the part was counted (B21),
+    or after the last part was counted and before the body was sent (B7),
+    left a part nobody ran again, and the body was never sent (Redis's backend
+    has the same gaps). So:
+
+    * :meth:`ZooKeeperBackend.mark_as_done` stores a part's SUCCESS as STARTED
+      (:meth:`hold`) and the multi that counts the part writes the SUCCESS;
+    * the last part's stays STARTED (or a SUCCESS stored otherwise becomes
+      STARTED, :meth:`counting`) until the multi that finishes the run writes
+      it back (:meth:`restore`).
+
+    Stopped in between, the part runs again and counts, or sends the body. A
+    chunked result (above ``chunk_size``) is stored as SUCCESS and left so.
     """
 
     def __init__(self, backend: ZooKeeperBackend, task_id: str) -> None:
         self.backend = backend
         self.task_id = task_id
         self.path = backend.path(backend.get_key_for_task(task_id))
-        #: The stored bytes and meta, once marked.
-        self.original: bytes | None = None
+        #: The SUCCESS to write once counted, and its meta (the body reads it).
+        self.success: bytes | None = None
         self.meta: dict[str, Any] | None = None
+        self._tries = 0
 
-    def mark(self, tx: TransactionRequest) -> None:
-        """Add to the counting multi (under its retry): SUCCESS becomes STARTED."""
+    def hold(self, meta: dict[str, Any], data: bytes | str) -> bytes:
+        """What to store for the SUCCESS ``meta`` (encoded as ``data``) until counted."""
+        self.success, self.meta = _bytes(data), meta
+        return _bytes(self.backend.encode({**meta, "status": states.STARTED}))
+
+    def counting(self, tx: TransactionRequest, last: bool) -> None:
+        """Add to the multi that counts the part (under its retry)."""
+        self._tries += 1
+        if last and self.success is None:
+            self._mark(tx)
+        elif not last and self.success is not None:
+            if self._tries > 1 and self.backend.client.exists(self.path) is None:
+                self.success = None   # forgotten meanwhile: nothing to write
+                return
+            tx.set_data(self.path, self.success)
+
+    def _mark(self, tx: TransactionRequest) -> None:
+        """A stored SUCCESS becomes STARTED."""
         client = self.backend.client
         try:
             data, stat = client.get(self.path)
@@ -134,21 +159,22 @@ class LastPartResult:
         meta = self.backend.decode_result(data)
         if meta.get("status") != states.SUCCESS:
             return
-        pending = self.backend.encode({**meta, "status": states.STARTED})
-        tx.set_data(self.path, pending.encode() if isinstance(pending, str) else pending,
-                    version=stat.version)
-        self.original, self.meta = data, meta
+        tx.set_data(self.path, self.hold(meta, data), version=stat.version)
 
     def restore(self, tx: TransactionRequest) -> None:
-        """Add to the finishing multi: the SUCCESS as it was stored."""
-        if self.original is not None:
-            tx.set_data(self.path, self.original)
+        """Add to the finishing multi: the SUCCESS."""
+        if self.success is not None:
+            tx.set_data(self.path, self.success)
+
+
+def _bytes(data: bytes | str) -> bytes:
+    return data.encode() if isinstance(data, str) else data
 
 
 def send_chord_body(backend: ZooKeeperBackend, request: Any, counter: ChordCounter,
-                    lazy: bool, own: LastPartResult | None = None) -> None:
+                    lazy: bool, own: PartResult | None = None) -> None:
     """The chord's every part is counted: send its body (or its error). ``own``:
-    the sending part's result, marked STARTED until the run is finished."""
+    the sending part's result, STARTED until the run is finished."""
     app = backend.app
     group_id = str(request.group)
     callback = maybe_signature(request.chord, app=app)

@@ -5,6 +5,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -451,28 +452,11 @@ def test_with_deduplication_the_last_part_of_a_stalled_chord_runs_again(
     tracer skips a redelivered task whose result is SUCCESS without calling the
     backend, so the part stored before the stop must not read SUCCESS until the
     body is sent (the nemesis turns deduplication on; B7)."""
-    from celery.app.trace import build_tracer
-
     worker()   # runs the body
-    app.conf.update(task_acks_late=True, worker_deduplicate_successful_tasks=True)
-
-    executed: list[int] = []
-
-    @app.task(name=TASK + "add", shared=False)
-    def add(x: int, y: int) -> int:
-        executed.append(x)
-        return x + y
-
+    executed = _deduplicated_add(app)
     result, group_id, parts, body = _chord_whose_first_sender_stops(app, monkeypatch,
                                                                     "deduplicated-body")
-
-    def deliver(index: int, redelivered: bool) -> None:   # Celery's worker tracer
-        tracer = build_tracer(add.name, add, app=app)
-        request = {"id": parts[index], "group": group_id, "group_index": index,
-                   "chord": dict(body), "delivery_info": {"redelivered": redelivered},
-                   "task": add.name}
-        tracer(parts[index], (index + 1, index + 1), {}, request)
-
+    deliver = partial(_deliver_part, app, group_id, parts, body)
     deliver(0, redelivered=False)
     with pytest.raises(SystemExit):
         deliver(1, redelivered=False)          # counted, then the worker stops
@@ -481,3 +465,61 @@ def test_with_deduplication_the_last_part_of_a_stalled_chord_runs_again(
     assert app.AsyncResult(parts[1]).get(timeout=10) == 4
     deliver(1, redelivered=True)               # now SUCCESS: skipped, nothing sent again
     assert executed == [1, 2, 2]
+
+
+def _deduplicated_add(app: Celery) -> list[int]:
+    """``add`` with ``acks_late`` and Celery's deduplication; the first arguments it ran with."""
+    app.conf.update(task_acks_late=True, worker_deduplicate_successful_tasks=True)
+    executed: list[int] = []
+
+    @app.task(name=TASK + "add", shared=False)
+    def add(x: int, y: int) -> int:
+        executed.append(x)
+        return x + y
+    return executed
+
+
+def _deliver_part(app: Celery, group_id: str, parts: list[str], body: Any, index: int,
+                  redelivered: bool) -> None:
+    """Part ``index`` (``add(index + 1, index + 1)``) run by Celery's worker tracer."""
+    from celery.app.trace import build_tracer
+
+    add = app.tasks[TASK + "add"]
+    request = {"id": parts[index], "group": group_id, "group_index": index,
+               "chord": dict(body), "delivery_info": {"redelivered": redelivered},
+               "task": add.name}
+    build_tracer(add.name, add, app=app)(parts[index], (index + 1, index + 1), {}, request)
+
+
+def test_with_deduplication_a_part_stopped_before_it_was_counted_runs_again(
+        app: Celery, worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker stopped after a chord part stored its result and before it counted
+    the part (the nemesis killed one there: the body never ran, B21). Celery's
+    deduplication skips a redelivered task whose result is SUCCESS, so a part's
+    result must not read SUCCESS before the part is counted."""
+    from celery_zk.backend.chord import ChordCounter
+
+    worker()   # runs the body
+    executed = _deduplicated_add(app)
+    header = [sig(app, "add", 1, 1, queue="nowhere"), sig(app, "add", 2, 2, queue="nowhere")]
+    body = sig(app, "tsum").set(task_id="uncounted-body")
+    result = chord(header)(body)
+    group_id, parts = result.parent.id, [r.id for r in result.parent.results]
+    real_increment, stops = ChordCounter.increment, []
+
+    def stops_first(self: ChordCounter, *args: Any, **kwargs: Any) -> Any:
+        if not stops:
+            stops.append("stopped")
+            raise SystemExit("the worker stops before it counts the part")
+        return real_increment(self, *args, **kwargs)
+    monkeypatch.setattr(ChordCounter, "increment", stops_first)
+    deliver = partial(_deliver_part, app, group_id, parts, body)
+    with pytest.raises(SystemExit):
+        deliver(0, redelivered=False)          # stored, then the worker stops
+    assert app.backend.get_task_meta(parts[0], cache=False)["status"] == states.STARTED
+    deliver(0, redelivered=True)               # not skipped: it runs and is counted
+    meta = app.backend.get_task_meta(parts[0], cache=False)
+    assert (meta["status"], meta["result"]) == (states.SUCCESS, 2)
+    deliver(1, redelivered=False)
+    assert result.get(timeout=30) == 6
+    assert executed == [1, 1, 2]

@@ -403,10 +403,10 @@ class Transport(virtual.Transport):
         self.unregister_from_event_loop(connection, self._loop)
         self._loop = loop
         loop.add_reader(self._wake.fileno(), self._on_readable)
-        # A safety net for a wake-up nothing sends: a busy worker whose loop
-        # nothing else wakes still looks whether what its full prefetch holds
-        # back should go back (HOLD, broker.credit). A raised prefetch limit
-        # wakes it itself (Channel.basic_qos). An idle look costs no request.
+        # A wake-up nothing else sends: a busy worker still looks whether what
+        # its full prefetch holds back should go back (HOLD, broker.credit).
+        # With the hand-off on, its offer's look-again does it too; with it off
+        # only this does. An idle look costs no request.
         self._poke = loop.call_repeatedly(EVENT_LOOP_POKE, self.wake)
         self.wake()   # what is waiting already
 

@@ -296,16 +296,20 @@ def test_a_lost_session_and_cancel_long_running_tasks_on_connection_loss(
     assert _ended(task_log).count("long") == (1 if cancel else 2)
 
 
+@pytest.mark.parametrize("handoff", [True, False])
 @pytest.mark.parametrize("pool", POOLS)
 def test_what_a_busy_worker_looked_ahead_for_goes_back_to_an_idle_one(
-        client_app: Celery, worker, task_log: Path, zk_client: KazooClient, pool: str) -> None:
+        client_app: Celery, worker, task_log: Path, zk_client: KazooClient, pool: str,
+        handoff: bool) -> None:
     """A worker whose one slot runs a long task still holds, in its inbox, what
     it looked ahead for in a burst: what would wait there longer than ``HOLD``
-    at its pace goes back to the queue (the busy worker's event loop looks when
-    it is woken, here by the idle worker joining the queue), and the idle
-    worker runs it long before the long task ends."""
+    at its pace goes back to the queue, though nothing wakes the busy worker's
+    event loop (its offer's look-again does, or without the hand-off its own
+    look, ``EVENT_LOOP_POKE``), and an idle worker joining later runs it long
+    before the long task ends."""
     busy = worker(log=task_log, pool=pool, concurrency=1, name="busy",
-                  conf={"worker_prefetch_multiplier": 1})
+                  conf={"worker_prefetch_multiplier": 1,
+                        "broker_transport_options": {"handoff": handoff}})
     for i in range(40):   # a burst drained fast: the busy worker looks ahead
         send(client_app, "record", f"warm-{i}")
     wait_until(lambda: sum(str(v).startswith("warm-") for v in executed_values(task_log)) == 40,
@@ -318,9 +322,11 @@ def test_what_a_busy_worker_looked_ahead_for_goes_back_to_an_idle_one(
     # Every quick one given to the busy worker: none waits for the idle one to take.
     wait_until(lambda: not waiting(zk_client, LAYOUT, "celery"), 30,
                message="the quick tasks were not all given to the busy worker")
+    # All but the one the busy worker's Celery took into its pool's queue.
+    wait_until(lambda: len(waiting(zk_client, LAYOUT, "celery")) >= len(quick) - 1, 30,
+               message="what the busy worker held did not go back")
     worker(log=task_log, pool=pool, concurrency=2, name="idle")
-    # All but the one the busy worker's Celery took into its pool's queue, and
-    # before the long task ends (40 s after it started).
+    # Before the long task ends (40 s after it started).
     wait_until(lambda: sum(v in executed_values(task_log) for v in quick) >= len(quick) - 1,
-               30, message="what the busy worker held did not go back")
+               30, message="the idle worker did not run what went back")
     busy.kill()   # a warm shutdown would wait out the long task (30 s of teardown)

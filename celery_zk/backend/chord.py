@@ -295,7 +295,7 @@ class ChordCounter:
             return Count(count, size, lazy)
         error = failure[1]
         if failure[0] > 1:
-            raise ForceRetryError()   # what ``also`` reads changed: again
+            raise ForceRetryError()   # what ``also`` changes went meanwhile: again
         if isinstance(error, BadVersionError):
             raise ForceRetryError()  # another part was counted meanwhile
         if isinstance(error, NodeExistsError):

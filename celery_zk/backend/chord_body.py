@@ -51,12 +51,10 @@ from celery.canvas import chord, group, maybe_signature
 from celery.exceptions import ChordError
 from celery.result import AsyncResult, GroupResult, ResultSet, allow_join_result
 from kazoo.client import KazooClient, TransactionRequest
-from kazoo.exceptions import NoNodeError
 
 from ..zk.client import FAILOVER_PATIENCE, connected_retry
 from ..zk.layout import Layout
 from ..zk.names import ONCE_PROPERTY
-from ..zk.payload import is_manifest
 from .chord import ChordCounter
 
 __all__ = ["PartResult", "send_chord_body"]
@@ -114,12 +112,11 @@ class PartResult:
 
     * :meth:`ZooKeeperBackend.mark_as_done` stores a part's SUCCESS as STARTED
       (:meth:`hold`) and the multi that counts the part writes the SUCCESS;
-    * the last part's stays STARTED (or a SUCCESS stored otherwise becomes
-      STARTED, :meth:`counting`) until the multi that finishes the run writes
-      it back (:meth:`restore`).
+    * the last part's stays STARTED until the multi that finishes the run
+      writes it (:meth:`restore`).
 
     Stopped in between, the part runs again and counts, or sends the body. A
-    chunked result (above ``chunk_size``) is stored as SUCCESS and left so.
+    chunked result (above ``chunk_size``) is stored as SUCCESS at once.
     """
 
     def __init__(self, backend: ZooKeeperBackend, task_id: str) -> None:
@@ -137,29 +134,15 @@ class PartResult:
         return _bytes(self.backend.encode({**meta, "status": states.STARTED}))
 
     def counting(self, tx: TransactionRequest, last: bool) -> None:
-        """Add to the multi that counts the part (under its retry)."""
+        """Add to the multi that counts the part (under its retry): the SUCCESS,
+        unless the part is the last."""
         self._tries += 1
-        if last and self.success is None:
-            self._mark(tx)
-        elif not last and self.success is not None:
-            if self._tries > 1 and self.backend.client.exists(self.path) is None:
-                self.success = None   # forgotten meanwhile: nothing to write
-                return
-            tx.set_data(self.path, self.success)
-
-    def _mark(self, tx: TransactionRequest) -> None:
-        """A stored SUCCESS becomes STARTED."""
-        client = self.backend.client
-        try:
-            data, stat = client.get(self.path)
-        except NoNodeError:
+        if last or self.success is None:
             return
-        if not data or is_manifest(data):
+        if self._tries > 1 and self.backend.client.exists(self.path) is None:
+            self.success = None   # forgotten meanwhile: nothing to write
             return
-        meta = self.backend.decode_result(data)
-        if meta.get("status") != states.SUCCESS:
-            return
-        tx.set_data(self.path, self.hold(meta, data), version=stat.version)
+        tx.set_data(self.path, self.success)
 
     def restore(self, tx: TransactionRequest) -> None:
         """Add to the finishing multi: the SUCCESS."""

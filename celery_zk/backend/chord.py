@@ -294,8 +294,8 @@ class ChordCounter:
         if failure is None:
             return Count(count, size, lazy)
         error = failure[1]
-        if failure[0] > 1:
-            raise ForceRetryError()   # what ``also`` changes went meanwhile: again
+        if failure[0] > 1:   # what ``also`` changes went meanwhile (a forgotten result)
+            return self._inner_increment(part_id, token, group_index, None)
         if isinstance(error, BadVersionError):
             raise ForceRetryError()  # another part was counted meanwhile
         if isinstance(error, NodeExistsError):

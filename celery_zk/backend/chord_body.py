@@ -126,7 +126,6 @@ class PartResult:
         #: The SUCCESS to write once counted, and its meta (the body reads it).
         self.success: bytes | None = None
         self.meta: dict[str, Any] | None = None
-        self._tries = 0
 
     def hold(self, meta: dict[str, Any], data: bytes | str) -> bytes:
         """What to store for the SUCCESS ``meta`` (encoded as ``data``) until counted."""
@@ -134,15 +133,10 @@ class PartResult:
         return _bytes(self.backend.encode({**meta, "status": states.STARTED}))
 
     def counting(self, tx: TransactionRequest, last: bool) -> None:
-        """Add to the multi that counts the part (under its retry): the SUCCESS,
-        unless the part is the last."""
-        self._tries += 1
-        if last or self.success is None:
-            return
-        if self._tries > 1 and self.backend.client.exists(self.path) is None:
-            self.success = None   # forgotten meanwhile: nothing to write
-            return
-        tx.set_data(self.path, self.success)
+        """Add to the multi that counts the part: the SUCCESS, unless the part is
+        the last."""
+        if not last and self.success is not None:
+            tx.set_data(self.path, self.success)
 
     def restore(self, tx: TransactionRequest) -> None:
         """Add to the finishing multi: the SUCCESS."""

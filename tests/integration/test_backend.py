@@ -523,3 +523,40 @@ def test_with_deduplication_a_part_stopped_before_it_was_counted_runs_again(
     deliver(1, redelivered=False)
     assert result.get(timeout=30) == 6
     assert executed == [1, 1, 2]
+
+
+def test_a_part_whose_result_was_forgotten_before_it_was_counted_is_counted(
+        app: Celery, worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The multi that counts a part also writes its SUCCESS: a result deleted
+    between the store and the count (``forget()``) fails that write, and the
+    part is counted without it at once, rather than retried until the patience
+    ends; the body, which has no value for it, fails with Celery's error."""
+    from celery_zk.backend.chord import ChordCounter
+
+    worker()   # runs the body
+    executed = _deduplicated_add(app)
+    header = [sig(app, "add", 1, 1, queue="nowhere"), sig(app, "add", 2, 2, queue="nowhere")]
+    body = sig(app, "tsum").set(task_id="forgotten-part-body")
+    result = chord(header)(body)
+    group_id, parts = result.parent.id, [r.id for r in result.parent.results]
+    real_increment, real_attempt = ChordCounter.increment, ChordCounter._inner_increment
+    attempts: list[str] = []
+
+    def forgotten_first(self: ChordCounter, part_id: str, *args: Any, **kwargs: Any) -> Any:
+        if part_id == parts[0]:
+            app.backend.forget(part_id)
+        return real_increment(self, part_id, *args, **kwargs)
+
+    def attempt(self: ChordCounter, *args: Any) -> Any:
+        attempts.append(args[0])
+        return real_attempt(self, *args)
+    monkeypatch.setattr(ChordCounter, "increment", forgotten_first)
+    monkeypatch.setattr(ChordCounter, "_inner_increment", attempt)
+    deliver = partial(_deliver_part, app, group_id, parts, body)
+    deliver(0, redelivered=False)
+    assert attempts == [parts[0], parts[0]], "tried again and again (until the patience ends)"
+    assert ChordCounter(app.backend.client, app.backend.layout, group_id).parts() == parts[:1]
+    deliver(1, redelivered=False)
+    with pytest.raises(ChordError):
+        result.get(timeout=30)
+    assert executed == [1, 2]

@@ -347,25 +347,40 @@ def test_a_dropped_copy_of_a_result_does_not_end_the_wait(
     assert result.get(timeout=30) == "waited"
 
 
+def _two_part_chord(app: Celery, body: Any) -> tuple[Any, str, list[str]]:
+    """A two-part chord whose header waits where no worker looks: (result, group
+    id, part ids)."""
+    header = [sig(app, "add", 1, 1, queue="nowhere"), sig(app, "add", 2, 2, queue="nowhere")]
+    result = chord(header)(body)
+    return result, result.parent.id, [r.id for r in result.parent.results]
+
+
+def _stops_first(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, why: str
+                 ) -> list[str]:
+    """``owner.name`` stops the worker (SystemExit) the first time it is called,
+    and runs as before after that; the list says whether it stopped."""
+    real = getattr(owner, name)
+    stops: list[str] = []
+
+    def stops_first(*args: Any, **kwargs: Any) -> Any:
+        if not stops:
+            stops.append("stopped")
+            raise SystemExit(why)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, stops_first)
+    return stops
+
+
 def _chord_whose_first_sender_stops(app: Celery, monkeypatch: pytest.MonkeyPatch,
                                     body_id: str) -> tuple[Any, str, list[str], Any]:
-    """A two-part chord whose header waits where no worker looks, and whose
-    first attempt to send its body stops the worker (SystemExit) right after
-    the last part was counted: (result, group id, part ids, body)."""
+    """A two-part chord whose first attempt to send its body stops the worker
+    right after the last part was counted: (result, group id, part ids, body)."""
     import celery_zk.backend.backend as backend_module
 
-    header = [sig(app, "add", 1, 1, queue="nowhere"), sig(app, "add", 2, 2, queue="nowhere")]
     body = sig(app, "tsum").set(task_id=body_id)
-    result = chord(header)(body)
-    real_send, sent = backend_module.send_chord_body, []
-
-    def stops_first(*args: Any, **kwargs: Any) -> None:
-        if not sent:
-            sent.append("stopped")
-            raise SystemExit("the worker stops before it sends the body")
-        real_send(*args, **kwargs)
-    monkeypatch.setattr(backend_module, "send_chord_body", stops_first)
-    return result, result.parent.id, [r.id for r in result.parent.results], body
+    _stops_first(monkeypatch, backend_module, "send_chord_body",
+                 "the worker stops before it sends the body")
+    return (*_two_part_chord(app, body), body)
 
 
 def test_a_chord_body_is_sent_by_its_last_part_run_again_after_its_worker_stopped(
@@ -410,18 +425,10 @@ def test_a_chord_body_sent_before_its_worker_stopped_is_not_sent_again(
 
     backend = app.backend
     assert isinstance(backend, ZooKeeperBackend)
-    header = [sig(app, "add", 1, 1, queue="nowhere"), sig(app, "add", 2, 2, queue="nowhere")]
     body = sig(app, "tsum", queue="bodies-b17").set(task_id="sent-once-body")
-    result = chord(header)(body)
-    group_id, parts = result.parent.id, [r.id for r in result.parent.results]
-    real_finish, stops = ChordCounter.finish, []
-
-    def stops_first(self: ChordCounter, *args: Any, **kwargs: Any) -> None:
-        if not stops:
-            stops.append("stopped")
-            raise SystemExit("the worker stops after it sent the body")
-        real_finish(self, *args, **kwargs)
-    monkeypatch.setattr(ChordCounter, "finish", stops_first)
+    result, group_id, parts = _two_part_chord(app, body)
+    stops = _stops_first(monkeypatch, ChordCounter, "finish",
+                         "the worker stops after it sent the body")
 
     def part_done(index: int, value: int) -> None:   # what the worker's trace does
         request = SimpleNamespace(id=parts[index], group=group_id, group_index=index,
@@ -501,18 +508,10 @@ def test_with_deduplication_a_part_stopped_before_it_was_counted_runs_again(
 
     worker()   # runs the body
     executed = _deduplicated_add(app)
-    header = [sig(app, "add", 1, 1, queue="nowhere"), sig(app, "add", 2, 2, queue="nowhere")]
     body = sig(app, "tsum").set(task_id="uncounted-body")
-    result = chord(header)(body)
-    group_id, parts = result.parent.id, [r.id for r in result.parent.results]
-    real_increment, stops = ChordCounter.increment, []
-
-    def stops_first(self: ChordCounter, *args: Any, **kwargs: Any) -> Any:
-        if not stops:
-            stops.append("stopped")
-            raise SystemExit("the worker stops before it counts the part")
-        return real_increment(self, *args, **kwargs)
-    monkeypatch.setattr(ChordCounter, "increment", stops_first)
+    result, group_id, parts = _two_part_chord(app, body)
+    _stops_first(monkeypatch, ChordCounter, "increment",
+                 "the worker stops before it counts the part")
     deliver = partial(_deliver_part, app, group_id, parts, body)
     with pytest.raises(SystemExit):
         deliver(0, redelivered=False)          # stored, then the worker stops
@@ -535,10 +534,8 @@ def test_a_part_whose_result_was_forgotten_before_it_was_counted_is_counted(
 
     worker()   # runs the body
     executed = _deduplicated_add(app)
-    header = [sig(app, "add", 1, 1, queue="nowhere"), sig(app, "add", 2, 2, queue="nowhere")]
     body = sig(app, "tsum").set(task_id="forgotten-part-body")
-    result = chord(header)(body)
-    group_id, parts = result.parent.id, [r.id for r in result.parent.results]
+    result, group_id, parts = _two_part_chord(app, body)
     real_increment, real_attempt = ChordCounter.increment, ChordCounter._inner_increment
     attempts: list[str] = []
 

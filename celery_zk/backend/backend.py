@@ -72,7 +72,7 @@ from .chord_body import PartResult, send_chord_body
 from .expiry import CHORD, GROUP, HOUR, RESULT, ExpiryIndex, Key, bucket_expired, expiry_hour
 from .payloads import ResultPayloads
 from .result_consumer import ResultConsumer, read_nodes
-from .writes import ResultWrites
+from .writes import ResultWrites, as_bytes
 
 __all__ = ["ZooKeeperBackend", "ResultTooLarge", "Key", "expiry_hour", "bucket_expired",
            "HOUR", "RESULT", "GROUP", "CHORD"]
@@ -248,8 +248,7 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
                 return   # a lazy header saves no group: its parts name the results
             header = result_from_tuple(self.decode(data)["result"], self.app)
             grown = self.app.GroupResult(group_id, [*header.results, result])
-            data = self.encode({"result": grown.as_tuple()})
-            tx.set_data(group_path, data.encode() if isinstance(data, str) else data,
+            tx.set_data(group_path, self.encoded({"result": grown.as_tuple()}),
                         version=stat.version)
 
         self._counter(group_id).add(also_in_saved_group)
@@ -276,15 +275,15 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         meta = self._get_result_meta(result=result, state=state,
                                      traceback=traceback, request=request)
         meta["task_id"] = str(task_id)
-        data = self.encode(meta)
-        self.check_size(task_id, data)
-        raw = data.encode() if isinstance(data, str) else data
-        if part is not None and not needs_chunks(raw, self.chunk_size):
-            raw = part.hold(meta, raw)   # SUCCESS once counted
+        encoded = self.encode(meta)
+        self.check_size(task_id, encoded)
+        data = as_bytes(encoded)
+        if part is not None and not needs_chunks(data, self.chunk_size):
+            data = part.hold(meta, data)   # SUCCESS once counted
         # Most tasks are written once: try a blind create first, saving the
         # read. With task_track_started the final state is a rewrite.
         fresh = state == states.STARTED or not self.app.conf.task_track_started
-        written = self._write(self.get_key_for_task(task_id), raw, keep_success=True,
+        written = self._write(self.get_key_for_task(task_id), data, keep_success=True,
                               fresh=fresh)
         if part is not None and not written:
             part.success = None   # a SUCCESS stored before stays, and is what counts
@@ -399,8 +398,7 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
         meta = self._get_result_meta(result=self.encode_result(error, states.FAILURE),
                                      state=states.FAILURE, traceback=None, request=None)
         meta["task_id"] = key.id
-        data = self.encode(meta)
-        return data.encode() if isinstance(data, str) else bytes(data)
+        return self.encoded(meta)
 
     def get_many(self, task_ids: Iterable[str], timeout: float | None = None,
                  interval: float = 0.5, no_ack: bool = True,

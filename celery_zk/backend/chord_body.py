@@ -79,7 +79,7 @@ class ZooKeeperBackend(Protocol):
 
     def delete_group(self, group_id: str) -> Any: ...
 
-    def encode(self, data: Any) -> Any: ...
+    def encoded(self, data: Any) -> bytes: ...
 
     def path(self, key: Any) -> str: ...
 
@@ -127,10 +127,10 @@ class PartResult:
         self.success: bytes | None = None
         self.meta: dict[str, Any] | None = None
 
-    def hold(self, meta: dict[str, Any], data: bytes | str) -> bytes:
+    def hold(self, meta: dict[str, Any], data: bytes) -> bytes:
         """What to store for the SUCCESS ``meta`` (encoded as ``data``) until counted."""
-        self.success, self.meta = _bytes(data), meta
-        return _bytes(self.backend.encode({**meta, "status": states.STARTED}))
+        self.success, self.meta = data, meta
+        return self.backend.encoded({**meta, "status": states.STARTED})
 
     def counting(self, tx: TransactionRequest, last: bool) -> None:
         """Add to the multi that counts the part: the SUCCESS, unless the part is
@@ -142,10 +142,6 @@ class PartResult:
         """Add to the finishing multi: the SUCCESS."""
         if self.success is not None:
             tx.set_data(self.path, self.success)
-
-
-def _bytes(data: bytes | str) -> bytes:
-    return data.encode() if isinstance(data, str) else data
 
 
 def send_chord_body(backend: ZooKeeperBackend, request: Any, counter: ChordCounter,

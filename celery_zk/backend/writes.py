@@ -45,6 +45,12 @@ class ResultWrites:
 
         def decode(self, payload: Any) -> Any: ...
 
+        def encode(self, data: Any) -> Any: ...
+
+    def encoded(self, data: Any) -> bytes:
+        """``data`` serialized as a node's bytes (Celery's ``encode`` may give a str)."""
+        return as_bytes(self.encode(data))
+
     def check_size(self, task_id: str, data: bytes | str, what: str = "task") -> None:
         size = len(data)
         if size > self.max_size:
@@ -65,7 +71,7 @@ class ResultWrites:
         existing node is left alone. False when the node was left alone.
         ``fresh`` guesses the node is new and tries one multi before reading.
         """
-        data = value.encode() if isinstance(value, str) else value
+        data = as_bytes(value)
         if key.kind == CHORD or not needs_chunks(data, self.chunk_size):
             return self._retry(self._inner_write, key, data, keep_success, create_only,
                                fresh, None)
@@ -230,3 +236,7 @@ class ResultWrites:
             return bool(self.decode(value)["status"] == states.SUCCESS)
         except Exception:  # chunks gone, or an undecodable node: not a result to protect
             return False
+
+
+def as_bytes(data: bytes | str) -> bytes:
+    return data.encode() if isinstance(data, str) else bytes(data)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Callable
 from queue import Empty
 from typing import Any
 
@@ -152,8 +153,11 @@ class Channel(virtual.Channel):
                 raise Empty()
             return payload
         inbox.set_credit(self.qos.prefetch_count or 0)
+        no_ack = queue in self._no_ack_queues
         while True:
-            in_hand, slots = self._in_hand(), celery_pool.pool_slots()
+            # What a queue without acks (Celery's remote control) delivers takes
+            # no pool slot: a busy worker keeps taking it, its offer standing.
+            in_hand, slots = 0 if no_ack else self._in_hand(), celery_pool.pool_slots()
             inbox.look(in_hand, slots)
             claimed = inbox.take()
             if claimed is None:
@@ -163,11 +167,26 @@ class Channel(virtual.Channel):
                 raise Empty()
             payload = self._decode(claimed)
             if payload is not None:
-                if queue in self._no_ack_queues:
+                if no_ack:
                     # No ack will come (event monitors): delivered means done.
                     transport.acks.discard(claimed.owned_path)
                     transport.settled(claimed.owned_path)
                 return payload
+
+    def deliver_no_ack_first(self, deliver: Callable[[Any, str], Any]) -> bool:
+        """Deliver a message of a queue consumed without acks, if one is ready;
+        True if one was. Such a message (a remote-control command, an event)
+        goes before the tasks ready with it: a revoke broadcast just before a
+        task is heard before that task runs, whichever queue kombu's round
+        robin would have looked at first."""
+        for queue in self._no_ack_queues & self._consuming:
+            try:
+                message = self._get(queue)
+            except Empty:
+                continue
+            deliver(message, queue)
+            return True
+        return False
 
     def _in_hand(self) -> int:
         """Messages delivered and not done with: unacked, or in a Celery worker

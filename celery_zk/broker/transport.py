@@ -386,13 +386,16 @@ class Transport(virtual.Transport):
         self.auto_delete.restore()
         if self.bindings.reclaim() and worker is not None:
             worker.bindings_restored(self)
+        deliver = kombu_compat.deliver_callback(self)
+        channels: list[Channel] = list(self.channels or ())
+        if any(channel.deliver_no_ack_first(deliver) for channel in channels):
+            return True
         try:
             assert self.cycle is not None
-            self.cycle.get(kombu_compat.deliver_callback(self))
+            self.cycle.get(deliver)
             return True
         except Empty:
             pass
-        channels: list[Channel] = list(self.channels or ())
         for channel in channels:
             channel.withdraw_offers_if_full()
         return False

@@ -876,3 +876,52 @@ def test_unhonoured_queue_arguments_warn_once_and_the_queue_works(
             Queue("replies", Exchange("replies", "direct"), "replies", auto_delete=True,
                   expires=10, message_ttl=300)(channel).declare()
         assert not [r for r in caplog.records if "does not honour" in r.getMessage()]
+
+
+def test_a_message_no_one_acks_goes_before_the_tasks_ready_with_it(
+        conn: Connection, zk_url: str, zk_client: KazooClient) -> None:
+    """A remote-control command (a queue consumed without acks) and a task ready
+    at once: the command goes first, whichever channel kombu's round robin
+    would look at first. Celery's own suite revokes by stamped header and then
+    publishes the task; it ran, where the revoke and the task reached the
+    worker's loop together."""
+    tasks = Queue("ord-tasks", Exchange("ord-tasks", "direct"), "ord-tasks")
+    control = Queue("ord-control", Exchange("ord-control", "direct"), "ord-control")
+    got: list[str] = []
+    layout = layout_of(zk_url)
+
+    def on_task(body: Any, message: Any) -> None:
+        got.append(body)
+        message.ack()
+
+    with Connection(apart(zk_url, "publisher")) as other, \
+            Consumer(conn.channel(), [tasks], callbacks=[on_task]), \
+            Consumer(conn.channel(), [control], no_ack=True,
+                     callbacks=[lambda body, message: got.append(body)]):
+        producer = Producer(other.channel())
+
+        def publish(queue: Queue, body: str) -> None:
+            producer.publish(body, exchange=queue.exchange, routing_key=queue.routing_key,
+                             declare=[queue])
+
+        def both_ready() -> None:
+            wait_until(lambda: len(owned(zk_client, layout, "ord-tasks"))
+                       + len(owned(zk_client, layout, "ord-control")) == 2, 10, 0.02,
+                       "the two messages never reached the consumer's inboxes")
+            time.sleep(0.2)   # and the watch events this process
+
+        # Each round leaves kombu's round robin where it began; the lone task
+        # between the two rounds moves it on by one, so one round starts at each channel.
+        for round_ in range(2):
+            with pytest.raises(socket.timeout):
+                conn.drain_events(timeout=0.3)   # consuming, idle
+            publish(tasks, f"task {round_}")
+            publish(control, f"control {round_}")
+            both_ready()
+            conn.drain_events(timeout=5)
+            conn.drain_events(timeout=5)
+            assert got[-2:] == [f"control {round_}", f"task {round_}"]
+            if round_ == 0:
+                publish(tasks, "lone")
+                conn.drain_events(timeout=5)
+        assert got == ["control 0", "task 0", "lone", "control 1", "task 1"]

@@ -20,7 +20,7 @@ from kazoo.client import KazooClient
 
 from celery_zk.zk.layout import Layout
 
-from .queues import owned, waiting
+from .queues import owned, unowned_creations, waiting
 from .workers import executed_values, read_log, wait_until
 
 LAYOUT = Layout("/")  # the zk_client fixture is chrooted at the test's root
@@ -330,3 +330,24 @@ def test_what_a_busy_worker_looked_ahead_for_goes_back_to_an_idle_one(
     wait_until(lambda: sum(v in executed_values(task_log) for v in quick) >= len(quick) - 1,
                30, message="the idle worker did not run what went back")
     busy.kill()   # a warm shutdown would wait out the long task (30 s of teardown)
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_busy_worker_is_handed_remote_control_commands(
+        client_app: Celery, worker, task_log: Path, zk_client: KazooClient, pool: str) -> None:
+    """What the remote-control queue delivers takes no pool slot, so a worker
+    whose every slot is busy keeps its offer there: a broadcast (a revoke, an
+    inspect) is handed straight into its inbox, as to an idle worker, and not
+    routed through the queue's dispatcher behind the tasks handed to it."""
+    busy = worker(log=task_log, pool=pool, concurrency=1, name="busy")
+    pidbox = next(q for q in zk_client.get_children(LAYOUT.queues)
+                  if q.startswith("busy@") and q.endswith(".pidbox"))
+    send(client_app, "record_then_sleep", "long", 30)
+    wait_until(lambda: "long" in executed_values(task_log, "record_then_sleep"), 30)
+    time.sleep(0.5)   # busy well past BUSY_GRACE, when a task queue's offer goes
+    assert zk_client.get_children(LAYOUT.offers(pidbox)), "the busy worker withdrew its offer"
+    before = unowned_creations(zk_client, LAYOUT, pidbox)
+    hostname = pidbox.removesuffix(".celery.pidbox")
+    assert client_app.control.ping(destination=[hostname], timeout=10)
+    assert unowned_creations(zk_client, LAYOUT, pidbox) == before   # handed, never waited
+    busy.kill()   # a warm shutdown would wait out the long task

@@ -180,6 +180,8 @@ class Channel(virtual.Channel):
         task is heard before that task runs, whichever queue kombu's round
         robin would have looked at first."""
         for queue in self._no_ack_queues & self._consuming:
+            if not self.connection.inbox(queue).has_news:
+                continue   # kombu's round robin looks there too: only the ready count
             try:
                 message = self._get(queue)
             except Empty:

@@ -21,7 +21,8 @@ Why it is safe:
   cache of offers costs a refused request, never a message.
 * A consumer withdraws its offer (deletes it) when the work it is given or
   runs fills its worker's pool (every slot busy: a handed message would wait
-  behind it), when it stops consuming the queue and when its prefetch fills.
+  behind it; not on a queue consumed without acks, whose messages take no
+  slot), when it stops consuming the queue and when its prefetch fills.
   Work from the dispatcher that leaves a slot free keeps the offer: a worker
   under a steady load, whose queue is empty between tasks, is handed
   messages too. Whatever was handed over before a withdrawal is in its

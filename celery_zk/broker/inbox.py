@@ -434,6 +434,11 @@ class Inbox:
             self.offer.delivering()
         return claimed
 
+    @property
+    def has_news(self) -> bool:
+        """Something arrived, or waits to be read or delivered: worth a look now."""
+        return bool(self.arrivals or self.pending or self.buffer)
+
     def settled(self, name: str) -> None:
         """A delivered message was acked, rejected or requeued. It stays in
         :attr:`taken` until a listing or the watch shows it gone from the

@@ -457,8 +457,7 @@ class Inbox:
         """Offer if nothing waits to be delivered or read."""
         consumer_id, offer = self.consumer_id, self.offer
         if (consumer_id is not None and offer is not None and not offer.outstanding
-                and self._may_offer() and not self.buffer and not self.pending
-                and not self.arrivals):
+                and self._may_offer() and not self.has_news):
             offer.make(consumer_id)
 
     def _tree_active(self) -> bool:

@@ -908,7 +908,10 @@ def test_a_message_no_one_acks_goes_before_the_tasks_ready_with_it(
             wait_until(lambda: len(owned(zk_client, layout, "ord-tasks"))
                        + len(owned(zk_client, layout, "ord-control")) == 2, 10, 0.02,
                        "the two messages never reached the consumer's inboxes")
-            time.sleep(0.2)   # and the watch events this process
+            # and this process heard of both (their watch events)
+            wait_until(lambda: all(conn.transport.inbox(q).has_news
+                                   for q in ("ord-tasks", "ord-control")), 10, 0.01,
+                       "the consumer's watches never reported the two messages")
 
         # Each round leaves kombu's round robin where it began; the lone task
         # between the two rounds moves it on by one, so one round starts at each channel.

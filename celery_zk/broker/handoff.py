@@ -46,7 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
+from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from ..zk.client import (
     RedoThread,
@@ -157,10 +157,24 @@ class HandOff:
                            message.kind, message.task, message.limit_key, body, message.size)
         owned = layout.inbox_message(queue, consumer_id, name)
 
-        lost = False
+        maybe_made = False   # an attempt whose reply was lost may have stored it
 
         def attempt() -> bool:
-            nonlocal lost
+            nonlocal maybe_made
+            if maybe_made:
+                # Looked at before anything is stored again, on every retry: a
+                # look made while the connection was still down failed too, and
+                # the retry that follows must not skip it (the nemesis saw a
+                # message handed twice, unsaid). An ack deletes the body with
+                # the name; the body there says it was stored (delivered, or
+                # given back to the queue since).
+                synced(client, message.body_path)   # else a lagging server may not know it yet
+                if client.retry(client.exists, message.body_path) is not None:
+                    return True   # it committed; only the reply was lost
+                logger.warning(   # said before whatever makes it again
+                    "celery_zk: the reply to a hand-off was lost and message %s is not "
+                    "stored; handing or publishing it again (had it been stored and already "
+                    "acked, it runs twice: at-least-once)", message.uid)
             txn = client.transaction()
             # The offer's check proves its owner's session alive at this instant
             # (an ephemeral node). It stands: the consumer withdraws it when its
@@ -168,20 +182,9 @@ class HandOff:
             txn.check(layout.offer(queue, offer), -1)
             txn.create(message.body_path, message.data)
             txn.create(owned)
-            try:
-                results = txn.commit()
-            except ConnectionLoss:
-                synced(client, owned)   # else a lagging server may not know it yet
-                if client.retry(client.exists, owned) is not None:
-                    return True   # it committed; only the reply was lost
-                if not lost:   # said before whatever makes it again: the retry below
-                    logger.warning(   # or, the offer gone with it, a publish
-                        "celery_zk: the reply to a hand-off was lost and message %s is not "
-                        "in the inbox it was handed to; handing or publishing it again (had "
-                        "it been stored and already acked, it runs twice: at-least-once)",
-                        message.uid)
-                lost = True
-                raise   # it did not (or was acked already): the retry tells
+            maybe_made = True
+            results = txn.commit()
+            maybe_made = False
             failure = multi_failure(results)
             if failure is None:
                 return True

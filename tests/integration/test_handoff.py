@@ -884,12 +884,89 @@ def test_a_hand_off_whose_reply_was_lost_syncs_before_it_looks(
                 "/offers/" in str(op.path) for op in txn.operations))
             Producer(other.channel()).publish("once", exchange=queue.exchange,
                                               routing_key="lost")
-            assert synced_paths and "/owned/" in synced_paths[0]
+            assert synced_paths and "/bodies/" in synced_paths[0]
         conn.drain_events(timeout=5)
     assert [body for body, _ in got] == ["once"]
     assert waiting(zk_client, LAYOUT, "lost") == []
     # Acks are coalesced: the delete commits a few milliseconds after ack().
     wait_until(lambda: owned(zk_client, LAYOUT, "lost") == [], 5, 0.02, "the ack never landed")
+
+
+def fail_the_first_sync(monkeypatch: pytest.MonkeyPatch, client: KazooClient) -> list[str]:
+    """The first ``sync`` of ``client`` fails as kazoo's retry does when the
+    connection stays down past its deadline; the paths synced after it."""
+    from kazoo.retry import RetryFailedError
+
+    real_sync, synced_paths = client.sync, []
+
+    def sync(path: str) -> Any:
+        synced_paths.append(path)
+        if len(synced_paths) == 1:
+            raise RetryFailedError("the connection stayed down")
+        return real_sync(path)
+    monkeypatch.setattr(client, "sync", sync)
+    return synced_paths
+
+
+def test_a_hand_off_whose_reply_was_lost_looks_again_if_its_look_failed(
+        conn: Connection, zk_url: str, zk_client: KazooClient,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The multi committed, its reply was lost, and the look that would tell
+    failed too (the connection was still down). The retry looks before it
+    stores anything: without that it handed the message again, found its body
+    there, and published it a second time."""
+    queue = Queue("relook", Exchange("relook", "direct"), "relook")
+    got: list[Any] = []
+    with consumer(conn, queue, got):
+        expect_idle(conn)
+        wait_until(lambda: offers(zk_client, "relook"), 5, 0.02, "no offer was made")
+        with Connection(apart(zk_url, "publisher")) as other:
+            client = other.transport.handle.client
+            synced_paths = fail_the_first_sync(monkeypatch, client)
+            lost = lose_the_reply(monkeypatch, client, lambda txn: any(
+                "/offers/" in str(op.path) for op in txn.operations))
+            Producer(other.channel()).publish("once", exchange=queue.exchange,
+                                              routing_key="relook")
+            assert lost and len(synced_paths) == 2   # the failed look, then the retry's
+        conn.drain_events(timeout=5)
+        expect_idle(conn)   # no second copy
+        assert waiting(zk_client, LAYOUT, "relook") == []
+    assert [body for body, _ in got] == ["once"]
+
+
+def test_a_hand_off_stored_again_after_a_lost_reply_says_so(
+        conn: Connection, zk_url: str, zk_client: KazooClient,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Stored, delivered and acked before the publisher could look (its look
+    failing first, the connection still down): nothing is left to find, so it
+    is handed again, and it runs twice (at-least-once). That second copy is
+    always said, before it is made: the nemesis counts a duplicate as a
+    publish retry by that warning (it saw one unsaid)."""
+    queue = Queue("again", Exchange("again", "direct"), "again")
+    got: list[Any] = []
+
+    def delivered_and_acked() -> None:
+        conn.drain_events(timeout=5)
+        wait_until(lambda: owned(zk_client, LAYOUT, "again") == [], 5, 0.02,
+                   "the ack never landed")
+
+    with consumer(conn, queue, got):
+        expect_idle(conn)
+        wait_until(lambda: offers(zk_client, "again"), 5, 0.02, "no offer was made")
+        with Connection(apart(zk_url, "publisher")) as other:
+            client = other.transport.handle.client
+            fail_the_first_sync(monkeypatch, client)
+            lose_the_reply(monkeypatch, client, lambda txn: any(
+                "/offers/" in str(op.path) for op in txn.operations),
+                meanwhile=delivered_and_acked)
+            with caplog.at_level("WARNING", logger="celery_zk.broker.handoff"):
+                Producer(other.channel()).publish("once", exchange=queue.exchange,
+                                                  routing_key="again")
+        conn.drain_events(timeout=5)
+    assert [body for body, _ in got] == ["once", "once"]
+    said = [r.getMessage() for r in caplog.records if "reply to a hand-off was lost" in
+            r.getMessage()]
+    assert len(said) == 1, said
 
 
 def test_a_publish_whose_reply_was_lost_finds_its_message_in_an_inbox(

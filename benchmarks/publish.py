@@ -16,7 +16,9 @@ until the broker has taken it.
   call        p50 / p99 ms of one ``apply_async`` call, one thread, calls
               paced apart; for zk and zk3 beside it the floor, a bare kazoo
               client's synced ``create`` of a 1 KB sequential node on the same
-              server.
+              server;
+  bare/s      that create in a loop from one thread, as many as ``--publish``:
+              the floor of a confirmed publish from one thread.
 
 ``zk3`` and ``rabbitmq3`` (:mod:`common.servers`): the replicated shape,
 three members on hosts of their own, RabbitMQ's publishes confirmed.
@@ -48,7 +50,7 @@ BROKERS = ("zk", "redis", "redis-aof", "rabbitmq", "zk3", "rabbitmq3")
 DEFAULT_BROKERS = "zk,redis,redis-aof,rabbitmq"
 GROUP_SIZE = 1000
 COLUMNS = ["publish/s 1 thread", "publish/s 8 threads", "group of 1,000 s",
-           "generator group s", "call ms", "bare create ms"]
+           "generator group s", "call ms", "bare create ms", "bare creates/s 1 thread"]
 
 
 def stored(app: Any) -> None:
@@ -78,14 +80,19 @@ def call_ms(url: str, samples: int) -> list[float]:
         stored(app)
 
 
-def bare_create_ms(hosts: str, samples: int) -> list[float]:
-    """Each synced ``create`` of a bare kazoo client's, milliseconds: the floor."""
+def bare_creates(hosts: str, samples: int, count: int) -> tuple[list[float], float]:
+    """A bare kazoo client's synced ``create``: each of ``samples`` paced apart,
+    milliseconds, and ``count`` in a loop, per second: the floor."""
     client = KazooClient(hosts)
     client.start()
     try:
         client.ensure_path("/bench-bare")
-        return sample(lambda: timed(client.create, "/bench-bare/m-", b"x" * 1000,
-                                    sequence=True), samples)
+        paced = sample(lambda: timed(client.create, "/bench-bare/m-", b"x" * 1000,
+                                     sequence=True), samples)
+        t0 = time.perf_counter()
+        for _ in range(count):
+            client.create("/bench-bare/m-", b"x" * 1000, sequence=True)
+        return paced, count / (time.perf_counter() - t0)
     finally:
         client.delete("/bench-bare", recursive=True)
         client.stop()
@@ -134,15 +141,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "generator group s": group_seconds(url, lazy=True),
                     "call ms": p50_p99(call_ms(url, args.samples))}
                 if server.zk is not None and label == name:
-                    results[label]["bare create ms"] = p50_p99(
-                        bare_create_ms(server.zk_hosts, args.samples))
+                    paced, rate = bare_creates(server.zk_hosts, args.samples, args.publish)
+                    results[label].update({"bare create ms": p50_p99(paced),
+                                           "bare creates/s 1 thread": rate})
     return results
 
 
 def render(results: dict[str, Any]) -> str:
     rows = [["broker", *COLUMNS]]
     for name, row in results.items():
-        rows.append([name, *(row.get(k, "-") if k.endswith(" ms") else
+        rows.append([name, *("-" if k not in row else row[k] if k.endswith(" ms") else
                              f"{row[k]:.2f}" if k.endswith(" s") else f"{row[k]:,.0f}"
                              for k in COLUMNS)])
     return "\n".join(["Publishing (tasks/s; a group: seconds to publish it; "

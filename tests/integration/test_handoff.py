@@ -863,6 +863,20 @@ def test_an_ack_held_back_is_sent_before_the_connection_closes(
     assert waiting(zk_client, LAYOUT, "late-ack") == []
 
 
+@contextmanager
+def handing_over(conn: Connection, zk_url: str, zk_client: KazooClient,
+                 name: str) -> Iterator[tuple[Queue, list[Any], Connection]]:
+    """Queue ``name`` with a consumer on ``conn`` (acking) that has made its
+    offer; the messages it got, and another process's connection to publish from."""
+    queue = Queue(name, Exchange(name, "direct"), name)
+    got: list[Any] = []
+    with consumer(conn, queue, got):
+        expect_idle(conn)
+        wait_until(lambda: offers(zk_client, name), 5, 0.02, "no offer was made")
+        with Connection(apart(zk_url, "publisher")) as other:
+            yield queue, got, other
+
+
 def test_a_hand_off_whose_reply_was_lost_syncs_before_it_looks(
         conn: Connection, zk_url: str, zk_client: KazooClient,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -870,21 +884,14 @@ def test_a_hand_off_whose_reply_was_lost_syncs_before_it_looks(
     after a sync: a server behind the leader (reconnected to after a cut) could
     answer no, and the message would be published a second time (the nemesis
     saw one apply_async stored twice)."""
-    queue = Queue("lost", Exchange("lost", "direct"), "lost")
-    got: list[Any] = []
-    with consumer(conn, queue, got):
-        expect_idle(conn)
-        wait_until(lambda: offers(zk_client, "lost"), 5, 0.02, "no offer was made")
-        with Connection(apart(zk_url, "publisher")) as other:
-            client = other.transport.handle.client
-            synced_paths: list[str] = []
-            monkeypatch.setattr(client, "sync",
-                                lambda path: synced_paths.append(path) or path)
-            lose_the_reply(monkeypatch, client, lambda txn: any(
-                "/offers/" in str(op.path) for op in txn.operations))
-            Producer(other.channel()).publish("once", exchange=queue.exchange,
-                                              routing_key="lost")
-            assert synced_paths and "/bodies/" in synced_paths[0]
+    with handing_over(conn, zk_url, zk_client, "lost") as (queue, got, other):
+        client = other.transport.handle.client
+        synced_paths: list[str] = []
+        monkeypatch.setattr(client, "sync", lambda path: synced_paths.append(path) or path)
+        lose_the_reply(monkeypatch, client, lambda txn: any(
+            "/offers/" in str(op.path) for op in txn.operations))
+        Producer(other.channel()).publish("once", exchange=queue.exchange, routing_key="lost")
+        assert synced_paths and "/bodies/" in synced_paths[0]
         conn.drain_events(timeout=5)
     assert [body for body, _ in got] == ["once"]
     assert waiting(zk_client, LAYOUT, "lost") == []
@@ -915,19 +922,14 @@ def test_a_hand_off_whose_reply_was_lost_looks_again_if_its_look_failed(
     failed too (the connection was still down). The retry looks before it
     stores anything: without that it handed the message again, found its body
     there, and published it a second time."""
-    queue = Queue("relook", Exchange("relook", "direct"), "relook")
-    got: list[Any] = []
-    with consumer(conn, queue, got):
-        expect_idle(conn)
-        wait_until(lambda: offers(zk_client, "relook"), 5, 0.02, "no offer was made")
-        with Connection(apart(zk_url, "publisher")) as other:
-            client = other.transport.handle.client
-            synced_paths = fail_the_first_sync(monkeypatch, client)
-            lost = lose_the_reply(monkeypatch, client, lambda txn: any(
-                "/offers/" in str(op.path) for op in txn.operations))
-            Producer(other.channel()).publish("once", exchange=queue.exchange,
-                                              routing_key="relook")
-            assert lost and len(synced_paths) == 2   # the failed look, then the retry's
+    with handing_over(conn, zk_url, zk_client, "relook") as (queue, got, other):
+        client = other.transport.handle.client
+        synced_paths = fail_the_first_sync(monkeypatch, client)
+        lost = lose_the_reply(monkeypatch, client, lambda txn: any(
+            "/offers/" in str(op.path) for op in txn.operations))
+        Producer(other.channel()).publish("once", exchange=queue.exchange,
+                                          routing_key="relook")
+        assert lost and len(synced_paths) == 2   # the failed look, then the retry's
         conn.drain_events(timeout=5)
         expect_idle(conn)   # no second copy
         assert waiting(zk_client, LAYOUT, "relook") == []
@@ -942,26 +944,20 @@ def test_a_hand_off_stored_again_after_a_lost_reply_says_so(
     is handed again, and it runs twice (at-least-once). That second copy is
     always said, before it is made: the nemesis counts a duplicate as a
     publish retry by that warning (it saw one unsaid)."""
-    queue = Queue("again", Exchange("again", "direct"), "again")
-    got: list[Any] = []
-
     def delivered_and_acked() -> None:
         conn.drain_events(timeout=5)
         wait_until(lambda: owned(zk_client, LAYOUT, "again") == [], 5, 0.02,
                    "the ack never landed")
 
-    with consumer(conn, queue, got):
-        expect_idle(conn)
-        wait_until(lambda: offers(zk_client, "again"), 5, 0.02, "no offer was made")
-        with Connection(apart(zk_url, "publisher")) as other:
-            client = other.transport.handle.client
-            fail_the_first_sync(monkeypatch, client)
-            lose_the_reply(monkeypatch, client, lambda txn: any(
-                "/offers/" in str(op.path) for op in txn.operations),
-                meanwhile=delivered_and_acked)
-            with caplog.at_level("WARNING", logger="celery_zk.broker.handoff"):
-                Producer(other.channel()).publish("once", exchange=queue.exchange,
-                                                  routing_key="again")
+    with handing_over(conn, zk_url, zk_client, "again") as (queue, got, other):
+        client = other.transport.handle.client
+        fail_the_first_sync(monkeypatch, client)
+        lose_the_reply(monkeypatch, client, lambda txn: any(
+            "/offers/" in str(op.path) for op in txn.operations),
+            meanwhile=delivered_and_acked)
+        with caplog.at_level("WARNING", logger="celery_zk.broker.handoff"):
+            Producer(other.channel()).publish("once", exchange=queue.exchange,
+                                              routing_key="again")
         conn.drain_events(timeout=5)
     assert [body for body, _ in got] == ["once", "once"]
     said = [r.getMessage() for r in caplog.records if "reply to a hand-off was lost" in

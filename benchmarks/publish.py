@@ -87,11 +87,14 @@ def bare_creates(hosts: str, samples: int, count: int) -> tuple[list[float], flo
     client.start()
     try:
         client.ensure_path("/bench-bare")
-        paced = sample(lambda: timed(client.create, "/bench-bare/m-", b"x" * 1000,
-                                     sequence=True), samples)
+
+        def create() -> object:
+            return client.create("/bench-bare/m-", b"x" * 1000, sequence=True)
+
+        paced = sample(lambda: timed(create), samples)
         t0 = time.perf_counter()
         for _ in range(count):
-            client.create("/bench-bare/m-", b"x" * 1000, sequence=True)
+            create()
         return paced, count / (time.perf_counter() - t0)
     finally:
         client.delete("/bench-bare", recursive=True)

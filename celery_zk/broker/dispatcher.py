@@ -12,9 +12,13 @@ next oldest takes over.
 The dispatcher alone lists ``unowned/``, in priority-then-FIFO order, and
 moves names into the inboxes of consumers with free credit, many names for
 many consumers in one multi (:mod:`celery_zk.broker.assignment`). It learns of
-new messages and of acks from persistent recursive watches on ``unowned/``
-and ``owned/`` (:mod:`celery_zk.zk.watches`), so it lists only when it
-starts, after a reconnect, or when the head it knows runs out. Consumers watch only
+new messages from a persistent recursive watch on ``unowned/``
+(:mod:`celery_zk.zk.watches`), so it lists the queue only when it starts,
+after a reconnect, or when the head it knows runs out. Of acks it learns
+from a one-shot child watch on each inbox: one event for however many
+entries changed, and the inbox listed again only when something waits to be
+given (a persistent watch sent one event per entry made or deleted in every
+inbox to the dispatcher's process). Consumers watch only
 their own inbox (:mod:`celery_zk.broker.inbox`): no consumer lists the
 queue, no two consumers race for one message, and a publish wakes one
 process, not every idle one.
@@ -36,6 +40,7 @@ from time import monotonic
 from typing import Any
 
 from kazoo.exceptions import ConnectionLoss, NoNodeError
+from kazoo.protocol.states import WatchedEvent
 
 from ..zk.client import CONNECTION_ERRORS, answered, json_object, log_failure
 from ..zk.config import ZKOptions
@@ -80,17 +85,17 @@ class Dispatcher:
         self._stopped = False
         # Recorded by watch callbacks (kazoo's threads), applied by our thread.
         self._arrivals: deque[tuple[int, str]] = deque()
-        self._inbox_events: deque[tuple[int, str]] = deque()
+        self._changed_inboxes: deque[str] = deque()   # consumer ids
         self._stale_listing = True
         self._stale_consumers = True
         # Our thread's alone.
         self.consumers: dict[str, Consumer] = {}
         self.head = Head()
         self._swept_at = 0.0
-        self._watching = False   # our watches on unowned/ and owned/ were added
+        self._watching = False   # our watches on unowned/ and delayed/ were added
         self._told_legacy = False   # names stored before 0.2 were found and said so
         self._unowned_cb = weak_callback(self._on_unowned)
-        self._owned_cb = weak_callback(self._on_owned)
+        self._inbox_cb = weak_callback(self._on_inbox)
         self._election_cb = weak_callback(self._on_election_event)
         self.planner = Planner(session, layout, options, queue, weak_callback(self.wake))
         self.delayed = Delayed(self.queues, queue, weak_callback(self.wake))
@@ -169,6 +174,16 @@ class Dispatcher:
     def wake(self) -> None:
         self._wake.set()
 
+    def relist(self, consumer_id: str) -> None:
+        """A consumer of this session (re)added the persistent watch on its inbox:
+        list the inbox again. ZooKeeper before 3.9 keeps one watch mode per
+        path and session (ZOOKEEPER-4466), so that ``addWatch`` silenced the
+        one-shot child watch our listing had set there. (Not leading: a
+        dispatcher that starts lists every inbox.)"""
+        if self.leading:
+            self._changed_inboxes.append(consumer_id)
+            self._wake.set()
+
     def stop(self) -> None:
         self._stopped = True
         self._wake.set()
@@ -189,14 +204,11 @@ class Dispatcher:
             self._stale_listing = True
         self._wake.set()
 
-    def _on_owned(self, event_type: int, path: str) -> None:
-        if event_type in (NODE_CREATED, NODE_DELETED) and path.count("/") == 1:
-            self._inbox_events.append((event_type, path))
-            # Only a departure frees credit. An arrival is our own gift seen
-            # (counted already) or a hand-off (less to give): read at the next
-            # round, not worth waking this thread for, once per message.
-            if event_type == NODE_DELETED:
-                self._wake.set()
+    def _on_inbox(self, event: WatchedEvent) -> None:
+        # An inbox's one-shot child watch: entries went (credit freed) or came
+        # (our gift, a hand-off). Listed again before the next give.
+        self._changed_inboxes.append(event.path.rpartition("/")[2])
+        self._wake.set()
 
     # -- the dispatcher thread ------------------------------------------------------
     def _run(self) -> None:
@@ -246,12 +258,11 @@ class Dispatcher:
             watches = watches_of(self.session)
             try:
                 watches.unwatch(self.layout.unowned(self.queue), self._unowned_cb)
-                watches.unwatch(self.layout.owned(self.queue), self._owned_cb)
                 watches.unwatch(self.layout.delayed(self.queue), self.delayed.callback)
             except CONNECTION_ERRORS:
                 pass   # they went with the connection
         self._arrivals.clear()
-        self._inbox_events.clear()
+        self._changed_inboxes.clear()
 
     def _restart(self) -> None:
         """Forget what the watches told: list everything again next round."""
@@ -270,20 +281,17 @@ class Dispatcher:
         self._apply_events()
         if self._stale_consumers:
             self._read_consumers()
-        self._list_inboxes()
         retry_in: float | None = None
-        while True:
+        while self._stale_listing or self.head.names or not self.head.complete:
+            # Something may wait (else the last listing saw every waiting
+            # message and the watch added each one since; listing the queue
+            # then cost two requests per message in a trickle, whose head runs
+            # out at every give, and listing the inboxes one per hand-off).
+            self._list_inboxes()
             hungry = [c for c in self.consumers.values() if c.free > 0]
             if not hungry:
                 break
-            if self._stale_listing or not (self.head.names or self.head.complete):
-                if not self._list():
-                    break
-            elif not self.head.names:
-                # The last listing saw every waiting message and the watches
-                # added each one since: nothing waits. (Listing here cost two
-                # requests per message in a trickle, whose head runs out at
-                # every give.)
+            if (self._stale_listing or not self.head.names) and not self._list():
                 break
             plan, retry_in = self.planner.plan(self.head, self.consumers, hungry, self.live)
             if not plan:
@@ -294,19 +302,16 @@ class Dispatcher:
         return min(retry_in, delayed_in)
 
     def _ensure_watches(self) -> None:
-        """Persistent watches on unowned/ and owned/, (re)added on a new connection."""
+        """Persistent watches on unowned/ and delayed/, (re)added on a new connection."""
         watches = watches_of(self.session)
-        unowned, owned = self.layout.unowned(self.queue), self.layout.owned(self.queue)
-        delayed = self.layout.delayed(self.queue)
-        if (self._watching and watches.active(unowned) and watches.active(owned)
-                and watches.active(delayed)):
+        unowned, delayed = self.layout.unowned(self.queue), self.layout.delayed(self.queue)
+        if self._watching and watches.active(unowned) and watches.active(delayed):
             return
         self._restart()
         # Added before the listings they keep current: nothing falls between.
         self._arrivals.clear()
-        self._inbox_events.clear()
+        self._changed_inboxes.clear()
         watches.watch(unowned, self._unowned_cb)
-        watches.watch(owned, self._owned_cb)
         watches.watch(delayed, self.delayed.callback)
         self._watching = True
 
@@ -327,17 +332,10 @@ class Dispatcher:
                 head.add(name, message)
         if gone:
             head.discard(gone)
-        while self._inbox_events:
-            event_type, path = self._inbox_events.popleft()
-            owner, _, name = path.partition("/")
-            consumer = self.consumers.get(owner)
-            if consumer is None or not consumer.listed:
-                continue
-            if event_type == NODE_CREATED:
-                consumer.entries.add(name)
-                consumer.given.discard(name)
-            else:
-                consumer.entries.discard(name)
+        while self._changed_inboxes:
+            consumer = self.consumers.get(self._changed_inboxes.popleft())
+            if consumer is not None:
+                consumer.listed = False
 
     def _read_consumers(self) -> None:
         """Read each live consumer's credit and worker (pipelined)."""
@@ -366,9 +364,10 @@ class Dispatcher:
         self._wake.set()
 
     def _list_inboxes(self) -> None:
-        """List the inboxes we do not know yet (the watch keeps them current)."""
+        """List the inboxes not known since they last changed, each watched again."""
         client = self.session.client
-        reads = [(c, client.get_children_async(self.layout.inbox(self.queue, c.id)))
+        reads = [(c, client.get_children_async(self.layout.inbox(self.queue, c.id),
+                                               watch=self._inbox_cb))
                  for c in self.consumers.values() if not c.listed]
         for consumer, read in reads:
             try:

@@ -5,6 +5,7 @@ import json
 import os
 import random
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,12 +22,14 @@ def log(msg: str, tag: str = "bench") -> None:
 
 def run_info() -> dict[str, Any]:
     """What a run's JSON says of it: the celery_zk it imports (path, commit), the
-    machine's cores and load. Warns when the current directory holds another
-    celery_zk: ``python -m celery`` workers would import that one."""
+    machine's cores and load. Before Python 3.11 (no ``PYTHONSAFEPATH``), warns
+    when the current directory holds another celery_zk: ``python -m celery``
+    workers would import that one."""
     import celery_zk
     used = os.path.dirname(os.path.dirname(os.path.abspath(celery_zk.__file__)))
     cwd = os.getcwd()
-    if os.path.isfile(os.path.join(cwd, "celery_zk", "__init__.py")) and \
+    if sys.version_info < (3, 11) and os.path.isfile(
+            os.path.join(cwd, "celery_zk", "__init__.py")) and \
             os.path.realpath(cwd) != os.path.realpath(used):
         log(f"WARNING: run from {cwd}, a celery_zk checkout, while importing {used}: the "
             "workers import the current directory's; run from another directory")

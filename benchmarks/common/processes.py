@@ -83,8 +83,10 @@ def tail(path: str, lines: int = 30) -> str:
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment, benchmarks/ first on PYTHONPATH (a child imports
     ``common.app`` or ``affinity`` from there, and celery_zk from what follows), and
-    ``extra``."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    ``extra``. ``PYTHONSAFEPATH`` (Python 3.11+): ``python -m celery`` would put
+    its current directory first, and a run from a checkout (``/work/main``)
+    measured that checkout's workers, not the one on PYTHONPATH."""
+    env = dict(os.environ, PYTHONSAFEPATH="1", PYTHONPATH=os.pathsep.join(
         filter(None, [BENCHMARKS, os.environ.get("PYTHONPATH")])))
     env.update(extra or {})
     return env

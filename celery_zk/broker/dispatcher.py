@@ -15,10 +15,11 @@ many consumers in one multi (:mod:`celery_zk.broker.assignment`). It learns of
 new messages from a persistent recursive watch on ``unowned/``
 (:mod:`celery_zk.zk.watches`), so it lists the queue only when it starts,
 after a reconnect, or when the head it knows runs out. Of acks it learns
-from a one-shot child watch on each inbox: one event for however many
-entries changed, and the inbox listed again only when something waits to be
-given (a persistent watch sent one event per entry made or deleted in every
-inbox to the dispatcher's process). Consumers watch only
+from the inboxes: those of its own session's consumers by their persistent
+watches (their events reach this session anyway), every other by a one-shot
+child watch, one event however many entries changed, the inbox listed again
+only when something waits to be given (a persistent watch on ``owned/`` sent
+this process two events a message of every other process). Consumers watch only
 their own inbox (:mod:`celery_zk.broker.inbox`): no consumer lists the
 queue, no two consumers race for one message, and a publish wakes one
 process, not every idle one.
@@ -85,7 +86,8 @@ class Dispatcher:
         self._stopped = False
         # Recorded by watch callbacks (kazoo's threads), applied by our thread.
         self._arrivals: deque[tuple[int, str]] = deque()
-        self._changed_inboxes: deque[str] = deque()   # consumer ids
+        self._inbox_events: deque[tuple[int, str]] = deque()   # our own consumers'
+        self._changed_inboxes: deque[str] = deque()   # ids of consumers to list again
         self._stale_listing = True
         self._stale_consumers = True
         # Our thread's alone.
@@ -95,6 +97,7 @@ class Dispatcher:
         self._watching = False   # our watches on unowned/ and delayed/ were added
         self._told_legacy = False   # names stored before 0.2 were found and said so
         self._unowned_cb = weak_callback(self._on_unowned)
+        self._owned_cb = weak_callback(self._on_owned)
         self._inbox_cb = weak_callback(self._on_inbox)
         self._election_cb = weak_callback(self._on_election_event)
         self.planner = Planner(session, layout, options, queue, weak_callback(self.wake))
@@ -175,11 +178,9 @@ class Dispatcher:
         self._wake.set()
 
     def relist(self, consumer_id: str) -> None:
-        """A consumer of this session (re)added the persistent watch on its inbox:
-        list the inbox again. ZooKeeper before 3.9 keeps one watch mode per
-        path and session (ZOOKEEPER-4466), so that ``addWatch`` silenced the
-        one-shot child watch our listing had set there. (Not leading: a
-        dispatcher that starts lists every inbox.)"""
+        """A consumer of this session (re)added the persistent watch on its inbox,
+        whose events tell us of it: list the inbox again, for what changed
+        before. (Not leading: a dispatcher that starts lists every inbox.)"""
         if self.leading:
             self._changed_inboxes.append(consumer_id)
             self._wake.set()
@@ -204,9 +205,19 @@ class Dispatcher:
             self._stale_listing = True
         self._wake.set()
 
+    def _on_owned(self, event_type: int, path: str) -> None:
+        # Our own consumers' inboxes, from their persistent watches.
+        if event_type in (NODE_CREATED, NODE_DELETED) and path.count("/") == 1:
+            self._inbox_events.append((event_type, path))
+            # Only a departure frees credit. An arrival is our own gift seen
+            # (counted already) or a hand-off (less to give): read at the next
+            # round, not worth waking this thread for, once per message.
+            if event_type == NODE_DELETED:
+                self._wake.set()
+
     def _on_inbox(self, event: WatchedEvent) -> None:
-        # An inbox's one-shot child watch: entries went (credit freed) or came
-        # (our gift, a hand-off). Listed again before the next give.
+        # Another session's inbox, its one-shot child watch: entries went (credit
+        # freed) or came (our gift, a hand-off). Listed again before the next give.
         self._changed_inboxes.append(event.path.rpartition("/")[2])
         self._wake.set()
 
@@ -258,10 +269,12 @@ class Dispatcher:
             watches = watches_of(self.session)
             try:
                 watches.unwatch(self.layout.unowned(self.queue), self._unowned_cb)
+                watches.unwatch(self.layout.owned(self.queue), self._owned_cb)
                 watches.unwatch(self.layout.delayed(self.queue), self.delayed.callback)
             except CONNECTION_ERRORS:
                 pass   # they went with the connection
         self._arrivals.clear()
+        self._inbox_events.clear()
         self._changed_inboxes.clear()
 
     def _restart(self) -> None:
@@ -310,8 +323,11 @@ class Dispatcher:
         self._restart()
         # Added before the listings they keep current: nothing falls between.
         self._arrivals.clear()
+        self._inbox_events.clear()
         self._changed_inboxes.clear()
         watches.watch(unowned, self._unowned_cb)
+        # No watch there: one per inbox, of its consumer (our own) or ours (below).
+        watches.listen(self.layout.owned(self.queue), self._owned_cb)
         watches.watch(delayed, self.delayed.callback)
         self._watching = True
 
@@ -332,6 +348,17 @@ class Dispatcher:
                 head.add(name, message)
         if gone:
             head.discard(gone)
+        while self._inbox_events:
+            event_type, path = self._inbox_events.popleft()
+            owner, _, name = path.partition("/")
+            consumer = self.consumers.get(owner)
+            if consumer is None or not consumer.listed:
+                continue
+            if event_type == NODE_CREATED:
+                consumer.entries.add(name)
+                consumer.given.discard(name)
+            else:
+                consumer.entries.discard(name)
         while self._changed_inboxes:
             consumer = self.consumers.get(self._changed_inboxes.popleft())
             if consumer is not None:
@@ -364,16 +391,25 @@ class Dispatcher:
         self._wake.set()
 
     def _list_inboxes(self) -> None:
-        """List the inboxes not known since they last changed, each watched again."""
+        """List the inboxes not known since they last changed; another session's
+        watched again (our own consumers' watches tell us of theirs)."""
         client = self.session.client
-        reads = [(c, client.get_children_async(self.layout.inbox(self.queue, c.id),
-                                               watch=self._inbox_cb))
-                 for c in self.consumers.values() if not c.listed]
+        reads = [(c, client.get_children_async(
+            self.layout.inbox(self.queue, c.id),
+            watch=None if c.id in self.members else self._inbox_cb))
+            for c in self.consumers.values() if not c.listed]
         for consumer, read in reads:
             try:
                 names = set(read.get())
             except NoNodeError:
-                names = set()   # not made yet (it makes it before registering), or gone
+                # Gone (its consumer makes it again before its next look), or not
+                # made yet: a listing sets no watch there. Another session's is
+                # heard of once made; our own consumer's says so (relist).
+                names = set()
+                inbox = self.layout.inbox(self.queue, consumer.id)
+                if consumer.id not in self.members and client.retry(
+                        client.exists, inbox, watch=self._inbox_cb) is not None:
+                    self._changed_inboxes.append(consumer.id)   # made meanwhile
             # Sent after our last multi came back: it shows everything we gave.
             consumer.entries = names
             consumer.given.clear()

@@ -52,7 +52,7 @@ class Consumer:
     worker: str | None = None
     entries: set[str] = field(default_factory=set)   # names in its inbox
     given: set[str] = field(default_factory=set)     # given by us, not yet seen there
-    listed: bool = False    # its inbox was listed (and watched) since it last changed
+    listed: bool = False    # its inbox was listed since we (re)started watching
     waiting: Waiting = field(default_factory=Waiting)   # its affinity memory
 
     @property

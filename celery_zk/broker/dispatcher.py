@@ -12,14 +12,9 @@ next oldest takes over.
 The dispatcher alone lists ``unowned/``, in priority-then-FIFO order, and
 moves names into the inboxes of consumers with free credit, many names for
 many consumers in one multi (:mod:`celery_zk.broker.assignment`). It learns of
-new messages from a persistent recursive watch on ``unowned/``
-(:mod:`celery_zk.zk.watches`), so it lists the queue only when it starts,
-after a reconnect, or when the head it knows runs out. Of acks it learns
-from the inboxes: those of its own session's consumers by their persistent
-watches (their events reach this session anyway), every other by a one-shot
-child watch, one event however many entries changed, the inbox listed again
-only when something waits to be given (a persistent watch on ``owned/`` sent
-this process two events a message of every other process). Consumers watch only
+new messages and of acks from persistent recursive watches on ``unowned/``
+and ``owned/`` (:mod:`celery_zk.zk.watches`), so it lists only when it
+starts, after a reconnect, or when the head it knows runs out. Consumers watch only
 their own inbox (:mod:`celery_zk.broker.inbox`): no consumer lists the
 queue, no two consumers race for one message, and a publish wakes one
 process, not every idle one.
@@ -41,7 +36,6 @@ from time import monotonic
 from typing import Any
 
 from kazoo.exceptions import ConnectionLoss, NoNodeError
-from kazoo.protocol.states import WatchedEvent
 
 from ..zk.client import CONNECTION_ERRORS, answered, json_object, log_failure
 from ..zk.config import ZKOptions
@@ -86,19 +80,17 @@ class Dispatcher:
         self._stopped = False
         # Recorded by watch callbacks (kazoo's threads), applied by our thread.
         self._arrivals: deque[tuple[int, str]] = deque()
-        self._inbox_events: deque[tuple[int, str]] = deque()   # our own consumers'
-        self._changed_inboxes: deque[str] = deque()   # ids of consumers to list again
+        self._inbox_events: deque[tuple[int, str]] = deque()
         self._stale_listing = True
         self._stale_consumers = True
         # Our thread's alone.
         self.consumers: dict[str, Consumer] = {}
         self.head = Head()
         self._swept_at = 0.0
-        self._watching = False   # our watches on unowned/ and delayed/ were added
+        self._watching = False   # our watches on unowned/ and owned/ were added
         self._told_legacy = False   # names stored before 0.2 were found and said so
         self._unowned_cb = weak_callback(self._on_unowned)
         self._owned_cb = weak_callback(self._on_owned)
-        self._inbox_cb = weak_callback(self._on_inbox)
         self._election_cb = weak_callback(self._on_election_event)
         self.planner = Planner(session, layout, options, queue, weak_callback(self.wake))
         self.delayed = Delayed(self.queues, queue, weak_callback(self.wake))
@@ -177,14 +169,6 @@ class Dispatcher:
     def wake(self) -> None:
         self._wake.set()
 
-    def relist(self, consumer_id: str) -> None:
-        """A consumer of this session (re)added the persistent watch on its inbox,
-        whose events tell us of it: list the inbox again, for what changed
-        before. (Not leading: a dispatcher that starts lists every inbox.)"""
-        if self.leading:
-            self._changed_inboxes.append(consumer_id)
-            self._wake.set()
-
     def stop(self) -> None:
         self._stopped = True
         self._wake.set()
@@ -206,7 +190,6 @@ class Dispatcher:
         self._wake.set()
 
     def _on_owned(self, event_type: int, path: str) -> None:
-        # Our own consumers' inboxes, from their persistent watches.
         if event_type in (NODE_CREATED, NODE_DELETED) and path.count("/") == 1:
             self._inbox_events.append((event_type, path))
             # Only a departure frees credit. An arrival is our own gift seen
@@ -214,12 +197,6 @@ class Dispatcher:
             # round, not worth waking this thread for, once per message.
             if event_type == NODE_DELETED:
                 self._wake.set()
-
-    def _on_inbox(self, event: WatchedEvent) -> None:
-        # Another session's inbox, its one-shot child watch: entries went (credit
-        # freed) or came (our gift, a hand-off). Listed again before the next give.
-        self._changed_inboxes.append(event.path.rpartition("/")[2])
-        self._wake.set()
 
     # -- the dispatcher thread ------------------------------------------------------
     def _run(self) -> None:
@@ -275,7 +252,6 @@ class Dispatcher:
                 pass   # they went with the connection
         self._arrivals.clear()
         self._inbox_events.clear()
-        self._changed_inboxes.clear()
 
     def _restart(self) -> None:
         """Forget what the watches told: list everything again next round."""
@@ -294,17 +270,20 @@ class Dispatcher:
         self._apply_events()
         if self._stale_consumers:
             self._read_consumers()
+        self._list_inboxes()
         retry_in: float | None = None
-        while self._stale_listing or self.head.names or not self.head.complete:
-            # Something may wait (else the last listing saw every waiting
-            # message and the watch added each one since; listing the queue
-            # then cost two requests per message in a trickle, whose head runs
-            # out at every give, and listing the inboxes one per hand-off).
-            self._list_inboxes()
+        while True:
             hungry = [c for c in self.consumers.values() if c.free > 0]
             if not hungry:
                 break
-            if (self._stale_listing or not self.head.names) and not self._list():
+            if self._stale_listing or not (self.head.names or self.head.complete):
+                if not self._list():
+                    break
+            elif not self.head.names:
+                # The last listing saw every waiting message and the watches
+                # added each one since: nothing waits. (Listing here cost two
+                # requests per message in a trickle, whose head runs out at
+                # every give.)
                 break
             plan, retry_in = self.planner.plan(self.head, self.consumers, hungry, self.live)
             if not plan:
@@ -315,19 +294,19 @@ class Dispatcher:
         return min(retry_in, delayed_in)
 
     def _ensure_watches(self) -> None:
-        """Persistent watches on unowned/ and delayed/, (re)added on a new connection."""
+        """Persistent watches on unowned/ and owned/, (re)added on a new connection."""
         watches = watches_of(self.session)
-        unowned, delayed = self.layout.unowned(self.queue), self.layout.delayed(self.queue)
-        if self._watching and watches.active(unowned) and watches.active(delayed):
+        unowned, owned = self.layout.unowned(self.queue), self.layout.owned(self.queue)
+        delayed = self.layout.delayed(self.queue)
+        if (self._watching and watches.active(unowned) and watches.active(owned)
+                and watches.active(delayed)):
             return
         self._restart()
         # Added before the listings they keep current: nothing falls between.
         self._arrivals.clear()
         self._inbox_events.clear()
-        self._changed_inboxes.clear()
         watches.watch(unowned, self._unowned_cb)
-        # No watch there: one per inbox, of its consumer (our own) or ours (below).
-        watches.listen(self.layout.owned(self.queue), self._owned_cb)
+        watches.watch(owned, self._owned_cb)
         watches.watch(delayed, self.delayed.callback)
         self._watching = True
 
@@ -359,10 +338,6 @@ class Dispatcher:
                 consumer.given.discard(name)
             else:
                 consumer.entries.discard(name)
-        while self._changed_inboxes:
-            consumer = self.consumers.get(self._changed_inboxes.popleft())
-            if consumer is not None:
-                consumer.listed = False
 
     def _read_consumers(self) -> None:
         """Read each live consumer's credit and worker (pipelined)."""
@@ -391,25 +366,15 @@ class Dispatcher:
         self._wake.set()
 
     def _list_inboxes(self) -> None:
-        """List the inboxes not known since they last changed; another session's
-        watched again (our own consumers' watches tell us of theirs)."""
+        """List the inboxes we do not know yet (the watch keeps them current)."""
         client = self.session.client
-        reads = [(c, client.get_children_async(
-            self.layout.inbox(self.queue, c.id),
-            watch=None if c.id in self.members else self._inbox_cb))
-            for c in self.consumers.values() if not c.listed]
+        reads = [(c, client.get_children_async(self.layout.inbox(self.queue, c.id)))
+                 for c in self.consumers.values() if not c.listed]
         for consumer, read in reads:
             try:
                 names = set(read.get())
             except NoNodeError:
-                # Gone (its consumer makes it again before its next look), or not
-                # made yet: a listing sets no watch there. Another session's is
-                # heard of once made; our own consumer's says so (relist).
-                names = set()
-                inbox = self.layout.inbox(self.queue, consumer.id)
-                if consumer.id not in self.members and client.retry(
-                        client.exists, inbox, watch=self._inbox_cb) is not None:
-                    self._changed_inboxes.append(consumer.id)   # made meanwhile
+                names = set()   # not made yet (it makes it before registering), or gone
             # Sent after our last multi came back: it shows everything we gave.
             consumer.entries = names
             consumer.given.clear()

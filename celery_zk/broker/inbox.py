@@ -249,7 +249,6 @@ class Inbox:
             self.taken.discard(self.departures.popleft())
         if self.stale or not self._tree_active():
             self._ensure_watch()
-            self.member.dispatcher().relist(consumer_id)
             self.stale = False
             self.arrivals.clear()   # the listing has them
             client = self.transport.handle.client

@@ -162,22 +162,16 @@ class TreeWatches:
         return (self._client is self.handle.client
                 and self._added.get(path) == self._generation)
 
-    def listen(self, path: str, callback: TreeCallback) -> KazooClient:
-        """Call ``callback`` with the events below ``path`` that this session's
-        watches bring (each watch set below it), without a watch of its own."""
-        client = self._bind()
-        with self._lock:
-            self._callbacks = {**self._callbacks,
-                               path: self._callbacks.get(path, frozenset()) | {callback}}
-        return client
-
     def watch(self, path: str, callback: TreeCallback) -> None:
         """Watch everything created, changed or deleted below ``path``.
 
         Sends ``addWatch`` unless it is already set on this connection (a
         reconnect needs it again).
         """
-        client = self.listen(path, callback)
+        client = self._bind()
+        with self._lock:
+            self._callbacks = {**self._callbacks,
+                               path: self._callbacks.get(path, frozenset()) | {callback}}
         generation = self._generation   # read first: a drop meanwhile means "add again"
         if self._added.get(path) == generation:
             return

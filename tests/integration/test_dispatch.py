@@ -146,60 +146,6 @@ def test_one_dispatcher_feeds_every_consumer_without_a_conflict(
     assert set(credits) <= {2, 2 * ZKOptions.lookahead}, credits
 
 
-def test_the_dispatcher_hears_of_another_process_s_inbox_per_change_not_per_entry(
-        zk_url: str, drainers: list[Drainer], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Another process's consumer is given and acks 300 messages: the
-    dispatcher's session hears of its inbox by one event per change (a
-    one-shot child watch, listed again before the next give), not by two per
-    message (a persistent watch on ``owned/`` heard each entry made and deleted)."""
-    from celery_zk.zk.watches import TreeWatches, watches_of
-
-    heard: list[tuple[int, int, str]] = []   # (watches of a session, event type, path)
-    real = TreeWatches._dispatch
-
-    def dispatch(self: TreeWatches, event_type: int, path: str) -> bool:
-        heard.append((id(self), event_type, path))
-        return real(self, event_type, path)
-    monkeypatch.setattr(TreeWatches, "_dispatch", dispatch)   # before any session binds
-    queue = queue_of("apart")
-    held: list[Any] = []
-    stop = threading.Event()
-
-    def lead_consumes() -> None:
-        # The first consumer dispatches; it holds its one message unacked, looking on.
-        with Connection(apart(zk_url, "lead")) as conn, Consumer(
-                conn, [queue], callbacks=[lambda _body, message: held.append(message)],
-                prefetch_count=1):
-            while not stop.is_set():
-                with contextlib.suppress(OSError):   # socket.timeout: nothing this round
-                    conn.drain_events(timeout=0.2)
-
-    lead = threading.Thread(target=lead_consumes, daemon=True)
-    lead.start()
-    try:
-        wait_until(lambda: len(leaders("apart")) == 1, 10, message="no dispatcher")
-        dispatcher = leaders("apart")[0]
-        ours = id(watches_of(dispatcher.session))
-        [lead_id] = list(dispatcher.members)
-        other = Drainer(zk_url, queue, "other", prefetch=10)
-        drainers.append(other)
-        other.start()
-        assert other.ready.wait(10)
-        with Connection(zk_url) as conn:
-            publish(conn, queue, list(range(300)))
-        wait_until(lambda: len(other.got) >= 299, 60, message="the other consumer starved")
-        told = [path for watches, _, path in heard if watches == ours
-                and "/owned/" in path and lead_id not in path]
-    finally:
-        stop.set()
-        lead.join(10)
-    assert len(set(other.got)) >= 299
-    # Each give and each ack multi is one event at most (until listed again):
-    # 165 here, against two a message (598 and more) heard through a watch on owned/.
-    assert 0 < len(told) < 300, len(told)
-    assert all(path.rpartition("/owned/")[2].count("/") == 0 for path in told), told[:5]
-
-
 def test_an_inbox_never_holds_more_than_its_credit(
         zk_url: str, zk_client: KazooClient, drainers: list[Drainer]) -> None:
     queue = queue_of("credit")

@@ -91,7 +91,11 @@ class Inbox:
 
     # -- kazoo's threads: record and wake -------------------------------------
     def _on_tree(self, event_type: int, name: str) -> None:
-        if not name or "/" in name:
+        if not name:
+            if event_type == NODE_DELETED:   # by hand: made again at the next look
+                self.reset()
+            return
+        if "/" in name:
             return
         if event_type == NODE_CREATED:
             self.heard_at = time.monotonic()   # the server spoke: see _learn

@@ -91,18 +91,15 @@ class Inbox:
 
     # -- kazoo's threads: record and wake -------------------------------------
     def _on_tree(self, event_type: int, name: str) -> None:
-        if not name:
-            if event_type == NODE_DELETED:   # by hand: made again at the next look
-                self.reset()
-            return
-        if "/" in name:
-            return
-        if event_type == NODE_CREATED:
+        if event_type == NODE_CREATED and name and "/" not in name:
             self.heard_at = time.monotonic()   # the server spoke: see _learn
             self.arrivals.append(name)
             self.transport.wake()
-        elif event_type == NODE_DELETED:
-            self.departures.append(name)   # acked or given back: forget it
+        elif event_type == NODE_DELETED and "/" not in name:
+            if name:
+                self.departures.append(name)   # acked or given back: forget it
+            else:
+                self.reset()   # the inbox itself, by hand: made again at the next look
 
     def reset(self) -> None:
         """After a connection or session change: the watch may be gone; list again."""

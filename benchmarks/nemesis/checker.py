@@ -155,6 +155,10 @@ def why_again(history: History, task_id: str, previous: dict[str, Any],
         if cause is None:
             return "a first delivery ran after its redelivery, no fault on its owner", False
         return f"stale copy run by its lost owner: {cause}", True
+    if same and task_id in history.retried:
+        # A hand-off whose reply was lost, its message acked before the look that
+        # found it gone: stored again under its name, and said so (B22).
+        return "publish retry after a lost reply: the same message stored again", True
     if same:
         return "the same message delivered twice, neither time redelivered", False
     if task_id in history.retried:

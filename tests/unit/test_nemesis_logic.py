@@ -121,8 +121,9 @@ def test_lost_and_unreadable_tasks_are_violations(nemesis: dict[str, ModuleType]
 
 def test_why_a_task_ran_again(nemesis: dict[str, ModuleType]) -> None:
     publisher = [{"e": "publish", "kind": "task", "id": i, "seq": n, "t": 1.0}
-                 for n, i in enumerate("abcd")]
-    publisher.append({"e": "retry", "ids": ["seq-3"], "t": 1.0})
+                 for n, i in enumerate("abcdef")]
+    publisher += [{"e": "retry", "ids": ["seq-3"], "t": 1.0},
+                  {"e": "retry", "ids": ["seq-5"], "t": 1.0}]
     paused = [{"kind": "pause-worker", "target": "w1", "started": 1.5, "healed": 15.0}]
     executions = (
         # a: its owner paused, the message redelivered elsewhere
@@ -132,15 +133,22 @@ def test_why_a_task_ran_again(nemesis: dict[str, ModuleType]) -> None:
         # c: a second message of one task, no publish retry
         + _execution("c", "w1", 2, TAG) + _execution("c", "w2", 3, SECOND, pid=2)
         # d: the same, after a publish retry
-        + _execution("d", "w1", 2, TAG) + _execution("d", "w2", 3, SECOND, pid=2))
+        + _execution("d", "w1", 2, TAG) + _execution("d", "w2", 3, SECOND, pid=2)
+        # e: one message twice, neither a redelivery, no publish retry
+        + _execution("e", "w1", 2, TAG) + _execution("e", "w1", 3, TAG)
+        # f: the same after a publish retry (a hand-off's lost reply, acked first)
+        + _execution("f", "w1", 2, TAG) + _execution("f", "w1", 3, TAG))
     report = _check(nemesis, publisher, executions, paused)
     assert report["duplicated"]["why"] == {
         "redelivered: owner paused": 1,
         "stale copy run by its lost owner: owner paused": 1,
         "a second message without a publish retry": 1,
-        "publish retry: a second message": 1}
+        "publish retry: a second message": 1,
+        "the same message delivered twice, neither time redelivered": 1,
+        "publish retry after a lost reply: the same message stored again": 1}
     assert report["violations"] == [
-        "task c ran again: a second message without a publish retry"]
+        "task c ran again: a second message without a publish retry",
+        "task e ran again: the same message delivered twice, neither time redelivered"]
     # Without the fault nothing took the owner: a redelivery is then unexplained.
     bare = _check(nemesis, publisher[:1], executions[:4])
     assert bare["violations"] == ["task a ran again: redelivered, but no fault took its owner"]

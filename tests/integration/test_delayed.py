@@ -78,7 +78,9 @@ def test_countdown_tasks_wait_in_zookeeper_and_run_when_due(
         pool: str) -> None:
     running = worker(log=task_log, pool=pool, concurrency=2)
     sent = time.time()
-    etas = {f"d{index}": sent + 3 + index * 0.5 for index in range(4)}
+    # Due after the three looks below (two CLI processes, seconds on a loaded
+    # machine: at 3 s the first fell due before the exporter read the queue).
+    etas = {f"d{index}": sent + 8 + index * 0.5 for index in range(4)}
     for value, eta in etas.items():
         client_app.send_task(TIMED, args=[value], eta=datetime.fromtimestamp(eta, timezone.utc))
     client_app.send_task(TIMED, args=["now"])

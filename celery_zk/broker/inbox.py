@@ -102,7 +102,7 @@ class Inbox:
                 self.reset()   # the inbox itself, by hand: made again at the next look
 
     def reset(self) -> None:
-        """After a connection or session change: the watch may be gone; list again."""
+        """List again: the connection or session changed (the watch may be gone), or the inbox went."""
         self.stale = True
         self.transport.wake()
 

@@ -102,7 +102,7 @@ class Inbox:
                 self.reset()   # the inbox itself, by hand: made again at the next look
 
     def reset(self) -> None:
-        """List again: the connection or session changed (the watch may be gone), or the inbox went."""
+        """List again: after a connection or session change, or the inbox's deletion."""
         self.stale = True
         self.transport.wake()
 

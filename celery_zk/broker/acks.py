@@ -86,22 +86,16 @@ class Acks:
         txn.delete(owned_path)
         txn.delete(self.body_of(owned_path))
 
-    def _ack_outcome(self, owned_path: str, consumer_node: str, results: list[Any]) -> bool:
-        failure = multi_failure(results)
-        if failure is not None and failure[0] == 0:
-            self._not_acked(owned_path, consumer_node)
-        return failure is None
-
     def ack(self, owned_path: str, consumer_node: str) -> bool:
         """Delete an owned message if the session that was given it still lives."""
         # The check makes an ack from an expired session a no-op: by then a
         # survivor may have requeued the message and another worker holds it.
         failure = self.queues.end(owned_path, *self._message(owned_path), check=consumer_node)
         if failure is not None and failure[0] == 0:
-            self._not_acked(owned_path, consumer_node)
+            self.not_acked(owned_path, consumer_node)
         return failure is None
 
-    def _not_acked(self, owned_path: str, consumer_node: str) -> None:
+    def not_acked(self, owned_path: str, consumer_node: str) -> None:
         logger.warning(
             "celery_zk: not acking %s: this worker's ZooKeeper session %s ended, so "
             "the message was requeued and will run again (at-least-once).",
@@ -193,7 +187,7 @@ class Acks:
                 return
             if failure[0] == 0:   # the session ended: every one of them was requeued
                 for owned_path in paths:
-                    self._ack_outcome(owned_path, consumer_node, results)
+                    self.not_acked(owned_path, consumer_node)
                 return
             # One message was gone already (a requeue raced the ack, say), which
             # refused the whole multi: ack the others one by one.

@@ -18,7 +18,6 @@ adds a holder, the guard fails, and the queue stays.
 """
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -42,8 +41,6 @@ logger = logging.getLogger(__name__)
 
 #: A queue that keeps getting messages while being deleted is left to the next pass.
 DELETE_ATTEMPTS = 3
-#: The queue node's data for auto-delete queues.
-META = json.dumps({"auto_delete": True}).encode()
 
 
 def _session_id(client: KazooClient) -> int:
@@ -168,7 +165,7 @@ class AutoDeleteQueues(Sweeper):
     def _holder(self, client: KazooClient, queue: str) -> str:
         return self.layout.holder(queue, client.retry(_session_id, client), self.handle.token)
 
-    def declare(self, queue: str, meta: bytes = META) -> None:
+    def declare(self, queue: str, meta: bytes) -> None:
         """Declare ``queue`` (if needed) and hold it for this connection;
         ``meta``: its node's data (celery_zk.broker.queue_arguments.meta)."""
         client = self.handle.client

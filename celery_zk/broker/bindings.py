@@ -19,9 +19,9 @@ control commands reach a worker again without waiting for it to publish.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import weakref
 from typing import Any, Callable
 
 from kazoo.client import KazooClient, KazooState
@@ -129,7 +129,8 @@ class Bindings:
             if cached is not None:
                 return cached
         client = self.client
-        watcher = self._watchers.setdefault(exchange, self._make_invalidator(exchange))
+        watcher = self._watchers.setdefault(
+            exchange, functools.partial(weak_callback(self._invalidate), exchange))
         try:
             names = client.retry(client.get_children, self.layout.bindings(exchange),
                                  watch=watcher)
@@ -148,14 +149,8 @@ class Bindings:
             found += [(exchange, rk) for rk, q in self.table(exchange, fresh=True) if q == queue]
         return found
 
-    def _make_invalidator(self, exchange: str) -> Callable[[Any], None]:
-        ref = weakref.ref(self)   # kazoo keeps the watch: it must not keep us
-
-        def invalidate(event: Any) -> None:  # kazoo event thread: no blocking
-            bindings = ref()
-            if bindings is not None:
-                bindings._tables.pop(exchange, None)
-        return invalidate
+    def _invalidate(self, exchange: str, event: Any) -> None:  # kazoo's thread: no blocking
+        self._tables.pop(exchange, None)
 
     def _on_state(self, state: KazooState) -> None:
         if state == KazooState.LOST:

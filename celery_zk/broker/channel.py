@@ -430,12 +430,9 @@ class Channel(virtual.Channel):
             self.connection.bindings.unbind(exchange, queue, routing_key)
 
     def get_table(self, exchange: str) -> list[tuple[str, Any, str]]:
-        return self._table(exchange, fresh=False)
-
-    def _table(self, exchange: str, fresh: bool) -> list[tuple[str, Any, str]]:
         exchange_type = self.typeof(exchange)
         return [exchange_type.prepare_bind(queue, exchange, routing_key, None)
-                for routing_key, queue in self.connection.bindings.table(exchange, fresh)]
+                for routing_key, queue in self.connection.bindings.table(exchange)]
 
     def _lookup(self, exchange: str, routing_key: str, default: Any = None) -> list[str]:
         queues = kombu_compat.lookup(self, exchange, routing_key, default)

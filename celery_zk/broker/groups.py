@@ -49,9 +49,8 @@ def install_when_imported() -> None:
     imports kombu); importing it from here would slow every kombu user and
     can be an import cycle. So a finder waits: it installs right after
     ``celery.canvas`` is loaded, or, if that import is already under way, at
-    the first import after it has finished. The zk transport's module calls
-    this too, so a group published through it is batched in any case from
-    the second one on.
+    the first import after it has finished. (Importing the zk transport
+    imports ``celery_zk``, so it has run wherever the transport is used.)
     """
     if _group_class() is not None:
         install()

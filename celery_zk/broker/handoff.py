@@ -38,10 +38,10 @@ delivery needs no read.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -59,7 +59,7 @@ from ..zk.client import (
 from ..zk.layout import Layout
 from ..zk.message_names import BODY_APART, encode_body, handed_name
 from ..zk.names import OFFER_TAKES_BODY, offer_name, parse_offer_name
-from ..zk.session import ClientHandle
+from ..zk.session import ClientHandle, weak_callback
 from .publish import NewMessage
 from .queues import Queues
 
@@ -218,19 +218,16 @@ class HandOff:
 
     def _watcher(self, queue: str) -> Callable[[Any], None]:
         watcher = self._watchers.get(queue)
-        if watcher is None:
-            ref = weakref.ref(self)   # kazoo keeps the watch: it must not keep us
-
-            def watcher(event: Any) -> None:   # kazoo's thread: never block
-                handoff = ref()
-                if handoff is None:
-                    return
-                if event.path is None:   # the connection dropped: the next publish lists again
-                    handoff._drop(queue)
-                    return
-                handoff._list_async(queue)
-            self._watchers[queue] = watcher
+        if watcher is None:   # one per queue: kazoo keeps each watcher once
+            watcher = self._watchers[queue] = functools.partial(
+                weak_callback(self._on_offers), queue)
         return watcher
+
+    def _on_offers(self, queue: str, event: Any) -> None:   # kazoo's thread: never block
+        if event.path is None:   # the connection dropped: the next publish lists again
+            self._drop(queue)
+        else:
+            self._list_async(queue)
 
     def _list_async(self, queue: str) -> None:
         client = self._client

@@ -315,7 +315,6 @@ class Inbox:
 
     def _read_bodies(self, block: bool = False) -> None:
         """Move landed reads into the buffer."""
-        client = self.transport.handle.client
         layout = self.transport.layout
         consumer_id = self.consumer_id
         assert consumer_id is not None
@@ -324,20 +323,28 @@ class Inbox:
             name, read, sent, key = self.pending.popleft()
             block, moved = False, True
             owned = layout.inbox_message(self.queue, consumer_id, name)
-            message = parse_message_name(name)
-            assert message is not None
-            try:
-                data, stat = reply_or_retry(client, read, client.get,
-                                            layout.body(self.queue, message))
-                data = big.read_body(client, layout, self.queue, message, data)
-            except (NoNodeError, ChunkMissing):
-                self._lost(owned, name)
-                continue
-            # When the read was sent: the server answered after it (start gates
-            # judge freshness by it, however long the message then waits here).
-            self.buffer.push(Claimed(self.queue, name, owned, data, sent, stat.ctime / 1e3), key)
+            claimed = self._claimed(name, owned, sent, read)
+            if claimed is not None:
+                self.buffer.push(claimed, key)
         if moved:   # once a batch has landed, not per delivery
             self._pending_moved()
+
+    def _claimed(self, name: str, owned: str, sent: float, read: Any = None) -> Claimed | None:
+        """The message with its body (``read``: its read's reply, else read now),
+        None if that is gone. ``sent``, when the read was sent, is when it was
+        seen (start gates judge freshness by it, however long it waits here)."""
+        layout, client = self.transport.layout, self.transport.handle.client
+        message = parse_message_name(name)
+        assert message is not None
+        path = layout.body(self.queue, message)
+        try:
+            data, stat = (client.retry(client.get, path) if read is None
+                          else reply_or_retry(client, read, client.get, path))
+            data = big.read_body(client, layout, self.queue, message, data)
+        except (NoNodeError, ChunkMissing):
+            self._lost(owned, name)
+            return None
+        return Claimed(self.queue, name, owned, data, sent, stat.ctime / 1e3)
 
     def _pending_moved(self) -> None:
         self.pending_first = min((entry[3] for entry in self.pending), default=None)
@@ -383,23 +390,16 @@ class Inbox:
         if self.buffer:
             return self.take()
         transport = self.transport
-        layout, client = transport.layout, transport.handle.client
+        client = transport.handle.client
         for name in transport.queues.listing(self.queue, 1).names[:8]:
             owned = self._claim(client, name, consumer_id)
             if owned is None:
                 continue   # taken meanwhile: try the next
             self.taken.add(name)
-            message = parse_message_name(name)
-            assert message is not None
-            sent = time.monotonic()
-            try:
-                data, stat = client.retry(client.get, layout.body(self.queue, message))
-                data = big.read_body(client, layout, self.queue, message, data)
-            except (NoNodeError, ChunkMissing):
-                self._lost(owned, name)
-                continue
-            self.delivered.add(name)
-            return Claimed(self.queue, name, owned, data, sent, stat.ctime / 1e3)
+            claimed = self._claimed(name, owned, time.monotonic())
+            if claimed is not None:
+                self.delivered.add(name)
+                return claimed
         return None
 
     def _claim(self, client: KazooClient, name: str, consumer_id: str) -> str | None:

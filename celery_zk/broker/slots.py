@@ -118,9 +118,7 @@ def _committed(done: Any, transport: Any, delivery_tag: str, consumer_node: str)
         log_failure(logger, exc, "celery_zk: the slot of %s was not made", delivery_tag)
         return
     if failure is not None and failure[0] == 0:
-        logger.warning("celery_zk: not acking %s: this worker's ZooKeeper session ended, "
-                       "so the message was requeued and will run again (at-least-once)",
-                       delivery_tag)
+        transport.acks.not_acked(delivery_tag, consumer_node)
     elif failure is not None:
         log_failure(logger, failure[1], "celery_zk: the slot of %s was not made",
                     delivery_tag)

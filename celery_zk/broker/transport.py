@@ -127,7 +127,7 @@ from .bindings import Bindings
 from .budget import budget_for
 from .channel import Channel
 from .eventloop import Waker
-from .groups import held_by_this_thread, install_when_imported
+from .groups import held_by_this_thread
 from .handoff import HandOff
 from .inbox import Inbox
 from .liveness import ConsumerSession
@@ -153,8 +153,6 @@ _shutdowns = 0
 #: What a Celery worker of this process adds (``celery_zk.worker.hooks``; set
 #: at ``worker_init``): None in every other process.
 worker: Any = None
-
-install_when_imported()   # a no-op if ``import celery_zk`` already did it
 
 
 def shutdown_started() -> None:
@@ -190,7 +188,7 @@ class Transport(virtual.Transport):
         _hide_secrets(client)
         given = "connect_timeout" in self.settings.given
         self.handle = ClientHandle(
-            self.settings, owner=self,
+            self.settings,
             connect_timeout=None if given or not client.connect_timeout
             else float(client.connect_timeout))
         self.layout = Layout(self.settings.root)

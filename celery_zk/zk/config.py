@@ -124,10 +124,6 @@ class ZKOptions:
     verify_certs: bool = True
     session_name: str = ""
 
-    @classmethod
-    def names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
-
 
 @dataclass(frozen=True)
 class ZKSettings:

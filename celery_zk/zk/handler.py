@@ -1,25 +1,14 @@
 """kazoo's threading handler, with a ``select`` that notices a silent server.
 
-kazoo pings only after a quiet spell and counts every request it sends as a
-ping, so a busy client whose server was cut off (a partition on the
-server's side) wrote into the void until its session had expired instead of
-moving to another server in time: the nemesis saw a task run twice so.
-ZooKeeper's own client drops a connection that has not heard from its
-server for two thirds of the session timeout ("have not heard from
-server"); this handler does the same through ``select``, a method of
-kazoo's handler interface (no private name): kazoo waits for its socket to
-be writable before each write and readable before each read, so ``select``
-sees when a request goes out and when the server answers. A socket that
-left a write unanswered for :attr:`PollingHandler.silence` seconds makes
-``select`` raise ``ConnectionDropped``, which kazoo's connection loop takes
-as any other drop: it connects to the next server, the session kept.
-
-``select`` is also one ``poll()`` where kazoo's own (since 2.7, to lift
-``select()``'s limit of file descriptors) builds, uses and closes an epoll
-selector on every call: four system calls, about five times per request.
-And it knows of packets read ahead (:func:`celery_zk.compat.kazoo.buffer_reads`):
-while some wait in a buffer their socket is readable at once, or kazoo's
-loop would wait on a socket whose bytes were already taken.
+kazoo waits for its socket to be writable before each write and readable
+before each read, so ``select`` (a method of kazoo's handler interface, no
+private name) sees when a request goes out and when the server answers: a
+write left unanswered for :attr:`PollingHandler.silence` seconds raises
+``ConnectionDropped``, and kazoo moves to the next server, the session kept
+(ZooKeeper's own client's "have not heard from server"). It waits with one
+``poll()``, and reports a socket whose packets wait in the read buffer
+(:func:`celery_zk.compat.kazoo.buffer_reads`) readable at once. Why each
+matters: docs/design.md, "Waiting: watches, not polling".
 """
 from __future__ import annotations
 
@@ -131,7 +120,4 @@ class PollingHandler(SequentialThreadingHandler):
     def wait_readable(self, sock: Any, timeout: float | None) -> bool:
         """Whether ``sock`` itself has bytes (or trouble) within ``timeout`` s,
         whatever is held: for the reader that fills the buffer."""
-        poller = select.poll()
-        poller.register(_fd(sock), _READ)
-        wait = None if timeout is None else math.ceil(timeout * 1000)
-        return bool(poller.poll(wait))
+        return bool(self._poll([sock], (), timeout)[0])

@@ -135,8 +135,3 @@ class HeldNodes:
             if client is None:
                 return
             delete_if_there(client, path)
-
-    def paths(self) -> list[str]:
-        """Every counted ephemeral node (re-made after a session expiry)."""
-        with self._lock:
-            return list(self._held)

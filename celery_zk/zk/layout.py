@@ -302,13 +302,9 @@ class Layout:
         return join(self.chord(group_id), CHORD_SENT)
 
     # -- singleton locks (celery_zk.features.singleton) --------------------------------
-    @property
-    def locks(self) -> str:
-        return join(self.root, "locks")
-
     def lock(self, key: str) -> str:
         """A singleton task's lock: ephemeral, of the session of the run holding it."""
-        return join(self.locks, escape(key))
+        return join(self.root, "locks", escape(key))
 
     # -- durable revokes (celery_zk.features.revokes) ----------------------------------
     @property

@@ -1,34 +1,15 @@
 """One ZooKeeper session per ensemble per process, shared by everything in it.
 
-A ZooKeeper session is server state: a connection slot (60 per client IP by
-default, ``maxClientCnxns``), a session-tracker entry and the watches it
-holds. Curator's rule is one client per ensemble per process, and so it is
-here: every kombu Connection, channel, producer pool, result backend and
-result consumer of a process that names the same hosts, credentials, TLS
-settings, ``session_timeout`` and ``session_name`` shares one kazoo client
-(:class:`SharedSession`), counted by reference.
-
-Each user holds a :class:`ClientHandle`, a *lease* on that session. What a
-lease makes for its owner alone (a consumer's registration, its offers, the
-holders of its auto-delete queues) is recorded on the lease and deleted when
-the lease ends; ephemeral nodes that several leases need (the binding of a
-reply queue two connections consume) are counted and deleted by the last.
-A lease ends with ``close()``, or when its owner is garbage-collected: kazoo
-keeps no strong reference to any owner (state listeners are dispatched through
-a weak set, watch callbacks are wrapped by :func:`weak_callback`), so a
-Connection dropped without ``close()`` releases its share; the last share
-closes the session.
-
-A session loss (expiry) still affects every user of the process, which is the
-liveness the design relies on: each one re-creates what it owns.
-
-Ephemeral nodes several leases need are :mod:`.held`'s; what is released
-in the background (held-back writes, a garbage-collected handle's lease,
-and at a worker's shutdown a session cut off too long) :mod:`.background`'s.
-
-Fork safety: the registry is per process. A handle used in a child after
-``fork()`` takes a lease on the child's own session and never touches the
-parent's client (closing it would end the parent's session).
+Curator's rule: a session is server state (a connection slot, a tracker
+entry, its watches), so every connection, pool, backend and result consumer
+of a process that names the same ensemble and settings shares one kazoo
+client (:class:`SharedSession`). Each user holds a :class:`ClientHandle`, a
+lease on it: what a lease makes for its owner alone is deleted when it ends
+(``close()``, or its owner garbage-collected: nothing of kazoo's holds an
+owner strongly), and the last lease closes the session. The registry is per
+process: a handle used after ``fork()`` leases the child's own session and
+never touches the parent's client. docs/design.md, "One session per
+process", has the rest (:mod:`.held`, :mod:`.background`).
 """
 from __future__ import annotations
 
@@ -37,7 +18,7 @@ import os
 import threading
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.util import Finalize
 from typing import Any, TypeVar
@@ -146,10 +127,6 @@ class SharedSession:
         return self.connect()
 
     @property
-    def started(self) -> bool:
-        return self._client is not None
-
-    @property
     def current_client(self) -> KazooClient | None:
         """The client if there is one, never making one (None once closed)."""
         return self._client
@@ -240,15 +217,12 @@ class ClientHandle:
 
     Taken on first use of :attr:`client` (so an unused handle costs nothing),
     ended by :meth:`close` or garbage collection, and taken again if used after
-    a close. ``owner``: the object whose peers :meth:`peers` finds (the
-    transport), held weakly.
+    a close.
     """
 
-    def __init__(self, settings: ZKSettings, connect_timeout: float | None = None,
-                 owner: object | None = None) -> None:
+    def __init__(self, settings: ZKSettings, connect_timeout: float | None = None) -> None:
         self.settings = settings
         self.connect_timeout = connect_timeout
-        self._owner = weakref.ref(owner) if owner is not None else None
         self._lease: _Lease | None = None
         self._finalizer: weakref.finalize | None = None
         self._pid = 0
@@ -355,13 +329,6 @@ class ClientHandle:
                 listener(state)
             except Exception:   # one listener's bug must not starve the others
                 logger.exception("celery_zk: a connection state listener failed")
-
-    def peers(self) -> Iterator[Any]:
-        """The owners of every live handle on this handle's session, this one's included."""
-        for handle in list(self._current().session._handles):
-            owner = handle._owner() if handle._owner is not None else None
-            if owner is not None:
-                yield owner
 
 
 # -- the registry ---------------------------------------------------------------------

@@ -1,29 +1,15 @@
 """Persistent recursive watches (ZooKeeper 3.6+ ``addWatch``) on top of kazoo.
 
-A one-shot child watch says only "something changed", so a consumer woken by
-it must list the directory to learn the new message's name: one more
-dependent request on every idle round trip. A persistent recursive watch
-reports every node created below a path, with the node's path, and stays set.
-
-kazoo (2.9 to 2.11) has no ``addWatch`` yet (python-zk/kazoo#715 is
-unmerged; Zuul vendors it too), so this module sends the two requests itself
-through kazoo's request queue and reads the events kazoo would otherwise
-drop, through the private names fenced in :mod:`celery_zk.compat.kazoo`.
-celery_zk needs them: a server before 3.6 is refused when a session is made
-(:func:`require_add_watch`), with an error naming its version.
-
-The server forgets a connection's watches when the connection drops, and
-kazoo re-sends none (it drops its own one-shot watches too, telling each
-watcher with an event of type NONE and no path). Each connection drop therefore bumps a
-generation, and a watch counts as set only when it was added in the current
-one; the owner re-adds it (and re-reads what it watches) after a reconnect.
-
-Callbacks run on kazoo's *connection* thread, before kazoo's own watchers:
-they must only record the event and wake someone, never make a request.
-There is one :class:`TreeWatches` per session (:mod:`celery_zk.zk.session`),
-shared by the process's connections, so two of them watching one queue share
-the server's watch; callers pass :func:`~celery_zk.zk.session.weak_callback`
-wrappers, so a watch never keeps a dropped connection alive.
+One watch per directory a process follows; its events name the node, so
+nothing is listed again. kazoo has no ``addWatch`` yet: the requests go
+through kazoo's request queue and the events are read through the private
+names fenced in :mod:`celery_zk.compat.kazoo`. The server forgets a
+connection's watches when it drops, so each drop bumps a generation and a
+watch counts as set only in the current one; its owner adds it again and
+reads again. Callbacks run on kazoo's connection thread: they record the
+event and wake someone, never make a request. One :class:`TreeWatches` per
+session (callers pass :func:`~celery_zk.zk.session.weak_callback` wrappers).
+docs/design.md, "Waiting: watches, not polling", has why.
 """
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """Auto-delete queues: held by the sessions that declared them, deleted when none is left.
 
-Celery declares its pidbox, reply and event queues ``auto_delete``: they only
-make sense while the process that consumes them lives. Each declaring
-connection keeps an ephemeral *holder* node in the queue's ``holders/``
-directory, named by its session and its lease on it (connections of a process
-share one session). A clean close drops the connection's holder and deletes
-the queue if it was the last; a crash (SIGKILL, OOM, a partition past the
-session timeout) lets ZooKeeper drop the holder with the session, and a
-connection garbage-collected without a close drops it with its lease; the
-recovery leader then deletes the queue on its next pass. Without this every
-crashed worker with a random hostname (a container) would leave its queues
-behind for good.
-
-Every delete is guarded by deleting the empty ``holders/`` directory in the
-same transaction: a session that declares the queue again at that moment
-adds a holder, the guard fails, and the queue stays.
+Each declaring connection keeps an ephemeral holder under the queue's
+``holders/``. Every delete must be guarded by deleting the empty
+``holders/`` in the same transaction: a session that declares the queue
+again at that moment adds a holder, the guard fails, and the queue stays.
+See ``docs/design.md``, "Auto-delete queues".
 """
 from __future__ import annotations
 

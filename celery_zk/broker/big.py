@@ -1,24 +1,11 @@
 """Message bodies bigger than ``chunk_size``: chunks written before the message
 is visible, a manifest in its body node, and orphans collected.
 
-A big message's name starts with ``c``; its body node (``bodies/{bucket}/{uid}``)
-holds the manifest of :mod:`celery_zk.zk.payload`, and its bytes are chunks
-under ``chunks/{uid}``. The container is made and filled first, then the
-publish multi makes the body and the name **and marks the container live**
-(its data names the bucket). So:
-
-* a reader never sees a half-written message: the name that leads to it
-  exists only once every chunk does;
-* assignments, hand-offs and requeues still move only the name;
-* the ack (or a drop, or a purge) deletes name, body, chunks and container
-  in one multi (a 16 MiB body at the default 128 KiB is 128 chunks);
-* a publisher killed between chunks leaves a container still *pending*:
-  the queue's dispatcher collects it once it is older than
-  :data:`ORPHAN_AGE` (:func:`sweep`), as it does a live container whose body
-  is gone (a crash between the multi and the deletes that did not fit in it);
-* a dead-lettered big message keeps its chunks (the dead node holds the
-  manifest; the container is marked *dead*), so ``celery zk dead requeue``
-  puts it back whole.
+Nothing may lead to the chunks before the publish multi, which makes the
+body and the name and marks the container *live*: so a reader never sees
+half a message, and a container still *pending* after :data:`ORPHAN_AGE`
+is an orphan that :func:`sweep` deletes. Assignments and requeues move the
+name alone, never the chunks. See ``docs/design.md``, "Big messages".
 """
 from __future__ import annotations
 

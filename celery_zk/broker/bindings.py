@@ -1,21 +1,11 @@
 """Exchanges and bindings shared by every process through ZooKeeper.
 
-kombu's virtual transports keep bindings in process memory, which is why a
-``celery inspect`` client and a worker cannot find each other's queues. Here a
-binding is a node whose *name* holds the queue and routing key, so the routing
-table of an exchange is one ``get_children``. Tables are cached and the cache
-is dropped by a watch; a fanout publish (broadcast control commands) and a
-direct lookup that finds nothing always re-read, so a binding made an instant
-ago by another process is never missed.
-
-Bindings of auto-delete queues (pidbox, reply and event queues) are ephemeral:
-they vanish with the session that made them, so nothing is routed to a queue
-whose consumer is gone. Connections of a process share one session, so such a
-binding is counted per connection (:meth:`ClientHandle.hold`) and deleted when
-the last connection that made it closes. After a session expiry the consuming connection
-re-creates them as soon as it is connected again (from its drain loop, see
-:meth:`Bindings.restore_ephemeral`), so ``celery inspect`` and broadcast
-control commands reach a worker again without waiting for it to publish.
+A binding is a node whose *name* holds the queue and routing key, so an
+exchange's routing table is one ``get_children``, cached until a watch
+drops it. A fanout publish, and a direct lookup that finds nothing, read it
+afresh: a binding made an instant ago by another process is never missed.
+Watch callbacks run on kazoo's thread: never block.
+See ``docs/design.md``, "Routing".
 """
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
-"""How much a consumer's inbox may hold (its *credit*), and what goes back.
+"""How much a consumer's inbox may hold (its *credit*: the prefetch, or
+``lookahead`` times it while the consumer runs dry fast), and what goes back
+to the queue while the channel takes none (the *hold*).
 
-A consumer's credit is its channel's prefetch: the dispatcher
-(:mod:`celery_zk.broker.dispatcher`) puts no more than that in its inbox.
-A refill follows an ack by two synced writes (the ack's multi, then the
-dispatcher's), so a consumer whose tasks take less than that empties its
-inbox and waits. So, the **lookahead**: a consumer that delivered its whole
-prefetch within :data:`FAST` s and then found its inbox empty asks for the
-``lookahead`` option (16) times its prefetch; one idle for :data:`IDLE` s
-asks for its prefetch again. Messages beyond what the channel may take wait
-in the inbox.
-
-And the **hold**: while the channel takes none (its prefetch is full: a long
-task), what waits in the inbox beyond what the pace of its last deliveries
-would deliver within :data:`HOLD` s goes back to the queue, for other
-consumers, once that has lasted :data:`HOLD` s; the lookahead ends with it.
-Full between quick deliveries (a prefork worker's prefetch, in a drain) is
-no hold: the pace, not the moment, says whether the inbox empties.
+The hold is judged by the pace of the last deliveries, not by the prefetch
+being full at one moment: a prefork worker draining quick tasks is full
+between deliveries, and must not give its inbox back. See
+``docs/design.md``, "Lookahead".
 """
 from __future__ import annotations
 

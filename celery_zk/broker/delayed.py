@@ -1,29 +1,11 @@
-"""Delayed messages: a task with an eta waits in ZooKeeper until it is due,
-not in a worker's memory.
+"""Delayed messages: a task whose eta is more than :data:`DELAY_FROM` ahead
+waits under its queue's ``delayed/`` until it is due, not in a worker's memory.
 
-Celery hands a task with an ``eta`` (or ``countdown``) to a worker at once,
-which holds it until due, raising its prefetch for each (about 11 KB a task;
-held tasks pin their worker, and a restart hands them all out again). On
-``zk://`` a message whose eta is more than :data:`DELAY_FROM` ahead is
-published under the queue's ``delayed/`` instead of ``unowned/``::
-
-    publish  multi{ create bodies/B/{uid}, create delayed/{day}/{minute}-{gen}/{name}-{seq} }
-    due      multi{ [create unowned/B,] create unowned/B/{name}-0000000000,
-                    delete delayed/{day}/{minute}-{gen}/{name}-{seq} }
-
-and from then on it is like any other message. Its name is the one it will
-wait under (:func:`~celery_zk.zk.message_names.promoted_name`): priority,
-body bucket, task and limit tokens; its uid starts with its due time, so a
-listing alone says what is due, and promoted messages go out earliest due
-first, ahead of their priority's backlog (as a held task would have run).
-
-The queue's dispatcher (:mod:`celery_zk.broker.dispatcher`) promotes them:
-it lists ``delayed/`` (one name per day with messages) and the buckets of
-minutes that have begun, holds those names in memory, and learns of later
-ones from a persistent recursive watch. A backlog of delayed messages costs
-it a listing per bucket when its minute comes, nothing before; workers hold
-nothing. Revokes are kept in ZooKeeper (:mod:`celery_zk.features.revokes`),
-so a revoked delayed task is discarded when it arrives, by whichever worker.
+It waits under the name it will have in line, its uid begun by its due
+time, so the dispatcher (:mod:`celery_zk.broker.dispatcher`) knows what is
+due from listings alone; promotion moves only the name, in one multi with
+the delete. See ``docs/design.md``, "Message lifecycle" (*Delayed delivery*),
+and ``docs/features.md``, "Delayed delivery: ETA tasks wait in ZooKeeper".
 """
 from __future__ import annotations
 

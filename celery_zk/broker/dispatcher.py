@@ -1,29 +1,12 @@
-"""One dispatcher per queue: the one process that lists a queue's waiting
-messages and gives them to its consumers' inboxes.
+"""One dispatcher per queue: the thread, in the process of the queue's first
+consumer node, that alone lists its waiting messages and gives them to its
+consumers' inboxes.
 
-Consumers of a queue register ephemeral nodes under its ``consumers/``, with
-their credit (how many messages their inbox may hold: the channel's prefetch)
-in the data. The process of the oldest one runs the queue's dispatcher, a
-thread of its own: an election that needs no node beyond those (each
-consumer process watches that directory, which changes only when consumers
-come and go). When that process dies its nodes go with its session, and the
-next oldest takes over.
-
-The dispatcher alone lists ``unowned/``, in priority-then-FIFO order, and
-moves names into the inboxes of consumers with free credit, many names for
-many consumers in one multi (:mod:`celery_zk.broker.assignment`). It learns of
-new messages and of acks from persistent recursive watches on ``unowned/``
-and ``owned/`` (:mod:`celery_zk.zk.watches`), so it lists only when it
-starts, after a reconnect, or when the head it knows runs out. Consumers watch only
-their own inbox (:mod:`celery_zk.broker.inbox`): no consumer lists the
-queue, no two consumers race for one message, and a publish wakes one
-process, not every idle one.
-
-Nothing depends on there being exactly one dispatcher: two overlapping
-(a leadership change) cost one refused multi, because each assignment deletes
-the name it gives. Messages with affinity keys are given by
-:func:`celery_zk.features.locality.choose`, for each consumer as its worker
-holds keys.
+Watch callbacks (kazoo's threads) only record what happened and wake the
+dispatcher's thread, which makes the requests. Nothing may rest on there
+being exactly one dispatcher: each assignment deletes the name it gives, so
+two that overlap cost a refused multi.
+See ``docs/design.md``, "One dispatcher per queue".
 """
 from __future__ import annotations
 

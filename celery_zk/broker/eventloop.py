@@ -1,18 +1,9 @@
 """A wake-up that both a blocking ``drain_events`` and Celery's event loop can wait on.
 
-Watch callbacks (kazoo's threads) only record what happened and wake the
-consuming side. A blocking consumer waits on an event; Celery's worker waits
-in its event loop (kombu's hub, ``epoll``), which can only wait on file
-descriptors. :class:`Waker` is both: an event, and a non-blocking pipe whose
-read end the hub polls.
-
-Why the event loop matters: Celery runs a transport that cannot register
-with it (``implements.asynchronous = False``) in its synchronous loop, and
-there a prefork pool blocks the consumer whenever every pool process is busy
-(billiard's put-locks). Control commands (``celery inspect``, revokes) then
-wait for a task to finish, and a single busy process wedges the worker's
-remote control. In the event loop the pool takes work without blocking, as
-with Redis or RabbitMQ.
+:class:`Waker` is an event and a non-blocking pipe whose read end kombu's
+hub polls. Watch callbacks set it on kazoo's threads, so a set must never
+block. Why the transport joins Celery's event loop at all: see
+``docs/design.md``, "Waiting: watches, not polling".
 """
 from __future__ import annotations
 

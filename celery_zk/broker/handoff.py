@@ -1,40 +1,11 @@
-"""Hand-off: a publisher gives a message straight to an idle consumer's inbox.
+"""Hand-off, the publisher's side: a message goes straight into the inbox of
+a consumer that left an offer, in one multi that checks the offer.
 
-Without it a message that arrives while its queue is empty costs two durable
-writes in sequence before a consumer has it: the publish and the dispatcher's
-assignment (:mod:`celery_zk.broker.dispatcher`). With it, a consumer with
-nothing waiting in its inbox and a free slot in its worker's pool leaves an
-*offer*, an ephemeral node ``offers/{consumer}~{token}``, and a
-publisher that knows of the offer publishes with one multi that deletes the
-offer, writes the body where every body goes, and creates the message's name
-directly in that consumer's inbox. The consumer learns of it from the watch on
-its inbox, as it learns of everything given to it.
-
-Why it is safe:
-
-* The offer is an ephemeral node of the consumer's session, so the multi
-  commits only while that session lives: a handed message always has a live
-  owner. If the session ends afterwards, the recovery leader requeues it like
-  any other owned message.
-* When the offer is gone (withdrawn, or its session ended), the multi
-  changes nothing and the publisher publishes the message as usual. A stale
-  cache of offers costs a refused request, never a message.
-* A consumer withdraws its offer (deletes it) when the work it is given or
-  runs fills its worker's pool (every slot busy: a handed message would wait
-  behind it; not on a queue consumed without acks, whose messages take no
-  slot), when it stops consuming the queue and when its prefetch fills.
-  Work from the dispatcher that leaves a slot free keeps the offer: a worker
-  under a steady load, whose queue is empty between tasks, is handed
-  messages too. Whatever was handed over before a withdrawal is in its
-  inbox and is delivered (or requeued when it stops).
-
-The handed name's sequence is zero: the message was handed over while its
-queue was empty, so if it is requeued it goes back ahead of everything that
-arrived since (see :func:`celery_zk.zk.message_names.handed_name`). The name also
-carries a copy of the body when the body is small and the consumer's offer
-says it takes one there (``~b``: every consumer from 0.3 on): the watch
-event that tells the consumer of the message brings the body too, and the
-delivery needs no read.
+That check is the safety: it proves the owner's session alive as the
+message becomes owned, so nothing is handed over without it. Publishers
+check offers and leave them (they stand); a stale cache costs a refused
+multi, and the message is then published as usual. Watch callbacks run on
+kazoo's thread: never block. See ``docs/design.md``, "Hand-off".
 """
 from __future__ import annotations
 

@@ -1,24 +1,12 @@
-"""One connection's consumption of one queue: its inbox.
+"""One connection's consumption of one queue: its inbox, ``owned/{consumer}/``,
+filled by the queue's dispatcher and by publishers' hand-offs. How much it may
+hold is :mod:`celery_zk.broker.credit`; when to offer,
+:mod:`celery_zk.broker.offer`.
 
-A consumer never lists its queue: the queue's dispatcher moves waiting
-names into its inbox, ``owned/{consumer}/``, as its credit allows
-(:mod:`celery_zk.broker.membership`), and publishers may hand a message
-straight into it (:mod:`celery_zk.broker.handoff`). It watches only its
-inbox: a persistent watch that names each new entry.
-
-For each new entry it reads the body from ``bodies/``, many in one
-``multiRead`` (:mod:`celery_zk.zk.reads`), and delivers in the queue's
-order. A message handed over with a copy of its body in its name needs no
-read. Only it deletes from its inbox (acks, in :mod:`celery_zk.broker.acks`),
-so nothing it does can conflict.
-
-How much the inbox may hold, and what goes back when the channel takes
-none, is :mod:`celery_zk.broker.credit`; when to offer to take messages
-straight from publishers, :mod:`celery_zk.broker.offer`.
-
-Watch callbacks only record what happened and wake the transport; every
-request is made from the consuming thread (see ``docs/design.md``: a request
-made on kazoo's connection thread can block it for good).
+Only this consumer deletes from its inbox, so its acks never conflict. Watch
+callbacks only record what happened and wake the transport; every request is
+made from the consuming thread (one made on kazoo's connection thread can
+block it for good). See ``docs/design.md``, "Waiting: watches, not polling".
 """
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
-"""Owner liveness: one ephemeral node per consuming connection, and recovery.
+"""Owner liveness: one ephemeral node per consuming connection, and recovery
+of the messages of owners that are gone.
 
-A consumer registers ``consumers/{id}-{seq}`` (ephemeral, sequential) before
-it claims anything, so every owned message names a consumer that was alive
-when it was claimed. The node goes when its connection closes, when its
-connection is garbage-collected (its lease on the session is released, see
-:mod:`celery_zk.zk.session`), or when the process's session ends (crash,
-SIGKILL, partition past the session timeout).
-
-Recovery is one duty per process and root (:class:`Recovery`), whatever the
-number of connections: it watches ``consumers/``, and when the oldest live
-consumer is one of this process's (the leader, an election that needs no
-extra nodes) it moves the messages of owners that are gone back to unowned.
-Each move deletes the owned node in the same transaction that recreates the
-unowned one, so two survivors racing can never requeue a message twice. The
-leader then sweeps the auto-delete queues nobody holds any more.
+A consumer registers before anything is given to it, so every owned message
+names an owner that was alive when it was given. Recovery is one duty per
+process and root, led by the process of the oldest live consumer; each
+requeue deletes the owned node in the multi that puts the name back, so two
+survivors racing never requeue a message twice.
+See ``docs/design.md``, "Owner liveness and recovery".
 """
 from __future__ import annotations
 

@@ -1,24 +1,10 @@
 """One consumer's offer on one queue (the consumer's side of the hand-off,
 :mod:`celery_zk.broker.handoff`), and when to make and withdraw it.
 
-An offer stands until the consumer withdraws it: publishers check it, and
-each message they hand over costs the consumer nothing more. It is made when
-the consumer has nothing to deliver and its worker's pool a free slot, and
-withdrawn when the work it is given fills the pool:
-
-* Work from the dispatcher that takes every slot says the queue has a
-  backlog: withdrawn at once, and offered again when the consumer is dry
-  with a slot free.
-* Work handed over that takes every slot withdraws it only once that has
-  lasted :data:`BUSY_GRACE`: short tasks free a slot sooner, and withdrawing
-  sends every message published meanwhile through the dispatcher.
-* Celery acks a task as it starts, and nothing tells the transport when it
-  ends: a consumer whose worker's slots are all busy looks again after
-  :data:`LOOK_AGAIN` (doubled while they run); a delivery cancels the look.
-
 The token is read and swapped under a lock by the consuming thread (making,
 withdrawing) and by kazoo's thread (a create that failed), so an offer is
-never deleted twice (a failed delete is still a logged transaction).
+never deleted twice (a failed delete is still a logged transaction). See
+``docs/design.md``, "Hand-off".
 """
 from __future__ import annotations
 

@@ -1,15 +1,12 @@
 """Results expire without beat: one cleaner per root at a time.
 
-Celery deletes expired results only when something calls the backend's
-``cleanup()``: ``celery beat``'s ``celery.backend_cleanup`` (daily at 04:00),
-scheduled for backends that do not expire by themselves. Redis keys expire by
-themselves, so most deployments run no beat; on ZooKeeper their results would
-stay in every server's memory for good. So the backend says it expires by
-itself (``supports_autoexpire``), and each worker's main process looks every
-``expire_every`` seconds whether this root is due for a round of
-:meth:`~celery_zk.backend.ZooKeeperBackend.cleanup` (in batches): an elected
-round (:mod:`celery_zk.zk.rounds`) stamped on ``expiry/`` (whose data is
-never written otherwise), locked by the ephemeral ``expiry/~cleaner``.
+The backend says it expires by itself (``supports_autoexpire``, so beat
+schedules no ``celery.backend_cleanup``), and each worker's main process
+looks every ``expire_every`` seconds whether this root is due for a round of
+:meth:`~celery_zk.backend.ZooKeeperBackend.cleanup`: an elected round
+(:mod:`celery_zk.zk.rounds`) stamped on ``expiry/`` (whose data nothing else
+may write), locked by the ephemeral ``expiry/~cleaner``. See
+``docs/backend.md``, "Expiry and cleanup".
 """
 from __future__ import annotations
 

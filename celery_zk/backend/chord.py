@@ -1,31 +1,12 @@
 """The chord counter: how many header tasks of a chord have finished.
 
-Celery's key/value chord protocol (``implements_incr``) asks the backend for
-an atomic ``incr`` and fires the chord body when the count reaches the chord
-size. A plain increment counts a header task twice when it runs twice (a
-message redelivered after its worker died, with ``acks_late``), and then the
-body fires before the last part is done. This counter counts *parts*: each
-increment creates a child named after the header task id (its data: the
-count it made, a token, and the task's place in the header), in the same
-transaction that bumps the count kept in the counter's data, so a part that
-is already there is not counted again.
-
-The number of parts the chord waits for is ``~size`` (Celery's
-``set_chord_size``, nested groups counted, said before the header's last
-task is sent) plus ``~added`` (one per ``Task.add_to_chord``). A part's name
-is an escaped task id, which never starts with ``~``.
-
-**Runs.** Each apply of a chord is a run of its own, as on Redis: applying a
-frozen chord again (same group id, e.g. a retried workflow) resets the
-counter, and its body runs again. Within a run, a finished counter is kept
-as a tombstone (``~done``, parts deleted) until expiry or the next apply, so
-a header task delivered again after the body was sent counts nothing.
-
-**Lazy headers.** A header given as a generator is published as it yields
-(celery#3021), so its results cannot be saved as a group up front. Its
-counter is marked ``~lazy``; when the last part is counted, the parts, in
-header order, say which results the body gets (as Redis's backend keeps
-them in a sorted set).
+It counts *parts*, not increments: each header task that finishes creates a
+child named after its task id in the transaction that bumps the count, so a
+task run twice counts once. The chord waits for ``~size`` plus ``~added``
+parts; a part's name is an escaped task id, which never starts with ``~``.
+Each apply of a chord is a run of its own, and a finished run stays a
+tombstone (``~done``); a generator's header is marked ``~lazy``. See
+``docs/backend.md``, "Chords".
 """
 from __future__ import annotations
 

@@ -1,43 +1,15 @@
 """What the last part of a chord does: read the header's results, send the body
 with them (or its error), and finish the counter.
 
-Celery's key/value protocol does this by restoring the saved header and
-*joining* it, which waits for results through the result consumer. When the
-counter says every part is counted, every header result is already stored,
-so here they are read in one pipelined round trip instead. That also keeps
-the behaviour the same on every Celery release celery_zk supports: Celery
-before 5.7 could not join a header that nests a group from inside the
-protocol (the join waited on the nested group's promise, which nothing
-resolved, until ``result_chord_join_timeout``), and Celery 5.3 ended its
-protocol with ``self.client.delete(key)``, which a backend whose client is
-kazoo cannot take.
-
-**Sent once.** A worker stopped after it published the body and before it
-finished the counter leaves a part that runs again and sends the body again
-(the nemesis saw a body run twice so). With a zk:// broker on the backend's
-ensemble, the body's publish makes the counter's ``~sent`` in its own multi
-(the message property ``ONCE_PROPERTY``, honoured by the transport), and a
-second publish of the run stores nothing. With another broker the body may
-be sent twice in that case (at-least-once), as on Redis.
-
-**Through a failover.** The last part's message is acked whether the body is
-sent or not, so its count, its reads and the run's end ride out a leader
-failover (:data:`celery_zk.zk.client.FAILOVER_PATIENCE`, as a result write
-does) before the body is failed: a read that fell into an election failed
-the chord for good (a possible cause of the nemesis's B19). The publish has
-Celery's own retry (``task_publish_retry_policy``).
-
+Every header result is stored once the counter says every part is counted,
+so they are read in one pipelined round trip, never joined. The body's
+publish makes ``~sent`` (the message property ``ONCE_PROPERTY``, honoured by a
+zk:// transport on the backend's ensemble), and the count, the reads and the
+run's end ride out a failover (:data:`celery_zk.zk.client.FAILOVER_PATIENCE`).
 A part's own result reads STARTED until the part is counted, and the last
-part's until the run is finished (:class:`PartResult`), so that a worker
-stopped in between leaves a part that runs again even with
-``worker_deduplicate_successful_tasks``.
-
-The outcome is Celery's: the body gets the header's results in header order
-(a nested group's as a list); the first failed part fails the body with
-``ChordError('Dependency {id} raised {exc!r}')`` (its ``__cause__`` the part's
-error), delivered to the body's errbacks by Celery's
-``chord_error_from_stack``; a body that cannot be sent fails with
-``ChordError('Callback error: ...')``.
+part's until the run is finished (:class:`PartResult`), so a part stopped in
+between runs again even with ``worker_deduplicate_successful_tasks``. See
+``docs/backend.md``, "Chords" and "Outages".
 """
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """The expiry index: results, groups and chords by the hour they were written.
 
-Every write of a done node, a saved group or a chord counter also creates an
-entry ``expiry/h{hour}/{shard}/{kind}~{id}`` in the same transaction (see
-:mod:`celery_zk.backend`), so there is never a node cleanup cannot find.
-:meth:`ExpiryIndex.cleanup` lists ``expiry/`` (one name per hour of
-retention) and reads only the buckets whose whole hour is past the cutoff:
-it never lists the done area, so its cost is proportional to what expired.
-Its requests are pipelined and its deletes batched into multis, so that cost
-is a few round trips per group of shards, not one per node.
-
-The containers of chunked results (:mod:`celery_zk.backend.payloads`) have
-entries of their own, ``p~{kind}~{id}~{token}~{size}``, in the hour each was
-made and in the hour its node was written; for an expired one, the container
-is deleted unless a live node still points at it (see :meth:`ExpiryIndex._expire_payloads`).
+Every write of a done node, a saved group or a chord counter creates its
+entry ``expiry/h{hour}/{shard}/{kind}~{id}`` in the same transaction, so there
+is never a node cleanup cannot find; :meth:`ExpiryIndex.cleanup` reads only
+the hours past the cutoff, never the done area. A chunked result's container
+has entries of its own (``p~...``) and is deleted unless a live node still
+points at it (:meth:`ExpiryIndex._expire_payloads`). See ``docs/backend.md``,
+"Expiry and cleanup" and "Large results: chunks".
 """
 from __future__ import annotations
 

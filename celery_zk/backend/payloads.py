@@ -1,36 +1,12 @@
 """Results bigger than ``chunk_size``: where their chunks live, and their lifecycle.
 
-A result meta (or saved group) bigger than ``chunk_size`` is stored with
-:mod:`celery_zk.zk.payload` in a container of its own per write::
-
-    payloads/{shard}/{kind}~{id}~{token}~{size}/c000000, c000001, ...
-    expiry/h{hour}/{shard}/p~{kind}~{id}~{token}~{size}     (its index entry)
-
-and the done node (``results/{shard}/{id}``) holds the manifest, whose
-``ref`` is the token. The lifecycle:
-
-* **Write.** The container and its index entry are made in one multi, then
-  the chunks (pipelined), and only then the done node is created or replaced
-  with the manifest (:mod:`celery_zk.backend.writes`), in a multi that also
-  checks the container is still there. A reader never sees a manifest whose
-  chunks are not all in place. The token makes every write's container new,
-  so a rewrite (STARTED -> SUCCESS, a retry, a duplicate run) never mixes its
-  chunks with the payload it replaces.
-* **Replace, forget, delete.** The multi that replaces or deletes the done
-  node also deletes the old payload's chunks and container
-  (:func:`celery_zk.zk.payload.commit_deleting`).
-  A reader that read the old manifest just before finds a chunk missing; it
-  reads the done node again and takes what is there now (:meth:`resolve`).
-* **Expiry and orphans.** Every container has an index entry in the hour it
-  was made, written *before* its chunks, and another in the hour its done
-  node was written, if that is a later one (same multi as the done node).
-  ``cleanup()`` (:mod:`celery_zk.backend.expiry`) deletes, for an expired
-  hour's entry, the container if no done node points at it any more (a
-  writer killed between chunks, a crash between two deletes, a write whose
-  node was left alone) or if the one that does is itself expired (with it,
-  in one multi). A container that is still in use is in use since a later
-  hour, which has an entry of its own. So nothing a killed worker wrote
-  outlives ``result_expires`` (plus the hour): the results' own lifetime.
+A result meta (or saved group) is stored with :mod:`celery_zk.zk.payload` in
+a container of its own per write, ``payloads/{shard}/{kind}~{id}~{token}~{size}``,
+and its done node holds the manifest (whose ``ref`` is the token). The
+container's index entry is written before its chunks, and the done node only
+after them; the multi that replaces or deletes a done node deletes the old
+chunks too, and a reader that finds a chunk missing reads the done node again
+(:meth:`resolve`). See ``docs/backend.md``, "Large results: chunks".
 """
 from __future__ import annotations
 

@@ -1,27 +1,13 @@
 """Waiting for results on ZooKeeper watches instead of polling.
 
-This plays the part pub/sub plays for Celery's redis backend. For every task
-id a client waits on, the consumer reads the task's done node *and* leaves a
-watch on it in the same round trip (``exists`` with a watch, pipelined with a
-``get``). A result written before the watch was set is therefore seen by that
-read; one written after fires the watch. Watches fire once: a read after a
-wake-up leaves a new one, so a task that goes STARTED -> SUCCESS wakes the
-waiter twice.
-
-Watch callbacks run on kazoo's single event thread and must never block, so
-they put the task id on an in-process queue and *start* (without waiting) the
-read and the next watch of the woken node: the read is on the wire while the
-waiting thread wakes up. :meth:`drain_events`, run by the waiting thread
-(Celery's ``Drainer``), blocks on that queue with a timeout, collects those
-reads (reading again itself what a read could not fetch), reads the chunks
-of a result stored in chunks (:mod:`celery_zk.backend.payloads`; a 16 MiB
-result is 128 requests of 128 KiB, which a callback must not start) and hands
-the meta to Celery.
-
-kazoo drops every watch when the connection is lost. A state listener puts a
-marker on the same queue when the connection comes back, and the next drain
-re-reads (and re-watches) every pending task, so results written while we
-were disconnected are not missed either.
+Each waited-for done node is read and watched in one round trip (``exists``
+with a watch, pipelined with a ``get``), so a result is either seen by that
+read or fires the watch. Watch callbacks run on kazoo's event thread and must
+never block: they queue the task id and *start* the next read and watch.
+:meth:`drain_events`, on the waiting thread, collects those reads and reads
+the chunks of a chunked result (16 MiB is 128 requests, which a callback
+must not start). After a reconnect every pending task is read and watched
+again. See ``docs/backend.md``, "Waiting without polling".
 """
 from __future__ import annotations
 

@@ -1,17 +1,13 @@
 """Which waiting messages go to which consumer, and the multi that gives them.
 
-The dispatcher (:mod:`celery_zk.broker.dispatcher`) keeps the queue's
-:class:`Head` (its first waiting names, in delivery order) and what it knows
-of each :class:`Consumer`; a :class:`Planner` chooses, for the consumers
-with free credit, one message at a time around them (the first messages
-reach as many consumers as there are), or by affinity key
-(:func:`celery_zk.features.locality.choose`), holding back what a
-cluster-wide limit does not admit now (:mod:`celery_zk.features.limit_gate`).
-:func:`assignment` builds the one multi that gives a plan: each consumer's
-part guarded by a check of its node under the queue's ``consumers/`` (nothing
-is given to a consumer that is gone or stopped consuming), each name deleted
-from its bucket in the multi that creates it in the inbox (a message is given
-once even when two dispatchers overlap: the second one's delete fails).
+A :class:`Planner` chooses from the queue's :class:`Head` for the consumers
+with free credit (one message at a time around them, by affinity key, or
+held back by a limit), and :func:`assignment` builds the one multi that gives
+the plan. In it each consumer's part is guarded by a check of its node under
+``consumers/``, and each name is deleted from its bucket as it is created in
+the inbox: so nothing goes to a consumer that is gone, and a message is
+given once even when two dispatchers overlap. See ``docs/design.md``, "One
+dispatcher per queue".
 """
 from __future__ import annotations
 

@@ -1,21 +1,13 @@
 """The storage budget: the znodes and bytes under a root, as ZooKeeper's own
 quota accounting counts them, held below a ceiling by every publisher.
 
-A ZooKeeper server keeps its whole tree in its heap; one that runs out dies,
-reloads the same snapshot and dies again, with every system on the ensemble.
-So publishing stops before that, as RabbitMQ's memory alarm blocks
-publishers: over the ceiling a publish waits (``budget_wait``) until
-consumers have drained the root below the low watermark, then fails with
-:class:`~celery_zk.exceptions.StorageFull`. Consumers, acks and results go
-on; publishes to temporary queues (replies, events) too.
-
-Every server counts the nodes and bytes under a path that has a quota, in
-memory, as it applies each write (``/zookeeper/quota/{root}/zookeeper_stats``):
-each process reads that one node at most every :data:`CHECK_EVERY` seconds
-while it publishes, in the background, never once per publish. Where the
-servers enforce quotas (``zookeeper.enforceQuota=true``, 3.7+) the quota's
-hard limits, set :data:`HARD_MARGIN` above the budget, are the last line,
-and their refusal is :class:`StorageFull` too.
+Over it a publish waits (``budget_wait``) for the root to drain, then fails
+with :class:`~celery_zk.exceptions.StorageFull`; consumers, acks, results and
+publishes to temporary queues go on. The count (``zookeeper_stats`` of the
+root's quota) is read in the background at most every :data:`CHECK_EVERY`
+seconds, never once per publish; the quota's hard limits, :data:`HARD_MARGIN`
+above the budget, are the last line. See ``docs/sizing.md``, "The storage
+budget".
 """
 from __future__ import annotations
 

@@ -1,17 +1,15 @@
 """Dead letters: the reason line a dead node keeps before the message.
 
-A message that cannot be delivered (rejected with ``requeue=False`` under
-``dead_letter_rejected``, undecodable, or a node celery_zk did not write) is
-moved to its queue's ``dead/`` in one multi. The dead node keeps the message's
-bytes unchanged behind one header line that says why, when and where::
+The dead node keeps the message's bytes unchanged behind one header line::
 
-    \\0celery_zk-dead {"reason": "...", "at": 1763900000.1, "host": "w1", "pid": 42}\\n
+    \0celery_zk-dead {"reason": "...", "at": 1763900000.1, "host": "w1", "pid": 42}\n
     <the message as it was stored>
 
-The leading NUL keeps the header from ever being mistaken for a message (a
-kombu message is JSON). Dead nodes written before reasons were kept have no
-header and show the reason as unknown. Listing, requeueing and purging them
-is an operator's job: :mod:`celery_zk.ops.dead_letters`.
+The leading NUL keeps the header from ever being mistaken for a message.
+Dead nodes written before reasons were kept have no header and show the
+reason as unknown. Listing, requeueing and purging them is
+:mod:`celery_zk.ops.dead_letters`. See ``docs/design.md``, "Message
+lifecycle", and ``docs/operations.md``, "Dead letters".
 """
 from __future__ import annotations
 

@@ -1,21 +1,13 @@
 """A group's messages stored together: a few multis instead of a create per task.
 
-Celery publishes a group, and a chord's header, from ``group._apply_tasks``:
-one ``apply_async`` per task, all through one producer. With a confirmed
-publish each waits for its own round trip and log sync, so a 1,000-task group
-took about 1.2 s. Wrapped here, the group's publishes to a ``zk://`` broker
-are held by :func:`publish_together` and stored
-when the group ends, 256 per multi: ``group.apply_async()`` still returns only
-once every message is stored (the confirm moves from each task to the group).
-
-Celery has no hook for "a group is being published", so this wraps that one
-method (a private name, fenced in :mod:`celery_zk.compat.celery`), and only
-when its signature is the one this was written against; other brokers'
-publishes pass through unchanged, and so does a group (or chord header)
-given as a generator, which Celery publishes as it yields. It is wrapped as soon as
-``celery.canvas`` is imported (:func:`install_when_imported`, run by
-``import celery_zk``), so even a process whose first publish is a group
-batches it. Option ``batch_groups=false`` turns it off for a ``zk://`` broker.
+The group's publishes to a ``zk://`` broker are held by
+:func:`publish_together` and stored when the group ends, 256 per multi;
+``group.apply_async()`` still returns only once every message is stored.
+Celery has no hook for it, so this wraps ``group._apply_tasks`` (fenced in
+:mod:`celery_zk.compat.celery`), only when its signature is the known one,
+as soon as ``celery.canvas`` is imported (:func:`install_when_imported`, run
+by ``import celery_zk``), so even a process whose first publish is a group
+batches it. See ``docs/configuration.md``, "Groups and chord headers".
 """
 from __future__ import annotations
 

@@ -2,19 +2,12 @@
 
 kombu turns ``Queue(max_length=..., message_ttl=..., expires=...)`` into
 arguments only for a transport that asks it to (a virtual transport's
-default drops them), so the transport asks, as py-amqp's does.
-
-Honoured: ``x-max-priority`` (every queue has priorities 0-9),
-``x-message-ttl`` and a message's own ``expiration`` (an expired message is
-never delivered), ``x-max-length`` and ``x-max-length-bytes`` with
-``x-overflow`` (``drop-head``, ``reject-publish``;
-:mod:`celery_zk.broker.queue_limits`), and ``x-expires`` (an unused queue
-goes: :mod:`celery_zk.broker.queue_expiry`; an auto-delete or exclusive one
-goes with the session that declared it in any case). They are stored with
-the queue at its first declaration, so every process sees the same; as
-RabbitMQ, a later declaration cannot change them (a warning says so). Any
-other argument is named in one warning per queue and process, so a limit or
-a lifetime never stops working in silence.
+default drops them), so the transport asks, as py-amqp's does. They are
+stored with the queue at its first declaration, so every process applies the
+same, and a later declaration cannot change them; any argument not honoured
+is named in one warning per queue and process, so a limit or a lifetime
+never stops working in silence. See ``docs/configuration.md``, "Queue
+arguments".
 """
 from __future__ import annotations
 

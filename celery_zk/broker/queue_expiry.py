@@ -1,25 +1,12 @@
 """Queues with ``x-expires`` go once unused, as RabbitMQ's do.
 
-RabbitMQ deletes a queue that has had no consumer and was not declared again
-for its ``x-expires`` (``Queue(expires=...)``), messages and bindings with it.
-Here a queue's node was last written when it was last known used:
-
-* a declaration of an existing queue with ``x-expires`` writes it again;
-* a round, one process of the root at a time every ``expire_every`` seconds
-  (:mod:`celery_zk.zk.rounds`, run by each worker's consuming process),
-  looks at every durable queue with ``x-expires``:
-
-  - consumers now: in use;
-  - none now, but its ``consumers/`` changed (``pzxid``) after the node's last
-    write (``mzxid``): its last consumer left since, so it is unused from
-    now on, and the node is written;
-  - none and no change since, and that write is ``x-expires`` old: the queue
-    goes, with its messages and bindings.
-
-ZooKeeper's zxids order a consumer's coming and going against the last write,
-so a queue goes between ``x-expires`` and ``x-expires`` plus two rounds after
-its last use, never before (given clocks within a second of the servers').
-An auto-delete or exclusive queue goes with the session that declared it.
+A queue's node was last written when it was last known used: a declaration
+writes it again, and so does the elected round (:mod:`celery_zk.zk.rounds`)
+that first finds it without consumers although its ``consumers/`` changed
+(``pzxid``) after that write (``mzxid``); a round that finds no consumer and
+no change since an ``x-expires``-old write deletes the queue. The zxids
+order a consumer's coming and going against the write, so a queue never goes
+before its ``x-expires``. See ``docs/configuration.md``, "Queue arguments".
 """
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
 """A queue's stored limits applied: ``x-max-length`` and
 ``x-max-length-bytes`` to publishes, and the count of messages a queue
-dropped undelivered (over a limit, or expired).
+dropped undelivered (over a limit, or expired) in ``queues/{q}/dropped``.
 
-RabbitMQ counts a queue's length in messages ready for delivery: here the
-names waiting in its buckets, counted from the buckets' stats (no listing).
-Its bytes are those messages' bodies: a queue with ``x-max-length-bytes``
-names each message's size (:func:`~celery_zk.zk.message_names.message_prefix`), and
-they are summed from a listing of its buckets. A process reads either at most
-every :data:`CHECK_EVERY` seconds per queue and adds its own publishes
-meanwhile, so a publish costs no read; it reads again before it refuses a
-publish (``reject-publish``) or drops the head (``drop-head``), so neither
-acts on a stale count. Publishers of other processes may overshoot
-``reject-publish`` by what they send within one check; ``drop-head`` always
-trims back to the limits.
-
-What a queue drops without delivering is counted in ``queues/{q}/dropped``
-(``{"expired": n, "dropped": n}``), added without waiting for the reply: for
-``celery zk status`` and the exporter.
+A process reads a queue's length (its buckets' stats) and bytes (the sizes
+its names carry) at most every :data:`CHECK_EVERY` seconds, adding its own
+publishes meanwhile, so a publish costs no read; it must read again before
+it refuses a publish (``reject-publish``) or drops the head (``drop-head``),
+so neither acts on a stale count. See ``docs/configuration.md``, "Queue
+arguments".
 """
 from __future__ import annotations
 

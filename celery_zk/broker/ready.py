@@ -1,21 +1,13 @@
 """The order an inbox delivers in: the queue's, with handed messages behind
 what arrived before them.
 
-An inbox delivers what it holds in the queue's order (priority, then the
-bucket and sequence a name carries), not in the order things arrived: a
-message of a higher priority, or a requeued one, given while a deep inbox
-holds others, goes out before them, as it would from the queue.
-
-A message handed straight to the consumer by its publisher never waited in
-a bucket: its name's sequence is zero, which puts a requeued one back at the
-front of its bucket. In the inbox that zero says nothing about when it was
-published. Offers stand, so several handed messages may wait in one inbox
-at once, and a publisher's message may be handed over right after the
-dispatcher gave its previous one (see ``HandOff.in_line``). So a handed
-message sorts right behind the latest message of its priority this inbox
-learnt of before it, and handed messages among themselves in the order they
-arrived: the order the server committed them in, which for one publisher is
-the order it published them in. (By name they sorted by their random uids.)
+An inbox delivers by priority, then the bucket and sequence a name carries,
+not in the order things arrived. A handed message's sequence is zero, which
+says nothing about when it was published: it sorts right behind the latest
+message of its priority this inbox learnt of before it, and handed messages
+among themselves in the order they arrived, the order the server committed
+them in (for one publisher, the order it published them in; never by their
+random uids). See ``docs/design.md``, "Lookahead" and "Hand-off".
 """
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
 """A running task holds its concurrency slot whatever its ack mode.
 
-A cluster-wide concurrency limit (:mod:`celery_zk.features.limits`) counts a
-task's message from when the dispatcher gives it until it is acked: its name
-in its consumer's inbox. Celery acks a task as it starts unless
-``acks_late``, so such a task stopped counting while it ran. So the worker's
-consuming process acks a message whose task has a concurrency limit, while
-its task runs, into a *slot*: one multi deletes the message (name and body)
-and makes ``~{name}`` in the same inbox, which the dispatcher counts as it
-counts the names there. The slot goes when the task ends (the pool says so:
-success, failure, revoke, a lost pool process;
-:func:`celery_zk.compat.celery_pool.track_task_ends`), or with its consumer's
-session: recovery deletes a dead consumer's slots, whose tasks ran or died
-with it, and requeues only its messages. A late ack comes after the task's
-end: a plain ack.
+A task acked as it starts, whose task has a concurrency limit, is acked into
+a *slot*: one multi deletes the message (name and body) and makes ``~{name}``
+in the same inbox, which the dispatcher counts as it counts the names there.
+The slot goes when the pool says the task ended
+(:func:`celery_zk.compat.celery_pool.track_task_ends`) or with its
+consumer's session (recovery deletes slots and requeues only messages). A
+late ack comes after the task's end: a plain ack. See ``docs/features.md``,
+"Cluster-wide rate and concurrency limits".
 """
 from __future__ import annotations
 

@@ -1,20 +1,14 @@
-"""Publishing without waiting for ZooKeeper's reply (``confirm_publish=False``).
+"""Publishing without waiting for ZooKeeper's reply (``confirm_publish=False``),
+as AMQP's basic.publish without publisher confirms.
 
-By default a publish returns once ZooKeeper has stored the message: one round
-trip (and one log fsync on the server) per ``apply_async``. With
-``confirm_publish=False`` a publish only sends its create and returns, so one
-process can keep many creates in flight and the server commits them together,
-as AMQP's basic.publish without publisher confirms. ZooKeeper handles one
-session's requests in order, so messages still land in publish order.
-
-What is given up: a message whose create is still in flight when the process
-is *killed* is lost. A clean exit waits for every reply: the transport's
-close, and for pooled connections that are never closed an exit hook (a
-multiprocessing finalizer) and, in a prefork pool child, Celery's
-``worker_process_shutdown`` signal. A reply lost to a dropped connection is
-redone by a background thread that first looks for the node (by the uid in
-its name), so nothing is published twice, but such a message can land after
-later ones.
+A publish only sends its create; the session's requests stay in order, so
+messages land in publish order. Every exit path must wait for the replies
+(the transport's close, a multiprocessing finalizer for pooled connections,
+``worker_process_shutdown`` in a prefork child); a reply lost to a dropped
+connection is redone by a background thread that first looks for the node by
+its uid, so nothing is published twice. A message in flight when the process
+is killed is lost. See ``docs/configuration.md``, "Unconfirmed publishing
+(`confirm_publish=false`)".
 """
 from __future__ import annotations
 

@@ -1,30 +1,14 @@
 """Data-affinity scheduling: a worker prefers the messages whose data it holds.
 
-A task published with an affinity key carries it in its message node's name
-(``n{P}-{gen}-{uid}@{key}-{seq}``, :func:`~celery_zk.zk.message_names.affinity_token`)::
-
-    process.apply_async((path,), headers={"zk_affinity": "dataset-42"})
-
-A worker says which keys it holds, from a task or a signal, as its cache
-changes::
-
-    from celery_zk import affinity
-    affinity.hold("dataset-42")          # loaded
-    affinity.release("dataset-7")        # evicted
-    affinity.holding(cache.keys())       # or: exactly these
-
-Each held key is an ephemeral node ``affinity/{h}/{key}~{worker}-{pid}`` of
-the process's ZooKeeper session, so it goes when the process dies. The
-worker id is made when a worker starts (``worker_init``) and inherited by
-the pool processes it forks. After a session expiry a process states its
-keys again from a thread of its own: a pool process consumes nothing that
-would notice. Consumers watch ``affinity/`` (one persistent recursive watch,
-names only) and so know which worker holds which key.
-
-Choosing among the waiting messages by their keys is
-:mod:`celery_zk.features.locality`.
-Keyed messages are never handed straight to an idle consumer
-(:mod:`celery_zk.broker.handoff`): they wait where every consumer chooses.
+A message's affinity key is in its name
+(:func:`~celery_zk.zk.message_names.affinity_token`); a worker states the keys
+it holds (:func:`hold`, :func:`release`, :func:`holding`) as ephemeral nodes
+``affinity/{h}/{key}~{worker}-{pid}`` of its process's session, so they go
+when the process dies, and states them again after a session expiry from a
+thread of its own (a pool process consumes nothing that would notice).
+Consumers follow ``affinity/`` with one persistent recursive watch (names
+only); choosing by key is :mod:`celery_zk.features.locality`. See
+``docs/features.md``, "Data-affinity scheduling".
 """
 from __future__ import annotations
 

@@ -1,15 +1,13 @@
 """Holding cluster-wide limits (:mod:`celery_zk.features.limits`) at the two
 places a message passes: where it is given, and where it starts.
 
-* :class:`Gate`: the queue's dispatcher admits, in each round, only what the
-  limits allow: a message over a limit stays where it waits, and the ones
-  behind it that no limit holds are given. Rate limits pace the giving (the
-  give times are kept in ZooKeeper, in the multi that gives).
-* :func:`hold_rate_at_start`: a worker process starts a rate-limited task only
-  when the window allows it, by a compare-and-set on the limit's record of
-  start times (``limits/.../started``). Given evenly, messages may still start
-  together: a worker whose pool was busy starts those it holds at once. This
-  is what makes the rate hold on starts, over any window.
+:class:`Gate` admits, in each round of the queue's dispatcher, only what the
+limits allow (the give times of a rate go in the multi that gives), and the
+messages behind a held one go on. :func:`hold_rate_at_start` makes a worker
+process wait for the window by a compare-and-set on ``limits/.../started``:
+given evenly, messages may still start together, so this is what makes the
+rate hold on starts. See ``docs/features.md``, "Cluster-wide rate and
+concurrency limits".
 """
 from __future__ import annotations
 

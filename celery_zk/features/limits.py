@@ -1,33 +1,14 @@
 """Rate and concurrency limits that hold across every worker of an app.
 
-Celery's ``rate_limit`` is per worker instance. On ``zk://`` each queue's one
-dispatcher (:mod:`celery_zk.broker.dispatcher`) gives every message to a
-worker, so it can hold a limit for all of them at once:
-
-* **Rate** (``"20/m"``, Celery's syntax), per task name or per queue: at most
-  that many messages given in any window of that length (``20/m``: 20 in
-  any 60 s), across all workers, whatever their number. The times of the last
-  ones given are kept in ZooKeeper, in the multi that gives them, so a
-  dispatcher that takes over goes on from there.
-* **Concurrency** (``3``), per task name, optionally per key over the task's
-  arguments (``"{customer_id}"``): at most that many tasks (of one key)
-  given to workers and not ended, whatever their ack mode: a task acked as it
-  starts keeps a slot in its consumer's inbox until it ends
-  (:mod:`celery_zk.broker.slots`); the owner's session ending releases both,
-  with no TTL.
-
-A message over a limit waits where it is, in its place among its priority;
-the dispatcher gives the messages behind it that no limit holds, so other
-tasks of the queue are not held up. Messages carry their task's name (a
-hash, :func:`~celery_zk.zk.message_names.task_token`) and their concurrency key in
-their node name, so the dispatcher limits from names alone.
-
-Limits live under ``{root}/limits/``: set from the app's configuration
-(``zk_rate_limits``, ``zk_concurrency_limits``) when a worker starts, and
-changed at run time with ``celery zk limit``; dispatchers follow them by a
-watch. A per-key template is filled where a message is published, from the
-task's arguments, by the transport (:func:`limit_tokens`), with the template
-stored under ``limits/``.
+Each queue's one dispatcher gives every message to a worker, so it holds the
+limits for all of them: a rate per task name or queue over any window (the
+give times kept in the multi that gives), a concurrency per task name or per
+key, counted until a task ends whatever its ack mode
+(:mod:`celery_zk.broker.slots`). The dispatcher limits from names alone:
+messages carry their task's token and key's token
+(:func:`~celery_zk.zk.message_names.task_token`, :func:`limit_tokens`, filled
+by the transport as it publishes). Limits live under ``{root}/limits/``. See
+``docs/features.md``, "Cluster-wide rate and concurrency limits".
 """
 from __future__ import annotations
 

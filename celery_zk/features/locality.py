@@ -2,25 +2,13 @@
 keys (:mod:`celery_zk.features.affinity`): delay scheduling, from the names of
 the listing alone.
 
-Among the first :data:`WINDOW` waiting messages *of the best priority*, a
-consumer takes
-
-1. those whose key its worker holds, and those without a key, in queue order;
-2. only when there are none: the messages of *one* key that no live worker
-   holds (somebody has to load it), or that another worker holds and this
-   consumer has seen wait ``locality_wait`` seconds (delay scheduling, as
-   Spark's ``spark.locality.wait``). One key, so its data is loaded once;
-   consumers start on different keys (by their place among the live ones),
-   and a key a consumer started on counts as held by it for
-   ``locality_wait`` seconds (at least one), until its task says so. While
-   a started key is not yet held, a consumer that has messages claimed or
-   running starts no other;
-3. and first of all, whatever its key, the oldest waiting message once it
-   has been the oldest for ``locality_wait`` seconds. Every message becomes
-   the oldest in its turn, so none waits forever, even while every consumer
-   always has local work.
-
-A lower priority is never taken while a better one waits, whatever the keys.
+Among the first :data:`WINDOW` waiting messages of the best priority: first
+the oldest once it has been the oldest for ``locality_wait`` seconds (so none
+waits forever), then those whose key the consumer's worker holds or without
+a key, and only when there are none the messages of *one* key nobody holds,
+or that another worker holds and this consumer saw wait ``locality_wait``.
+A lower priority is never taken while a better one waits. See
+``docs/features.md``, "Data-affinity scheduling".
 """
 from __future__ import annotations
 

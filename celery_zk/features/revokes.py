@@ -1,27 +1,12 @@
 """Durable revokes: a revoke is kept in ZooKeeper, so a worker started later honours it.
 
-``app.control.revoke(id)`` is a broadcast: it reaches the workers alive at
-that moment, which keep it in memory (``celery.worker.state.revoked``, for
-``CELERY_WORKER_REVOKE_EXPIRES``, 3 hours by default). Celery's mingle hands
-the set to a new worker only on amqp and redis, so without this a ``zk://``
-worker started after a revoke (a deploy, a restart, the first worker of the
-day) would run the task.
-
-* **Kept:** the transport sees every broadcast it publishes. A ``revoke`` or
-  ``revoke_by_stamped_headers`` meant for every worker (no ``destination``)
-  is also written to ``revoked/``: one node per task id or per stamp, created
-  with the time, before the broadcast goes out. A revoke for named workers
-  only is not kept: a worker started later is not one of them.
-* **Honoured:** when a Celery worker starts consuming (its first
-  ``basic_consume``, before any task is delivered) it reads ``revoked/`` and
-  adds what is younger than its ``REVOKE_EXPIRES`` to its revoked set, with
-  the original time, exactly as if it had received the broadcast; older
-  nodes it deletes. Revokes sent while it runs arrive as broadcasts, as
-  before. (A process is a worker once Celery has sent it ``worker_init``.)
-
-Revoked task ids are sharded like results (Celery keeps up to 50,000 of
-them, more names than one listing may carry); reading them is one pipelined
-round over the shards.
+The transport sees every broadcast it publishes: a ``revoke`` or
+``revoke_by_stamped_headers`` meant for every worker is written to
+``revoked/`` before the broadcast goes out. A worker (a process once Celery
+sent it ``worker_init``) reads them as it starts consuming, before any task
+is delivered. They are sharded like results, since Celery keeps up to 50,000
+(more names than one listing may carry), and read in one pipelined round
+over the shards. See ``docs/features.md``, "Durable revokes".
 """
 from __future__ import annotations
 

@@ -1,34 +1,11 @@
 """Singleton tasks on a session-bound lock: no TTL, released when the holder dies.
 
-celery-once and celery-singleton lock with Redis ``SET NX`` and a TTL: a
-crashed worker's lock stays until the TTL ends, and a task that outlives the
-TTL loses its lock while it still runs. Here the lock is an **ephemeral
-node** of the worker process's ZooKeeper session, ``locks/{key}``:
-
-* taken (created) before the task body runs, deleted when it returns or
-  raises: held exactly for the run;
-* deleted by ZooKeeper when the process dies (its session ends after
-  ``session_timeout``), and never before: however long the task runs, its
-  session's heartbeats keep it;
-* a second call while it is held either fails at once with :class:`LockHeld`
-  (the default: its state is FAILURE, the exception names the holder) or,
-  with ``lock_wait=N``, waits up to N seconds for the node to go (a watch,
-  not polling) and then fails the same way;
-* the lock's **fencing token** is the node's ``czxid``, which grows with every
-  lock ever taken in the ensemble: pass ``self.lock.token`` to what you write,
-  and let it refuse a smaller token than it has seen. ``self.lock_held()``
-  says whether the lock is still this task's (False once its session expired).
-
-Usage::
-
-    from celery_zk import Singleton
-
-    @app.task(base=Singleton, lock_key="report-{0}", lock_wait=0)
-    def build_report(customer_id): ...
-
-``lock_key`` is formatted with the call's args and kwargs (default: the task
-name, so one run of the task at a time). The lock lives on the broker's
-``zk://`` session of the worker process (``app.pool``).
+The lock is an ephemeral node ``locks/{key}`` of the worker process's
+session on the broker (``app.pool``): created before the task body runs and
+deleted when it returns or raises, and by ZooKeeper when the process dies,
+never before. A second call fails with :class:`LockHeld` (at once, or after
+``lock_wait``); the node's ``czxid`` is the fencing token. See
+``docs/features.md``, "Singleton tasks on a session-bound lock".
 """
 from __future__ import annotations
 

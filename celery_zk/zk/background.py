@@ -4,13 +4,11 @@ garbage-collected, and, once a worker shuts down, sessions cut off from
 ZooKeeper too long (:func:`give_up_when_cut_off`).
 
 It waits on a ``SimpleQueue``, whose ``put`` is reentrant: a finalizer (on
-any thread, kazoo's included) and a signal handler may hand it work. It is
-started with the process's first session (and again in a forked child).
-
-A worker shutting down while cut off from ZooKeeper gives its sessions up:
-kazoo holds a request made while it reconnects until it is connected again,
-so each step of the warm shutdown (an offer withdrawn, an inbox given back)
-would wait for the outage to end.
+any thread, kazoo's included) and a signal handler may hand it work, but
+only through ``put`` (:func:`call_at` takes a lock). Nothing it runs may
+block: a round takes a thread of its own. It is started with the process's
+first session (and again in a forked child). See ``docs/design.md``, "One
+session per process" and "Time constants".
 """
 from __future__ import annotations
 

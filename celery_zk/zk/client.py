@@ -241,14 +241,8 @@ _RETRIED = KazooRetry.RETRY_EXCEPTIONS + KazooRetry.EXPIRED_EXCEPTIONS
 
 
 #: Seconds a write that nobody could redo (a task's result) keeps trying beyond the
-#: command retry's deadline: long enough to ride out a leader failover. Followers
-#: give up on a leader that went silent (paused, cut off) only after syncLimit x
-#: tickTime (10 s in ZooKeeper's sample configuration), the election may wait on a
-#: peer that hangs, and the client then reconnects; sessions survive it (a new
-#: leader restarts every session's clock). The nemesis measured 14 s from a
-#: leader's SIGSTOP to the first write, beyond the deadline of 10 s; a three-
-#: member ensemble on two busy cores took 14-16 s, and once over 20 s (the write
-#: failed with 15 s here: test_a_result_written_while_a_silent_leader_is_replaced).
+#: command retry's deadline: long enough to ride out a leader failover. See
+#: docs/backend.md, "Outages", and docs/design.md, "Time constants".
 FAILOVER_PATIENCE = 30.0
 
 

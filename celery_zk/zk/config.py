@@ -1,18 +1,10 @@
 """The ``zk://`` URL grammar and every option the broker and backend take.
 
 Broker and result backend share this one parser, so a URL that works for one
-works for the other::
-
-    zk://[user:password@]host1[:port][,host2[:port]...][/path][?option=value...]
-
-kombu's ``;``-separated failover form (``zk://h1;zk://h2/app``) is folded
-into one host list: kazoo already fails over between ensemble members, so the
-hosts of every alternate become one connection string.
-
-Options come from the URL query and from ``broker_transport_options`` /
-``result_backend_transport_options``; the URL wins. An unknown option is an
-error, not a silent no-op: a misspelt ``sesion_timeout`` would otherwise leave
-production running on a default nobody chose.
+works for the other; kombu's ``;``-separated failover form is folded into one
+host list. Options come from the URL query and the ``*_transport_options``
+(the URL wins), and an unknown option is an error, never a silent no-op. See
+``docs/configuration.md``, "URL grammar" and "Options".
 """
 from __future__ import annotations
 

@@ -1,25 +1,13 @@
 """A waiting message's name: the grammar a dispatcher orders and chooses by.
 
-Names carry what a reader needs, so a consumer orders a queue from
-``get_children`` alone: priority first (inverted so a plain sort puts the
-highest first), then the bucket's generation, then the first sequence number
-ZooKeeper gave the message, so a requeued message keeps its original place
-among its priority. The uid lets a create retried after ConnectionLoss find
-the node it already made.
-
-Buckets keep every directory small and every sequence counter far from its
-end (a signed 32-bit count of creates per parent): a publisher moves on to
-generation ``gen + 1`` once a create's sequence reaches ``bucket_size``, and
-a consumer deletes an empty bucket once a later one of its priority exists.
-A requeue is not sequential (the uid makes its name unique), so it never
-advances a counter either.
-
-Messages stored by celery_zk before 0.2 (an ``m`` name with its body inside,
-flat in ``unowned/`` or in a bucket, or claimed as ``owned/{consumer}~{name}``)
-are read by nothing but ``celery zk upgrade`` (:mod:`celery_zk.ops.upgrade`),
-which stores them as every other message is; :func:`is_legacy` tells them apart.
-
-Every other name is in :mod:`celery_zk.zk.names`.
+A listing alone orders a queue and says what to choose by: priority
+(inverted, so a plain sort puts 9 first), the bucket's generation, then the
+first sequence, which a requeue keeps (its name is unique by the uid, so it
+takes no sequence); then the affinity key, limit tokens and size. The uid
+also lets a create retried after ConnectionLoss find its node. Names of
+before 0.2 (``m``) are read by ``celery zk upgrade`` alone (:func:`is_legacy`);
+every other name is in :mod:`celery_zk.zk.names`. See ``docs/design.md``,
+"Names carry what a reader needs" and "Buckets".
 """
 from __future__ import annotations
 

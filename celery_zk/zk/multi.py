@@ -1,19 +1,14 @@
-"""A ZooKeeper ``multi`` built and serialized with less Python per operation.
+"""A ZooKeeper ``multi`` built and serialized with less Python per operation:
+the two every delivered message goes through (the dispatcher's gifts, the
+batched acks), written in one pass without kazoo's per-argument checks and
+path normalizing.
 
-The dispatcher's gifts (a check, then a delete and a create per message) and
-the batched acks (a check, then a delete or two per message) are the two
-multis every delivered message goes through. kazoo's ``TransactionRequest``
-checks each argument's type and normalizes each path (split, filtered,
-joined), and its ``Transaction`` serializes each operation in several
-pieces: a few microseconds each, on the dispatcher's or the acking thread
-and again on kazoo's connection thread, for paths :mod:`celery_zk.zk.layout`
-has built already. :class:`Multi` takes them as they are and writes the
-request in one pass.
-
-The request is kazoo's own ``Transaction`` (a subclass, for the serializer):
-kazoo reads the reply, unchroots its paths and raises nothing for a refused
-operation, as for ``client.transaction()``. It is queued with
-:func:`celery_zk.compat.kazoo.send` (kazoo's ``_call``, fenced there).
+Paths go in as given: build them with :mod:`celery_zk.zk.layout`. The request
+is kazoo's own ``Transaction`` (a subclass), queued with
+:func:`celery_zk.compat.kazoo.send`, so its reply reads as
+``client.transaction()``'s: paths unchrooted, a refused operation an error in
+the results, never raised. See ``docs/performance.md``, "The connection:
+kazoo and its thread".
 """
 from __future__ import annotations
 

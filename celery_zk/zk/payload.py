@@ -1,46 +1,19 @@
-"""Payloads bigger than one znode should hold, stored as chunk nodes.
+"""Payloads bigger than ``chunk_size``, stored as chunk nodes under a
+*container* the caller made and gave the path of, and described by a small
+*manifest* the caller stores in the node that makes the payload visible (a
+result's done node, a message's body node). What a caller must do:
 
-A znode's data travels in one request, and ZooKeeper closes the connection of
-a client whose request is bigger than its ``jute.maxbuffer`` (1 MiB by
-default). A payload bigger than ``chunk_size`` is therefore written as chunk
-nodes ``{container}/c000000``, ``c000001``, ... under a *container* node the
-caller made, and described by a small *manifest* that the caller stores in
-the node that makes the payload visible (a result's done node, a message
-node). A reader that finds a manifest there reads the chunks.
+* write: a new container per write, :func:`write_chunks`, and only then the
+  visible node with the manifest it returns;
+* delete: the visible node first, its chunks in the same multi
+  (:func:`chunk_paths`, :func:`commit_deleting`): the other order would
+  leave, after a crash, a manifest whose chunks are partly gone;
+* collect orphans (containers no visible node points at) itself
+  (:func:`delete_container`).
 
-This module does not know where containers live: the caller gives their
-paths (chunk names come from :mod:`celery_zk.zk.layout`). What a caller does:
-
-* **Chunks before the visible node.** Make the container, call
-  :func:`write_chunks`, then create or replace the visible node with the
-  manifest it returns. A reader that sees the manifest finds every chunk in
-  place. A new container for every write (a token in its name): a rewrite
-  never mixes its chunks with an older payload's, and the older payload stays
-  whole for a reader that read its manifest just before.
-* **The visible node goes first when deleting**, with the chunks in the same
-  multi: :func:`chunk_paths` lists them, then the container, in the order the
-  deletes must go, and :func:`commit_deleting` puts up to
-  :data:`MULTI_DELETES` of them in that multi and deletes the rest right
-  after. A crash between the two leaves chunks no manifest points at: no
-  reader sees them, and the caller's orphan collection removes them, as it
-  does for a writer killed between chunks.
-  The other order would leave, after a crash, a visible node whose chunks are
-  partly gone, which every reader would fail on.
-* **Orphans are the caller's to collect** (containers no visible node points
-  at), e.g. by age from an index entry written before the chunks;
-  :func:`delete_container` removes one whose manifest is unknown.
-* **A payload that starts with** :data:`MAGIC` is stored chunked whatever its
-  size (:func:`needs_chunks`), so a small one is never mistaken for a manifest.
-
-The manifest is ``MAGIC`` + JSON ``{"v": 1, "count": chunks, "size": bytes,
-"sha256": hex digest of the payload, "ref": a string of the caller's}``, about
-150 bytes. ``MAGIC`` starts with a NUL byte, which nothing Celery or kombu
-encodes starts with (JSON, YAML, pickle, msgpack maps, zlib/bz2/gzip/lzma/zstd
-streams), like the header of a dead letter (:mod:`celery_zk.broker.dead`).
-
-Requests are pipelined: up to :data:`IN_FLIGHT_BYTES` of chunks in flight, so
-a 16 MiB payload is a few round trips; each request is one chunk, so none
-nears ``jute.maxbuffer``.
+A payload that starts with :data:`MAGIC` is chunked whatever its size. See
+``docs/backend.md``, "Large results: chunks", and ``docs/design.md``, "Big
+messages".
 """
 from __future__ import annotations
 

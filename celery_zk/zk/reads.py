@@ -1,17 +1,12 @@
-"""Many node reads in one request: ZooKeeper 3.6's ``multiRead``.
+"""Many node reads in one request: ZooKeeper 3.6's ``multiRead`` (opcode 22),
+sent through :func:`celery_zk.compat.kazoo.send`, as ``addWatch`` is (kazoo
+has no method for it).
 
-A consumer reads the body of every message given to it. One ``get`` each
-costs a request and a reply on both sides: kazoo serializes, writes, reads
-and completes each one on its own, and the server runs each through its
-pipeline. ``multiRead`` (opcode 22) carries many ``getData`` in one request
-and brings back one reply; unlike a ``multi`` it is not atomic, so a missing
-node fails only its own read. kazoo (2.9 to 2.11) has no method for it, so
-the request is sent through :func:`celery_zk.compat.kazoo.send`, as
-``addWatch`` is.
-
+Unlike a ``multi`` it is not atomic: a missing node fails only its own read.
 Only for a server known to be 3.6 or newer: the caller asks once it holds a
 persistent watch (``addWatch`` came in the same release), since a server
-before 3.6 answers an unknown request by closing the connection.
+before 3.6 answers an unknown request by closing the connection. See
+``docs/design.md``, "One dispatcher per queue".
 """
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
-"""Work one process of a root does at a time, on a schedule: an elected round.
+"""Work one process of a root does at a time, on a schedule: an elected round
+(results expired, queues unused for their ``x-expires``).
 
-What no single owner is there to do (results expired, queues unused for
-their ``x-expires``) is done by whichever worker process looks first once
-it is due. Each process running it looks every ``every`` seconds:
-
-* the *stamp* node was last modified when the last round ended (its data is
-  never written otherwise; the server's clock); a round is due when none has
-  ended yet (version 0) or one ended ``every`` ago;
-* the process that creates the ephemeral *lock* node runs it, then stamps
-  and deletes the lock in one multi. Everyone else finds the lock and looks
-  again later; a process whose session ends mid-round leaves the round to
-  whoever looks next (nothing is stamped).
-
-A round's requests are made from its own thread, never from kazoo's or from
-the process's background thread, whose held-back writes must not wait for it.
+Each process looks every ``every`` seconds. A round is due when its *stamp*
+node was last modified that long ago (the server's clock), or never; whoever
+creates the ephemeral *lock* runs it, then stamps and deletes the lock in one
+multi. Nothing else may write the stamp's data. A round's requests are made
+from its own thread, never from kazoo's or from the background thread, whose
+held-back writes must not wait for it. See ``docs/backend.md``, "Expiry and
+cleanup".
 """
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """Deleting a subtree: listed with pipelined reads, deleted in as few transactions as fit.
 
-kazoo's ``delete(path, recursive=True)`` lists and deletes one node at a time,
-each delete a synced write and a round trip of its own: a queue of Celery's
-remote control (a reply queue, made and deleted by every ``celery inspect``
-call) took about twelve of them, and a crash in the middle left half a queue.
-Here each level of the tree is listed in one round trip, and the nodes go
-children first in multis of at most :data:`DELETE_BATCH` deletes: a tree that
-fits in one goes at once or not at all.
+Each level is listed in one round trip, and the nodes go children first in
+multis of at most :data:`DELETE_BATCH` deletes: a tree that fits in one goes
+at once or not at all (kazoo's recursive delete took a synced write and a
+round trip per node, and a crash left half a queue). See ``docs/design.md``,
+"Deleting a queue or an exchange".
 """
 from __future__ import annotations
 

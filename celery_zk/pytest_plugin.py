@@ -1,18 +1,11 @@
-"""pytest fixtures for testing Celery apps against a real ZooKeeper.
-
-Loaded automatically (``pytest11`` entry point) wherever celery_zk is installed:
-
-* ``zookeeper_server`` (session): a local :class:`~celery_zk.server.ZooKeeperServer`
-  on a free port, started the first time a test asks for it. With
-  ``CELERY_ZK_TEST_HOSTS=host:port[,...]`` an existing server is used instead.
-* ``zk_chroot`` / ``zk_hosts`` / ``zk_url`` (function): a fresh chroot per test,
-  as a path, a kazoo hosts string, and a ``zk://`` URL for ``broker_url`` and
-  ``result_backend``.
-* ``zk_client`` (function): a started ``KazooClient`` inside that chroot.
-
-When such a test fails, the tail of the server's log is added to the report.
-A missing ZooKeeper fails the tests instead of skipping them, so a CI job
-without ZooKeeper cannot pass by silently testing nothing.
+"""pytest fixtures for testing Celery apps against a real ZooKeeper, loaded
+automatically (``pytest11`` entry point) wherever celery_zk is installed:
+``zookeeper_server`` (or ``CELERY_ZK_TEST_HOSTS``'s existing server) and, per
+test, a fresh chroot (``zk_chroot``, ``zk_hosts``, ``zk_url``, ``zk_client``).
+A failed test's report gets the server log's tail. A missing ZooKeeper fails
+the tests instead of skipping them, so a CI job without ZooKeeper cannot pass
+by silently testing nothing. See ``docs/testing.md``, "Fixtures" and "No
+ZooKeeper means failure, not a skip".
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Dead letters for an operator: list, requeue and purge one queue's
 (``celery zk dead ...``).
 
-Each dead node keeps the message's bytes behind a reason line
-(:mod:`celery_zk.broker.dead`). A requeue strips that line and creates the
-message where it waited (its place among its priority), deleting the dead
-node in the same transaction.
+A requeue strips the reason line a dead node keeps before the message's bytes
+(:mod:`celery_zk.broker.dead`) and creates the message where it waited (its
+place among its priority), deleting the dead node in the same transaction. See
+``docs/operations.md``, "Dead letters".
 """
 from __future__ import annotations
 

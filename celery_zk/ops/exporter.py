@@ -1,18 +1,11 @@
 """``celery zk exporter``: Prometheus metrics of the queues, consumers and servers.
 
-Each scrape takes one :func:`celery_zk.ops.status.collect` report (names and
-stats only), so a scrape of a 100,000-message backlog costs what ``celery zk
-status`` costs. The two metrics dashboards built for danihodovic's
-celery-exporter read keep their names and labels:
-
-* ``celery_queue_length{queue_name}``: waiting messages;
-* ``celery_active_consumer_count{queue_name}``: live consumers of the queue.
-
-The rest are ``celery_zk_*``: owned and dead messages, the oldest waiting
-message's age, waiting messages per priority, consumers, stored results
-(those stored in chunks too, and their bytes), and each server's ``mntr``
-figures. A scrape that cannot reach ZooKeeper reports
-``celery_zk_up 0`` instead of failing.
+Each scrape takes one :func:`celery_zk.ops.status.collect` report, so it costs
+what ``celery zk status`` costs. ``celery_queue_length{queue_name}`` and
+``celery_active_consumer_count{queue_name}`` keep danihodovic's
+celery-exporter's names and labels, which its dashboards read; the rest are
+``celery_zk_*``. A scrape that cannot reach ZooKeeper reports ``celery_zk_up 0``
+instead of failing. See ``docs/operations.md``, "Metrics: `celery zk exporter`".
 """
 from __future__ import annotations
 

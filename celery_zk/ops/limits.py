@@ -1,14 +1,11 @@
 """What ``celery zk status``, ``celery zk limit list`` and the exporter say of
-the cluster-wide limits (:mod:`celery_zk.features.limits`): each limit, its
-use now, and what waits on it, from names and small nodes alone.
-
-* Rate: the messages given in the current window, from the limit's record
-  of give times (``limits/.../given``).
-* Concurrency: the messages of the task owned now, from the names in the
-  inboxes of the queues (each inbox holds a consumer's credit at most).
-* Waiting: the messages of the task at the head of each queue (the first
-  bucket of each priority, as ``status`` lists it), so a report stays cheap
-  on any backlog; a queue limit's, all its waiting messages.
+the cluster-wide limits (:mod:`celery_zk.features.limits`), from names and
+small nodes alone: the rate from the limit's record of give times
+(``limits/.../given``), what runs from the names in the queues' inboxes (each
+holds a consumer's credit at most), what waits from the head of each queue (the
+first bucket of each priority; a queue limit's, all its waiting messages), so a
+report stays cheap on any backlog. See ``docs/operations.md``, "Cluster-wide
+limits".
 """
 from __future__ import annotations
 

@@ -1,36 +1,10 @@
 """What ``celery zk status`` and the exporter report, read from names and stats.
 
-Everything here comes from ``get_children`` of small directories and from
-node stats (``numChildren``, ``ctime``): message bodies are never read, so a
-report costs a few pipelined round trips per queue, whatever its backlog.
-
-* Waiting messages per priority: the ``numChildren`` of each bucket.
-* The oldest waiting message: the first name in line of each priority (one
-  listing of its first non-empty bucket, at most ``bucket_size`` names) and
-  that node's ``ctime``.
-* A queue's stored arguments (x-max-length, x-message-ttl, ...) and how many
-  messages it dropped undelivered (expired, over its length): its node's
-  data and its ``dropped`` node's.
-* Owned messages per consumer: the ``numChildren`` of each inbox
-  (``owned/{consumer}/``); dead letters: ``dead/``'s ``numChildren``.
-* Consumers: the ephemeral ``consumers/`` nodes (host, pid, queues).
-* Results, groups and chords: the shards' ``numChildren``; how many are past
-  their expiry: the expiry index's hours older than ``result_expires``.
-* Messages stored in chunks (bigger than ``chunk_size``) and their bytes:
-  the data of each container under the queue's ``chunks/`` (a round trip;
-  only big messages have one). The bytes of other message bodies are not
-  counted: that would be a stat per message.
-* Results stored in chunks and their bytes: the names under ``payloads/``
-  (one listing per shard in use, pipelined), which carry each payload's size.
-  The bytes of plain (unchunked) results are not counted: that would be a
-  stat per result; ``mntr``'s ``zk_approximate_data_size`` has the total.
-* The storage budget: the root's znodes and bytes as the servers' quota
-  counts them (one read), against the budget; the publishers it holds back
-  now, with since when (the ephemeral nodes under ``blocked/``).
-* Cluster-wide limits, their use and what waits on them
-  (:mod:`celery_zk.ops.limits`).
-* The server: ``mntr`` (or ``srvr``, the one four-letter word ZooKeeper
-  allows by default) of every server in the connection string.
+A report reads ``get_children`` of small directories, node stats
+(``numChildren``, ``ctime``) and small nodes, never a message body or a
+result, nor a stat per message or per result: it costs a few pipelined round
+trips per queue, whatever the backlog. See ``docs/operations.md``, "`celery zk
+status`", and ``docs/sizing.md``, "Operations commands".
 """
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """``celery zk tree``: a celery_zk tree as JSON, for support (zkutil's export_hierarchy).
 
-Each node: its path, ACL, the stat fields that matter, and its children;
-its data only when asked. Never a password: a digest ACL's id is
-``user:base64(sha1(user:password))``, a hash that can be attacked offline, so
-only the user is shown; URLs with a password in node data are masked.
-Children are read in one pipelined round per level, so a deep tree costs one
-round trip per level plus one per node's reply, not one per request.
+Never a password: a digest ACL's id is ``user:base64(sha1(user:password))``, a
+hash that can be attacked offline, so only the user is shown; URLs with a
+password in node data are masked. Children are read in one pipelined round per
+level: one round trip per level plus one per node's reply, not one per request.
+See ``docs/operations.md``, "Support export: `celery zk tree`".
 """
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
-"""``celery zk upgrade``: messages stored before 0.2, stored as every other one is.
+"""``celery zk upgrade``: messages stored before 0.2 (the body inside an ``m``
+node, flat in ``unowned/`` or in a bucket, or claimed flat in ``owned/`` as
+``{consumer}~{name}``), stored as every other one is.
 
-Before 0.2 a message kept its body inside its own node (an ``m`` name, flat
-in ``unowned/`` or, from 0.1.x, in a bucket), and a claimed one was flat in
-``owned/`` (``{consumer}~{name}``). Nothing in the message path reads them
-any more (a dispatcher that finds one says so, once, and leaves it). This
-moves each to today's form in one multi: the old node deleted (its version
-checked, so a concurrent change fails it), the body created in ``bodies/``
-and the name in the bucket the old name states, marked requeued with its
-first sequence, so it keeps its place among its priority. A claimed one is
-moved only once its owner's session has ended (live, it may still ack it:
-run the upgrade again once the old workers are stopped). Run it once, with
-the publishers and workers of the old release stopped; running it again
-finds nothing to do. It also gives each queue the directories later
-releases added.
+Each moves in one multi: the old node deleted, its version checked so a
+concurrent change fails it; its body and its name, requeued with its first
+sequence in the bucket the old name states, so it keeps its place among its
+priority. A claimed one moves only once its owner's session has ended (live,
+it may still ack it). See ``docs/operations.md``, "To 0.4".
 """
 from __future__ import annotations
 

@@ -3,13 +3,9 @@
 Every member is a :class:`~celery_zk.server.ZooKeeperServer` with a ``myid``
 and the shared ``server.N`` lines; this module only adds what a quorum needs
 on top: port allocation, waiting for a leader, and stopping/starting members.
-
-By default every member listens on one loopback address, each on ports of its
-own. Given ``hosts`` (one address per member, e.g. one per network namespace,
-with ``command_prefixes`` to start each member inside its namespace), every
-member binds its own address and all of them use the same three ports, as
-servers on separate machines would; a network fault between two addresses
-then separates exactly those members.
+Given ``hosts`` (one address per member), every member binds its own address
+and all use the same three ports, as on separate machines. See
+``docs/launcher.md``, "Ensembles".
 """
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """Finding a local ZooKeeper installation and the Java runtime to run it.
 
 The launcher (:mod:`celery_zk.server`) uses a ZooKeeper that is already
-installed: the Debian package, Homebrew, or an Apache release unpacked under
-``ZOOKEEPER_HOME``. It never downloads anything; when nothing is found the
-error says how to install it.
+installed: an Apache release unpacked under ``ZOOKEEPER_HOME``, the Debian
+package, or Homebrew. It never downloads anything; when nothing is found the
+error says how to install it. See ``docs/launcher.md``, "Where ZooKeeper is
+found (`celery_zk.server.install`)".
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """Run a local Apache ZooKeeper server for development and tests.
 
-The launcher uses a ZooKeeper that is already installed (Debian package,
-Homebrew, or an Apache release unpacked under ``ZOOKEEPER_HOME``) and a Java
-runtime, found by :mod:`celery_zk.server.install`; it never downloads anything. Each
-server runs ``QuorumPeerMain`` in its own process group, logs to a file, and
-is ready once it answers ``ruok``.
-:class:`celery_zk.server.ensemble.ZooKeeperEnsemble` builds a quorum out of these.
+It uses an installed ZooKeeper and Java runtime (:mod:`celery_zk.server.install`)
+and never downloads anything. Each server runs ``QuorumPeerMain`` in its own
+process group, logs to a file, and is ready once it serves clients (``srvr``
+reports a mode; a quorum member, once it answers ``ruok``).
+:class:`celery_zk.server.ensemble.ZooKeeperEnsemble` builds a quorum out of
+these. See ``docs/launcher.md``, "Python API".
 """
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
-"""What celery_zk adds inside a Celery worker process, apart from the transport.
+"""What celery_zk adds inside a Celery worker process, apart from the transport:
+Celery's worker signals (:mod:`.hooks`), the thread pool's start gate
+(:mod:`.start_gate`) and the prefork child's (:mod:`.child_gate`).
 
-* :mod:`.hooks`: Celery's ``worker_init`` and ``worker_shutting_down``
-  signals, and what a consuming connection of a worker does once
-  (revokes kept in ZooKeeper loaded, start gates installed);
-* :mod:`.start_gate`: a thread pool starts a task only while the session it
-  was delivered under is known live;
-* :mod:`.child_gate`: a prefork child reads a task's kept revoke before it
-  starts it, around a cut-off or a pause.
-
-The kombu transport (:mod:`celery_zk.broker`) knows none of them: it calls
-the hooks :mod:`.hooks` gives it (``celery_zk.broker.transport.worker``) in
-a process whose worker has started. :mod:`celery_zk.transport`, the path
-kombu loads the transport from, imports this package, so the signal handlers
-are connected before Celery sends ``worker_init``.
+The transport knows none of them but the one hook object :mod:`.hooks` gives it
+(``celery_zk.broker.transport.worker``) at ``worker_init``;
+:mod:`celery_zk.transport` imports this package so that the signal handlers are
+connected before Celery sends it. See ``docs/design.md``, "Module map".
 """
 from __future__ import annotations
 

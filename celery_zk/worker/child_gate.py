@@ -1,34 +1,11 @@
 """A prefork child starts a task handed over around a cut-off or a pause only
-if its revoke is not kept in ZooKeeper.
+if its revoke is not kept in ZooKeeper: a child has no revoked set of its own.
 
-Celery's prefork parent checks its revoked set when it hands a task to the
-pool; a child has no revoked set of its own. When the worker is cut off from
-the ensemble or paused, a revoke broadcast meanwhile reaches the parent only
-once it is back and has read its pidbox queue, and a task handed over before
-that runs in a child (the nemesis saw one run 17 s after its revoke: B12).
-The thread pool's :mod:`.start_gate` does not reach a child process.
-
-So the parent hands every task over through :func:`start_in_child`
-(:func:`celery_zk.compat.celery.hand_prefork_tasks_through`), stamped by
-:func:`stamp` with the time and whether the parent itself was disturbed (not
-connected, or cut off, reconnected or paused in the last :data:`SETTLE` s:
-its revoked set may lag its pidbox queue), or has had no answer from the
-server in the last second (neither the task's message read nor a round
-trip of its own, which it then starts: a busy client's connection can be
-cut off unnoticed, :mod:`.start_gate`). In the child, a task starts at
-once unless the parent said so, or the child's own session (its result
-backend's: same host, same network) lost its connection, or the child was
-paused, since the hand-over. Then it first reads whether the task's revoke
-is kept (``revoked/``, :mod:`celery_zk.features.revokes`): one read, only
-around a disturbance (and for a child's first task, which has no history).
-A revoked task is stored as ``REVOKED`` and not run; the parent acks it
-(Celery's ``Ignore``). A task whose revoke cannot be read is given back to
-the queue (``Reject(requeue=True)``).
-
-Only revokes by task id are checked here (the parent still checks stamped
-headers), and only in a worker whose result backend is ``zk://`` on the
-broker's ensemble: a child has no ZooKeeper session otherwise, and one per
-child only for this would count against ``maxClientCnxns``.
+The parent hands every task over through :func:`start_in_child`
+(:func:`celery_zk.compat.celery_pool.hand_prefork_tasks_through`), stamped by
+:func:`stamp`; the child reads ``revoked/`` only around a disturbance (and for
+its first task), on its ``zk://`` result backend's session, never one of its
+own. See ``docs/design.md``, "Not starting what may be gone: the start gate".
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """Celery's worker signals, and what a worker's consuming connection does once.
 
 ``worker_init`` (sent once the worker's broker URL is parsed, before its
-consumer makes its first connection) makes :class:`WorkerHooks` the
-transport's :data:`celery_zk.broker.transport.worker`; a prefork pool
-process inherits it. Not whether ``celery.worker.state`` is imported:
-Celery's Django fix-up imports it in every process that makes an app, so
-clients (Flower, a web app calling ``inspect``) read the kept revokes and
-patched the pools too.
+consumer's first connection) makes :class:`WorkerHooks` the transport's
+:data:`celery_zk.broker.transport.worker`; a prefork pool process inherits it.
+Never test ``celery.worker.state`` being imported instead: Celery's Django
+fix-up imports it in every process that makes an app, so clients (Flower, a web
+app calling ``inspect``) would read the kept revokes and patch the pools too.
+See ``docs/design.md``, "Module map".
 """
 from __future__ import annotations
 

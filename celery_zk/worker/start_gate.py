@@ -1,36 +1,13 @@
 """A task starts only while the session it was delivered under is known live.
 
-A message in a worker's inbox belongs to the worker's ZooKeeper session: when
-that session ends, recovery gives the message to another worker, and a revoke
-broadcast meanwhile may never reach this one. Celery's thread pool hands every
-task it receives to its executor at once, and a pool thread starts the next
-one the moment it is free. Three gaps let it start a task the worker no longer
-owns (the nemesis found each):
-
-* **Cut off** (``SUSPENDED``): the client is looking for a server and cannot
-  know whether the session lives. After ``session_timeout`` the ensemble ends
-  it, but the client hears so only when it reaches a server again. A task
-  started meanwhile may be running elsewhere already, or revoked. So a start
-  waits here until the client is connected again (the session lived: start)
-  or hears that it expired (do not start).
-* **Paused** (SIGSTOP, a VM frozen, swapping): for the paused process no time
-  passes, so on waking the client still says ``CONNECTED`` for the few
-  milliseconds it takes to find that its session has expired, and a pool
-  thread freed by the pause starts the next task in those. A
-  :class:`PauseMonitor` notices a pause as a late tick (as HBase's
-  JvmPauseMonitor does); after one, a start first makes one round trip
-  (``sync``): it can succeed only on a connection whose session lives.
-* **Cut off unnoticed**: kazoo notices a silent partition by a ping left
-  unanswered, but a busy client sends no ping (its requests keep its
-  connection loop from idling), so it says ``CONNECTED`` through the whole
-  partition (the nemesis saw a countdown task start 7 s into one, after its
-  revoke). So a start rests on an answer from the server in the last
-  :data:`FRESH` s: the read of its own message, or one ``sync``, at most one
-  a second.
-
-A task that must not start is dropped before Celery accepts it, as a thread
-pool's ``flush`` drops it (:func:`celery_zk.compat.celery.gate_thread_task_starts`):
-its message went back to the queue with the session.
+Once that session ends, recovery gives the task's message to another worker and
+a revoke meanwhile may never reach this one. So a pool thread's start waits
+while the client is cut off (``SUSPENDED``), makes one ``sync`` after a pause
+(:class:`PauseMonitor`), and otherwise rests on an answer from the server in the
+last :data:`FRESH` s; a task that must not start is dropped before Celery
+accepts it (:func:`celery_zk.compat.celery_pool.gate_thread_task_starts`): its
+message went back with the session. See ``docs/design.md``, "Not starting what
+may be gone: the start gate".
 """
 from __future__ import annotations
 

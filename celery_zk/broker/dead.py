@@ -2,7 +2,7 @@
 
 The dead node keeps the message's bytes unchanged behind one header line::
 
-    \0celery_zk-dead {"reason": "...", "at": 1763900000.1, "host": "w1", "pid": 42}\n
+    \\0celery_zk-dead {"reason": "...", "at": 1763900000.1, "host": "w1", "pid": 42}\\n
     <the message as it was stored>
 
 The leading NUL keeps the header from ever being mistaken for a message.

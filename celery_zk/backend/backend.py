@@ -60,7 +60,6 @@ from kazoo.protocol.states import WatchedEvent
 from kazoo.retry import ForceRetryError
 
 from ..compat.celery import is_lazy, is_stray_copy
-from ..exceptions import ResultTooLarge
 from ..zk.client import CONNECTION_ERRORS
 from ..zk.config import mask_in_celery_reports, mask_password, parse_url
 from ..zk.layout import Layout
@@ -69,13 +68,12 @@ from ..zk.session import ClientHandle
 from ..zk.tree import delete_tree
 from .chord import ChordCounter
 from .chord_body import PartResult, send_chord_body
-from .expiry import CHORD, GROUP, HOUR, RESULT, ExpiryIndex, Key, bucket_expired, expiry_hour
+from .expiry import CHORD, GROUP, RESULT, ExpiryIndex, Key
 from .payloads import ResultPayloads
 from .result_consumer import ResultConsumer, read_nodes
 from .writes import ResultWrites, as_bytes
 
-__all__ = ["ZooKeeperBackend", "ResultTooLarge", "Key", "expiry_hour", "bucket_expired",
-           "HOUR", "RESULT", "GROUP", "CHORD"]
+__all__ = ["ZooKeeperBackend"]
 
 logger = logging.getLogger(__name__)
 

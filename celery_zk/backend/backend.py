@@ -217,11 +217,6 @@ class ZooKeeperBackend(ResultWrites, BaseKeyValueStoreBackend, AsyncBackendMixin
     def expire(self, key: Key, value: Any) -> None:
         """Per-key lifetimes are not kept: cleanup() applies ``result_expires``."""
 
-    def incr(self, key: Key) -> int:
-        """Count one call (Celery's protocol; celery_zk's chords count their parts
-        in on_chord_part_return and never call it)."""
-        return self._counter(key.id).increment(f"call-{time.monotonic_ns()}").counted or 0
-
     def _counter(self, group_id: str) -> ChordCounter:
         key = self.get_key_for_chord(group_id)
         return ChordCounter(self.client, self.layout, key.id,

@@ -70,7 +70,6 @@ class Gate:
         self.queue_limit = next((lim for lim in limits
                                  if lim.kind == QUEUE and lim.name == queue), None)
         self.by_token = {lim.token: lim for lim in limits if lim.kind == TASK}
-        self.room: dict[Any, int] = {}
         self.retry_in: float | None = None
         self.given = given
         self.taken: dict[tuple[str, str], int] = {}   # rate-limited gives this round

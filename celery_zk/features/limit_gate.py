@@ -136,8 +136,7 @@ class Gate:
 
 
 # -- where a task starts ---------------------------------------------------------------
-def hold_rate_at_start(client: Any, layout: Layout, limit: Limit,
-                       now: Any = time.time, sleep: Any = time.sleep) -> float:
+def hold_rate_at_start(client: Any, layout: Layout, limit: Limit) -> float:
     """Wait until ``limit``'s window allows one more start, and count it (a
     compare-and-set on its record of start times, so starts in every process
     count once); the seconds waited."""
@@ -161,7 +160,7 @@ def hold_rate_at_start(client: Any, layout: Layout, limit: Limit,
             except NoNodeError:
                 return waited   # the limit was cleared meanwhile
             continue
-        at = now()
+        at = time.time()
         try:
             times = sorted(float(t) for t in json.loads(data or b"[]") if t > at - seconds)
         except (ValueError, TypeError):
@@ -170,14 +169,14 @@ def hold_rate_at_start(client: Any, layout: Layout, limit: Limit,
             try:
                 client.retry(client.set, path, json.dumps([*times, at][-count:]).encode(),
                              version=stat.version)
-                _latency = max(now() - at, 0.8 * _latency)   # decays slowly
+                _latency = max(time.time() - at, 0.8 * _latency)   # decays slowly
                 return waited
             except BadVersionError:
                 continue   # another start counted meanwhile: look again
             except NoNodeError:
                 return waited
         pause = times[-count] + seconds - at + random.uniform(0, 0.01)
-        sleep(max(0.001, pause))
+        time.sleep(max(0.001, pause))
         waited += max(0.001, pause)
 
 

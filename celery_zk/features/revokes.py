@@ -54,10 +54,10 @@ class RevokeStore:
         self.client = client
         self.layout = layout
 
-    def keep(self, command: dict[str, Any], now: float | None = None) -> int:
+    def keep(self, command: dict[str, Any]) -> int:
         """Write the revokes of a broadcast ``revoke`` / ``revoke_by_stamped_headers``
         (pipelined, idempotent: a revoke already kept keeps its first time)."""
-        now = time.time() if now is None else now
+        now = time.time()
         arguments = command.get("arguments") or {}
         nodes: list[tuple[str, dict[str, Any]]] = []
         if command["method"] == "revoke":
@@ -82,7 +82,7 @@ class RevokeStore:
                 pass
         return kept
 
-    def kept(self, task_id: str, expires: float, now: float | None = None) -> bool:
+    def kept(self, task_id: str, expires: float) -> bool:
         """Whether a revoke of ``task_id`` younger than ``expires`` seconds is
         kept (one read; connection errors are raised)."""
         client = self.client
@@ -93,13 +93,13 @@ class RevokeStore:
             return False
         except (ValueError, KeyError, TypeError):
             return False   # unreadable: ignored, as load() ignores it
-        return at + expires > (time.time() if now is None else now)
+        return at + expires > time.time()
 
-    def load(self, expires: float, now: float | None = None
+    def load(self, expires: float
              ) -> tuple[list[tuple[str, float]], dict[str, list[tuple[Any, float]]]]:
         """``([(task id, at)], {header: [(stamp, at)]})`` of revokes younger than
         ``expires`` seconds; older ones are deleted."""
-        now = time.time() if now is None else now
+        now = time.time()
         client = self.client
         shards = self.layout.shards(self.layout.revoked)
         paths = []

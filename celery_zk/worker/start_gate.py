@@ -48,8 +48,7 @@ class PauseMonitor:
     """A daemon thread that ticks every :data:`TICK` s and notes when a tick
     came :data:`PAUSE` s late: the whole process was stopped meanwhile."""
 
-    def __init__(self, pause: float = PAUSE) -> None:
-        self.pause = pause
+    def __init__(self) -> None:
         self.tick = time.monotonic()
         #: monotonic time a pause was noticed (by the thread's late tick).
         self.paused_at = float("-inf")
@@ -62,7 +61,7 @@ class PauseMonitor:
             before = time.monotonic()
             time.sleep(TICK)
             now = time.monotonic()
-            if now - before > self.pause:
+            if now - before > PAUSE:
                 self.paused_at = now
                 logger.log(logging.WARNING if now - before >= PAUSE_WARNING else logging.INFO,
                            "celery_zk: this process was stopped for %.1f s (a pause, SIGSTOP, "
@@ -74,15 +73,15 @@ class PauseMonitor:
         """Whether the process may have been paused after ``since`` (a monotonic
         time): a pause was noticed then, or the ticks are late right now (the
         caller woke before the monitor did)."""
-        return self.paused_at >= since or time.monotonic() - self.tick > self.pause
+        return self.paused_at >= since or time.monotonic() - self.tick > PAUSE
 
 
 class StartGate:
     """Admits a task's start under one shared session (one per process)."""
 
-    def __init__(self, session: SharedSession, monitor: PauseMonitor | None = None) -> None:
+    def __init__(self, session: SharedSession) -> None:
         self.session = session
-        self.monitor = monitor or PauseMonitor()
+        self.monitor = PauseMonitor()
         self.verified_at = time.monotonic()
         self._refreshing = False
         self.closing = False

@@ -49,7 +49,6 @@ class TaskLock:
 class Singleton(Task):
     """A task that runs at most once at a time per lock key (see the module)."""
 
-    abstract = True
     #: ``str.format`` template over the call's args and kwargs; default: the task name.
     lock_key: str | None = None
     #: Seconds a call waits for a held lock before it fails with LockHeld.

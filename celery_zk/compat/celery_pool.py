@@ -290,8 +290,6 @@ _PREFORK_HAND_OVER = ("to check, in a prefork child, the revokes of tasks handed
 def _prefork_problem() -> str | None:
     """What differs from the prefork hand-over :func:`hand_prefork_tasks_through`
     relies on; None if nothing."""
-    import inspect
-
     from celery.app import trace
     from celery.concurrency import base, prefork
 

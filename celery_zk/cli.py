@@ -431,12 +431,12 @@ def limit_list(ctx: click.Context, as_json: bool, timeout: float) -> None:
 def limit_set(ctx: click.Context, target: str, rate: str | None, concurrency: int | None,
               key: str | None, timeout: float) -> None:
     """Set (or replace) the limit on TARGET."""
-    from .features.limits import LimitStore
-    from .ops.limits import make_limit, parse_limit_options
+    from .features.limits import Limit, LimitStore, limit_target
+    from .ops.limits import parse_limit_options
 
     with _clear_errors("limit set"):
         try:
-            new = make_limit(target, parse_limit_options(rate, concurrency, key))
+            new = Limit(*limit_target(target), **parse_limit_options(rate, concurrency, key))
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
     with _zk_broker(ctx, timeout) as transport, _clear_errors("limit set"):
@@ -452,13 +452,11 @@ def limit_set(ctx: click.Context, target: str, rate: str | None, concurrency: in
 @click.pass_context
 def limit_clear(ctx: click.Context, target: str, timeout: float) -> None:
     """Remove the limit on TARGET."""
-    from .features.limits import LimitStore
-    from .ops.limits import make_limit
+    from .features.limits import LimitStore, limit_target
 
-    limit_spec = make_limit(target, {})
+    kind, name = limit_target(target)
     with _zk_broker(ctx, timeout) as transport, _clear_errors("limit clear"):
-        found = LimitStore(transport.handle.client, transport.layout).clear(
-            limit_spec.kind, limit_spec.name)
+        found = LimitStore(transport.handle.client, transport.layout).clear(kind, name)
     if not found:
         raise click.ClickException(f"no limit on {target}; `celery zk limit list` shows them")
     click.echo(f"limit on {target} cleared")

@@ -30,7 +30,7 @@ from ..zk.message_names import limit_key_token, task_token
 from ..zk.tree import delete_tree
 
 __all__ = ["HEADER", "QUEUE", "TASK", "Book", "Limit", "LimitStore", "book_for", "configured",
-           "limit_tokens", "parse_rate"]
+           "limit_target", "limit_tokens", "parse_rate"]
 
 logger = logging.getLogger(__name__)
 
@@ -178,15 +178,19 @@ def limit_tokens(message: dict[str, Any], limits: Iterable[Limit],
 
 
 # -- the app's configuration --------------------------------------------------------
+def limit_target(name: str) -> tuple[str, str]:
+    """``(kind, name)`` of what a limit is on: a task's name, or ``queue:NAME``."""
+    kind, _, queue = name.partition("queue:")
+    return (QUEUE, queue) if not kind and queue else (TASK, name)
+
+
 def configured(conf: Any) -> list[Limit]:
     """The limits an app's configuration asks for (``zk_rate_limits``: task name,
     or ``"queue:NAME"``, to a rate; ``zk_concurrency_limits``: task name to a
     number, or to ``{"limit": N, "key": "{template}"}``)."""
     limits: dict[tuple[str, str], dict[str, Any]] = {}
     for name, rate in dict(conf.get("zk_rate_limits") or {}).items():
-        kind, _, queue = str(name).partition("queue:")
-        target = (QUEUE, queue) if not kind and queue else (TASK, str(name))
-        limits.setdefault(target, {})["rate"] = str(rate)
+        limits.setdefault(limit_target(str(name)), {})["rate"] = str(rate)
     for name, value in dict(conf.get("zk_concurrency_limits") or {}).items():
         entry = limits.setdefault((TASK, str(name)), {})
         if isinstance(value, dict):

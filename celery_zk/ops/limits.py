@@ -18,7 +18,7 @@ from typing import Any
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
-from ..features.limits import QUEUE, Limit, LimitStore, parse_rate
+from ..features.limits import QUEUE, LimitStore, parse_rate
 from ..zk.client import listings
 from ..zk.layout import Layout
 from ..zk.message_names import parse_bucket_name, parse_message_name
@@ -104,11 +104,3 @@ def parse_limit_options(rate: str | None, concurrency: int | None,
         raise ValueError("give --rate and/or --concurrency (to remove a limit: "
                          "celery zk limit clear)")
     return {"rate": rate, "concurrency": concurrency, "key": key}
-
-
-def make_limit(target: str, fields: dict[str, Any]) -> Limit:
-    """``target``: a task's name, or ``queue:NAME``."""
-    kind, _, queue = target.partition("queue:")
-    if not kind and queue:
-        return Limit(QUEUE, queue, **fields)
-    return Limit("t", target, **fields)

@@ -5,14 +5,11 @@
 is the public path.
 """
 from .ensemble import ZooKeeperEnsemble
+from .install import JVM_FLAGS, SERVER_JVM_FLAGS, ZooKeeperInstall, find_zookeeper
 from .launcher import (
-    JVM_FLAGS,
-    SERVER_JVM_FLAGS,
     Peer,
     TLSConfig,
-    ZooKeeperInstall,
     ZooKeeperServer,
-    find_zookeeper,
     four_letter_word,
     free_ports,
     render_config,

@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from typing import IO, Any, Callable, NamedTuple, TypeVar
 
 from ..exceptions import PortInUse, ServerStartError
-from .install import JVM_FLAGS, SERVER_JVM_FLAGS, ZooKeeperInstall, find_zookeeper
+from .install import JVM_FLAGS, ZooKeeperInstall, find_zookeeper
 
-__all__ = ["JVM_FLAGS", "SERVER_JVM_FLAGS", "Peer", "TLSConfig", "ZooKeeperInstall",
-           "ZooKeeperServer", "find_zookeeper", "four_letter_word", "free_ports",
+__all__ = ["Peer", "TLSConfig", "ZooKeeperServer", "four_letter_word", "free_ports",
            "render_config"]
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,6 @@ status`", and ``docs/sizing.md``, "Operations commands".
 """
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -25,7 +24,7 @@ from ..broker.liveness import consumer_nodes
 from ..broker.queue_arguments import read_meta
 from ..broker.queue_limits import dropped_counts
 from ..server.launcher import four_letter_word
-from ..zk.client import children, reply_or_retry
+from ..zk.client import children, json_object, reply_or_retry
 from ..zk.layout import Layout
 from ..zk.message_names import MAX_PRIORITY, parse_bucket_name, sort_messages
 from ..zk.names import parse_consumer_name, parse_offer_name, parse_payload_name, unescape
@@ -166,11 +165,8 @@ def _budget(client: KazooClient, layout: Layout, max_nodes: int,
     names = children(client, layout.blocked)
     for reply in [client.get_async(layout.listed(layout.blocked, n)) for n in names]:
         got = _reply_or_none(reply)
-        try:
-            meta = json.loads(got[0]) if got is not None else None
-        except ValueError:
-            meta = None
-        if isinstance(meta, dict) and isinstance(meta.get("since"), (int, float)):
+        meta = json_object(got[0] if got is not None else None)
+        if isinstance(meta.get("since"), (int, float)):
             status.blocked.append(meta)
     return status
 

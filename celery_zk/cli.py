@@ -105,8 +105,6 @@ def _clear_errors(what: str) -> Iterator[None]:
 
     try:
         yield
-    except click.ClickException:
-        raise
     except NoAuthError as exc:
         raise click.ClickException(
             f"{what}: ZooKeeper refused access (NoAuth): wrong user or password in the "

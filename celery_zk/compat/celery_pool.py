@@ -87,10 +87,8 @@ def _changed(name: str, used_for: str, consequence: str) -> PrivateAPIChanged:
 
 
 def _thread_pool_problem() -> str | None:
-    try:
-        from celery.concurrency import base, thread
-    except ImportError:   # pragma: no cover - every supported Celery has it
-        return "celery.concurrency.thread.TaskPool"
+    from celery.concurrency import base, thread
+
     pool = getattr(thread, "TaskPool", None)
     if pool is None or not callable(getattr(pool, "on_apply", None)):
         return "celery.concurrency.thread.TaskPool.on_apply"

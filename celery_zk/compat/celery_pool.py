@@ -230,7 +230,6 @@ def flush_unstarted_thread_tasks() -> bool:
                            "to other workers (or here again)", dropped)
         return dropped
 
-    on_apply._celery_zk = True  # type: ignore[attr-defined]
     flush._celery_zk = True  # type: ignore[attr-defined]
     on_apply.__wrapped__ = original  # type: ignore[attr-defined]
     pool.on_apply = on_apply

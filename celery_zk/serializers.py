@@ -15,10 +15,6 @@ import cloudpickle
 CONTENT_TYPE = "application/x-cloudpickle"
 
 
-def _dumps(obj: Any) -> bytes:
-    return cloudpickle.dumps(obj)
-
-
 def _loads(data: bytes | str) -> Any:
     if isinstance(data, str):  # kombu hands text back for some body encodings
         data = data.encode("latin-1")
@@ -26,4 +22,4 @@ def _loads(data: bytes | str) -> Any:
 
 
 #: (encoder, decoder, content_type, content_encoding), as kombu's register() takes them.
-register_args = (_dumps, _loads, CONTENT_TYPE, "binary")
+register_args = (cloudpickle.dumps, _loads, CONTENT_TYPE, "binary")

@@ -67,7 +67,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from . import PrivateAPIChanged, describe
+from .celery import _changed
 
 __all__ = ["READ_AT", "StartRefused", "TaskEnds", "drop_unstarted_thread_tasks",
            "flush_unstarted_thread_tasks", "gate_thread_task_starts",
@@ -80,10 +80,6 @@ logger = logging.getLogger(__name__)
 ON_APPLY_PARAMETERS = ["self", "target", "args", "kwargs", "callback", "accept_callback"]
 #: The parameters of ``BasePool.apply_async`` the task-end hook relies on.
 APPLY_ASYNC_PARAMETERS = ["self", "target", "args", "kwargs", "options"]
-
-
-def _changed(name: str, used_for: str, consequence: str) -> PrivateAPIChanged:
-    return PrivateAPIChanged(describe("celery", name, used_for, consequence))
 
 
 def _thread_pool_problem() -> str | None:

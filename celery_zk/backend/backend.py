@@ -21,23 +21,9 @@ Features
   larger than ``max_result_size`` fails its task with :class:`ResultTooLarge`
   (a :class:`~celery_zk.exceptions.MessageTooLarge`).
 
-Connection String
-=================
-The broker's grammar (:mod:`celery_zk.zk.config`)::
-
-    result_backend = 'zk://[user:password@]host[:port][,host[:port]...][/path][?option=value]'
-
-Transport Options
-=================
-``result_backend_transport_options`` takes the broker's options
-(:class:`celery_zk.zk.config.ZKOptions`); those the backend uses:
-
-* ``session_timeout`` (float, 10.0) and ``connect_timeout`` (float, 10.0).
-* ``chunk_size`` (int, 131072): results bigger than this are stored in chunks
-  of this size.
-* ``max_result_size`` (int, 16777216): largest encoded result meta, bytes.
-* ``acl`` / ``read_only_users``, and the TLS options ``use_ssl``, ``ca``,
-  ``certfile``, ``keyfile``, ``keyfile_password``, ``verify_certs``.
+The URL and ``result_backend_transport_options`` are the broker's
+(:class:`celery_zk.zk.config.ZKOptions`); ``docs/backend.md`` names the
+options the backend uses, ``docs/configuration.md`` their defaults.
 """
 from __future__ import annotations
 

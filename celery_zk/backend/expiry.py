@@ -122,7 +122,8 @@ class ExpiryIndex:
             self._expire_payloads(payloads, cutoff)
             self._delete_batched([(entry, -1) for entry in entries])
             self._delete_singly([(shard, -1) for shard in group])
-        self._delete_quietly(bucket)
+        # Gone already, or written to meanwhile: the next cleanup gets it
+        delete_if_there(self.client, bucket, also=(NotEmptyError,))
         return removed
 
     def _expire_nodes(self, keys: list[Key], cutoff: float) -> int:
@@ -223,8 +224,3 @@ class ExpiryIndex:
             return deleted
 
         return int(client.retry(attempt))
-
-    def _delete_quietly(self, path: str) -> None:
-        client = self.client
-        # Gone already, or written to meanwhile: the next cleanup gets it
-        delete_if_there(client, path, also=(NotEmptyError,))

@@ -67,10 +67,6 @@ def label(size: int) -> str:
     return f"{size // 1_000_000} MB" if size >= 1_000_000 else f"{size // 1000} KB"
 
 
-class Refused(Exception):
-    """The broker (or backend) refused the payload: the cell says why."""
-
-
 def measure(once: Callable[[], float], count: int) -> dict[str, Any]:
     """Median and spread of ``count`` samples (ms), or why the broker refused."""
     try:

@@ -80,36 +80,35 @@ class Workers:
 
     @contextmanager
     def worker(self, broker: str, queue: str, backend: str | None = None,
-               env: dict[str, str] | None = None, wait: bool = True, pool: str = "threads"
-               ) -> Iterator[tuple[subprocess.Popen[bytes], float]]:
-        """A worker on ``queue``; yields (process, time.time() at spawn)."""
+               env: dict[str, str] | None = None, wait: bool = True
+               ) -> Iterator[subprocess.Popen[bytes]]:
+        """A worker on ``queue``."""
         self.started += 1
         name = f"{self.prefix}{self.started}"
-        spawned = time.time()
         proc = spawn_worker(self.procs, self.work_dir, name, broker, queue, backend=backend,
-                            env=env, pool=pool, wait=wait)
+                            env=env, wait=wait)
         try:
-            yield proc, spawned
+            yield proc
             if proc.poll() is not None:
                 out = os.path.join(self.work_dir, f"{name}.out")
                 raise RuntimeError(f"worker exited early ({proc.returncode}):\n{tail(out)}")
         finally:
             self.procs.stop_and_remove(proc)
 
-    def drain(self, broker: str, queue: str, total: int, timeout: float, label: str,
-              poll: float = 0.02) -> tuple[dict[str, Any], float]:
+    def drain(self, broker: str, queue: str, total: int, timeout: float, label: str
+              ) -> dict[str, Any]:
         """A worker started on ``queue`` runs ``total`` distinct ``bench.drain`` tasks
-        (a backlog already there, or arriving); returns common.app's report (first,
-        last, elapsed, distinct, executions) and time.time() at the worker's spawn."""
+        (a backlog already there, or arriving); returns common.app's report (elapsed,
+        distinct, executions)."""
         done = os.path.join(self.work_dir, f"{self.prefix}{self.started + 1}.drain.json")
         env = {"BENCH_DRAIN_TOTAL": str(total), "BENCH_DRAIN_FILE": done}
-        with self.worker(broker, queue, env=env, wait=False) as (proc, spawned):
+        with self.worker(broker, queue, env=env, wait=False) as proc:
             deadline = time.monotonic() + timeout
             while not os.path.exists(done):
                 if proc.poll() is not None:
                     raise RuntimeError(f"{label}: drain worker exited ({proc.returncode})")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{label}: {total} tasks not drained in {timeout:.0f}s")
-                time.sleep(poll)
+                time.sleep(0.5)   # drains of seconds to minutes (scale.py)
         with open(done, encoding="utf-8") as fh:
-            return json.load(fh), spawned
+            return json.load(fh)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from common.net import Network
-from common.processes import BENCHMARKS
+from common.processes import BENCHMARKS, child_env
 from kazoo.client import KazooClient
 
 from celery_zk.server import JVM_FLAGS, ZooKeeperEnsemble
@@ -148,10 +148,8 @@ class Cluster:
             member.log_path = os.path.join(work_dir, f"{host}.log")
         self.hosts = self.ensemble.hosts
         self.url = f"zk://{self.hosts}{ROOT}"
-        env = dict(os.environ, NEMESIS_URL=self.url, NEMESIS_DIR=work_dir,
-                   NEMESIS_DEDUPE="1" if dedupe else "0",
-                   PYTHONPATH=os.pathsep.join(filter(None, [BENCHMARKS,
-                                                            os.environ.get("PYTHONPATH")])))
+        env = child_env({"NEMESIS_URL": self.url, "NEMESIS_DIR": work_dir,
+                         "NEMESIS_DEDUPE": "1" if dedupe else "0"})
         self.specs = {spec.name: spec for spec in workers}
         self.workers = {
             spec.name: HostProcess(

@@ -72,8 +72,6 @@ from common.servers import Server, add_server_options, choose, start_server
 from common.tally import Tally
 from common.worker import await_ready, spawn_worker
 
-from celery_zk.server import four_letter_word
-
 BROKERS = ("zk", "redis", "rabbitmq")
 PARTS = ("held", "spread", "backlog")
 DUE = 200            # held: the tasks due now, published behind the held ones
@@ -123,15 +121,6 @@ def rss_mb(pids: list[int]) -> float:
 def tree(workers: list[subprocess.Popen[bytes]]) -> list[int]:
     """The workers' processes: each main process and its pool children (its group)."""
     return run_pids([w.pid for w in workers], [w.pid for w in workers])
-
-
-def packets(server: Server) -> int | None:
-    """ZooKeeper's ``zk_packets_received`` (``mntr``); None for the other brokers."""
-    if server.zk is None:
-        return None
-    reply = four_letter_word(server.zk.host, server.zk.port or 0, "mntr")
-    return next(int(line.split()[1]) for line in reply.splitlines()
-                if line.startswith("zk_packets_received"))
 
 
 def await_tally(tally: Tally, workers: list[subprocess.Popen[bytes]], label: str,
@@ -298,13 +287,13 @@ class Run:
             with self.workers(server, label, queue, 1, {"BENCH_TALLY_FILE": path}) as workers:
                 if label == "backlog":
                     out.update(self.fetched(server, queue, workers))
-                    cpu0, packets0 = cpu_seconds(tree(workers)), packets(server)
+                    cpu0, packets0 = cpu_seconds(tree(workers)), server.client_packets()[0]
                     log(f"{server.name}: backlog: {self.args.idle:.0f}s idle")
                     time.sleep(self.args.idle)
                     out.update(idle_cpu_s=round(cpu_seconds(tree(workers)) - cpu0, 2),
                                idle_rss_mb=rss_mb(tree(workers)))
-                    if packets0 is not None:
-                        out["idle_zk_packets"] = (packets(server) or 0) - packets0
+                    if server.zk is not None:
+                        out["idle_zk_packets"] = server.client_packets()[0] - packets0
                 log(f"{server.name}: backlog: drain {self.args.drain:,} ({label})")
                 tally = Tally(path, self.args.drain)   # opened by a worker's first task
                 try:

@@ -72,10 +72,10 @@ class Processes:
             self.stop(self.procs.pop(0), sig=0, grace=grace)   # signal 0: none more
 
 
-def tail(path: str, lines: int = 30) -> str:
+def tail(path: str) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
-            return "".join(fh.readlines()[-lines:])
+            return "".join(fh.readlines()[-30:])
     except OSError:
         return ""
 

@@ -212,8 +212,8 @@ class RabbitServer:
         return subprocess.run(["rabbitmqctl", "-n", self.node, *args], env=self.env,
                               capture_output=True, text=True, timeout=timeout)
 
-    def ctl(self, *args: str, timeout: float = 60) -> str:
-        return self.run_ctl(*args, timeout=timeout).stdout
+    def ctl(self, *args: str) -> str:
+        return self.run_ctl(*args).stdout
 
     def start(self) -> RabbitServer:
         self.spawn()

@@ -74,7 +74,7 @@ class Workers:
     """The ``celery -A common.app worker`` processes of one run, named ``{prefix}{n}``,
     each running for one ``with`` block."""
 
-    def __init__(self, procs: Processes, work_dir: str, prefix: str = "bench") -> None:
+    def __init__(self, procs: Processes, work_dir: str, prefix: str) -> None:
         self.procs, self.work_dir, self.prefix = procs, work_dir, prefix
         self.started = 0
 

@@ -52,7 +52,8 @@ from typing import Any
 
 from celery import Celery, group
 from common.figures import percentile, sample, write_json
-from common.processes import BENCHMARKS, Processes, child_env
+from common.processes import Processes, child_env
+from common.worker import start_workers
 
 TASK = "affinity.process"
 MARK = "affinity.mark"
@@ -135,23 +136,8 @@ def _start_workers(args: argparse.Namespace, url: str, work: str, run: str,
                      "AFFINITY_CACHE": str(args.cache), "AFFINITY_LOAD_MS": str(args.load_ms),
                      "AFFINITY_WORK_MS": str(args.work_ms),
                      "AFFINITY_STATE": "1" if state else "0"})
-    procs = Processes()
-    for index in range(args.workers if count is None else count):
-        procs.spawn([sys.executable, "-m", "celery", "-A", "affinity", "worker",
-                     f"--pool={args.pool}", "-c", "1", "--loglevel=INFO",
-                     f"--hostname={run}{index}@%h", "--without-mingle", "--without-gossip",
-                     "--without-heartbeat"],
-                    os.path.join(work, f"{run}.w{index}.log"), env, cwd=BENCHMARKS)
-    deadline = time.monotonic() + 90
-    for index, proc in enumerate(procs.procs):
-        log_path = os.path.join(work, f"{run}.w{index}.log")
-        while "ready." not in open(log_path, errors="replace").read():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                procs.stop_together(grace=20)
-                raise SystemExit(f"worker {index} did not start:\n"
-                                 + open(log_path, errors="replace").read()[-3000:])
-            time.sleep(0.05)
-    return procs
+    names = [f"{run}{index}" for index in range(args.workers if count is None else count)]
+    return start_workers("affinity", names, args.pool, 1, work, env)
 
 
 def one_run(args: argparse.Namespace, hosts: str, work: str, run: str,

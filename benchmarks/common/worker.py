@@ -2,7 +2,9 @@
 
 Every worker the scripts start is a real ``celery worker`` (``--without-mingle
 --without-gossip --without-heartbeat``, loglevel WARNING) running
-:mod:`common.app`, told its broker and its files by the environment.
+:mod:`common.app`, told its broker and its files by the environment; those of
+a script that is its own app (``affinity.py``, ``limits.py``) at loglevel INFO
+(:func:`start_workers`).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .processes import Processes, child_env, tail
+from .processes import BENCHMARKS, Processes, child_env, tail
 
 
 def announce_ready(variable: str) -> None:
@@ -68,6 +70,30 @@ def await_ready(work_dir: str, workers: list[subprocess.Popen[bytes]], names: li
                                    f"{proc.poll()}):\n"
                                    f"{tail(os.path.join(work_dir, name + '.out'))}")
             time.sleep(0.05)
+
+
+def start_workers(app: str, names: list[str], pool: str, concurrency: int, work_dir: str,
+                  env: dict[str, str]) -> Processes:
+    """``celery -A {app} worker`` processes at loglevel INFO, one per name (its
+    hostname; its output in ``{work_dir}/{name}.out``), returned once each has
+    logged "ready."; SystemExit with a worker's output if it exits or is not ready
+    within 90 s."""
+    procs = Processes()
+    for name in names:
+        procs.spawn([sys.executable, "-m", "celery", "-A", app, "worker", f"--pool={pool}",
+                     "-c", str(concurrency), "--loglevel=INFO", f"--hostname={name}@%h",
+                     "--without-mingle", "--without-gossip", "--without-heartbeat"],
+                    os.path.join(work_dir, f"{name}.out"), env, cwd=BENCHMARKS)
+    deadline = time.monotonic() + 90
+    for name, proc in zip(names, procs.procs):
+        out = os.path.join(work_dir, f"{name}.out")
+        while "ready." not in open(out, errors="replace").read():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                procs.stop_together(grace=20)
+                raise SystemExit(f"worker {name} did not start:\n"
+                                 + open(out, errors="replace").read()[-3000:])
+            time.sleep(0.05)
+    return procs
 
 
 class Workers:

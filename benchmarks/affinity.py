@@ -46,8 +46,8 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections import OrderedDict
+from functools import partial
 from typing import Any
 
 from celery import Celery, group
@@ -189,6 +189,7 @@ def _holds(client: Any, key: str) -> bool:
 
 def latency(args: argparse.Namespace, hosts: str, work: str) -> dict[str, Any]:
     """Idle one-way p50/p99 ms, one worker: no key, a key it holds, one nobody holds."""
+    from common.latency import oneway  # here: the workers import this module (common.app)
     from kazoo.client import KazooClient
 
     url = f"zk://{hosts}/affinity-latency"
@@ -204,26 +205,12 @@ def latency(args: argparse.Namespace, hosts: str, work: str) -> dict[str, Any]:
                 raise SystemExit("the worker never said it holds its key")
             time.sleep(0.05)
         out: dict[str, Any] = {}
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            sock.settimeout(30)
-            port = sock.getsockname()[1]
-            for case, key in (("no key", None), ("key held", "held"),
-                              ("key nobody holds", "nobody")):
-                options = {"headers": {"zk_affinity": key}} if key else {}
-
-                def once(options: dict[str, Any] = options) -> float:
-                    token = uuid.uuid4().hex
-                    sent = time.monotonic()
-                    client.send_task(MARK, (port, token), **options)
-                    while True:
-                        got, started = sock.recv(200).decode().split()
-                        if got == token:
-                            return float(started) - sent
-
+        for case, key in (("no key", None), ("key held", "held"), ("key nobody holds", "nobody")):
+            options = {"headers": {"zk_affinity": key}} if key else {}
+            with oneway(partial(client.send_task, MARK, **options), []) as once:
                 values = sample(once, args.latency_samples)
-                out[case] = {"p50": round(percentile(values, 50), 2),
-                             "p99": round(percentile(values, 99), 2)}
+            out[case] = {"p50": round(percentile(values, 50), 2),
+                         "p99": round(percentile(values, 99), 2)}
         return out
     finally:
         watcher.stop()

@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -393,7 +392,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # clean up as on Ctrl-C
     info = run_info()
     with bench_run("celery-zk-delayed-", args.keep) as (procs, work_dir, stops):
         run = Run(args, work_dir, procs)

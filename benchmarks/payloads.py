@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import signal
 import statistics
 import sys
 import time
@@ -200,7 +199,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # clean up as on Ctrl-C
     results = run(args)
     print(render(results, args.sizes))
     if args.json:

@@ -46,13 +46,14 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections import OrderedDict
+from functools import partial
 from typing import Any
 
 from celery import Celery, group
 from common.figures import percentile, sample, write_json
-from common.processes import BENCHMARKS, Processes, child_env
+from common.processes import Processes, child_env
+from common.worker import start_workers
 
 TASK = "affinity.process"
 MARK = "affinity.mark"
@@ -135,23 +136,8 @@ def _start_workers(args: argparse.Namespace, url: str, work: str, run: str,
                      "AFFINITY_CACHE": str(args.cache), "AFFINITY_LOAD_MS": str(args.load_ms),
                      "AFFINITY_WORK_MS": str(args.work_ms),
                      "AFFINITY_STATE": "1" if state else "0"})
-    procs = Processes()
-    for index in range(args.workers if count is None else count):
-        procs.spawn([sys.executable, "-m", "celery", "-A", "affinity", "worker",
-                     f"--pool={args.pool}", "-c", "1", "--loglevel=INFO",
-                     f"--hostname={run}{index}@%h", "--without-mingle", "--without-gossip",
-                     "--without-heartbeat"],
-                    os.path.join(work, f"{run}.w{index}.log"), env, cwd=BENCHMARKS)
-    deadline = time.monotonic() + 90
-    for index, proc in enumerate(procs.procs):
-        log_path = os.path.join(work, f"{run}.w{index}.log")
-        while "ready." not in open(log_path, errors="replace").read():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                procs.stop_together(grace=20)
-                raise SystemExit(f"worker {index} did not start:\n"
-                                 + open(log_path, errors="replace").read()[-3000:])
-            time.sleep(0.05)
-    return procs
+    names = [f"{run}{index}" for index in range(args.workers if count is None else count)]
+    return start_workers("affinity", names, args.pool, 1, work, env)
 
 
 def one_run(args: argparse.Namespace, hosts: str, work: str, run: str,
@@ -203,6 +189,7 @@ def _holds(client: Any, key: str) -> bool:
 
 def latency(args: argparse.Namespace, hosts: str, work: str) -> dict[str, Any]:
     """Idle one-way p50/p99 ms, one worker: no key, a key it holds, one nobody holds."""
+    from common.latency import oneway  # here: the workers import this module (common.app)
     from kazoo.client import KazooClient
 
     url = f"zk://{hosts}/affinity-latency"
@@ -218,26 +205,12 @@ def latency(args: argparse.Namespace, hosts: str, work: str) -> dict[str, Any]:
                 raise SystemExit("the worker never said it holds its key")
             time.sleep(0.05)
         out: dict[str, Any] = {}
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            sock.settimeout(30)
-            port = sock.getsockname()[1]
-            for case, key in (("no key", None), ("key held", "held"),
-                              ("key nobody holds", "nobody")):
-                options = {"headers": {"zk_affinity": key}} if key else {}
-
-                def once(options: dict[str, Any] = options) -> float:
-                    token = uuid.uuid4().hex
-                    sent = time.monotonic()
-                    client.send_task(MARK, (port, token), **options)
-                    while True:
-                        got, started = sock.recv(200).decode().split()
-                        if got == token:
-                            return float(started) - sent
-
+        for case, key in (("no key", None), ("key held", "held"), ("key nobody holds", "nobody")):
+            options = {"headers": {"zk_affinity": key}} if key else {}
+            with oneway(partial(client.send_task, MARK, **options), []) as once:
                 values = sample(once, args.latency_samples)
-                out[case] = {"p50": round(percentile(values, 50), 2),
-                             "p99": round(percentile(values, 99), 2)}
+            out[case] = {"p50": round(percentile(values, 50), 2),
+                         "p99": round(percentile(values, 99), 2)}
         return out
     finally:
         watcher.stop()

@@ -53,7 +53,7 @@ def main() -> int:
     parser.add_argument("--block", type=int, default=2000, help="publishes per side per round")
     parser.add_argument("--what", choices=["budget", "bytes"], default="budget")
     parser.add_argument("--backlog", type=int, default=0, help="--what bytes: waiting first")
-    add_server_options(parser)
+    add_server_options(parser, started=False)
     args = parser.parse_args()
     with measured_server(args) as server:
         warm_up_zookeeper(server.hosts)

@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -71,8 +70,6 @@ from common.processes import Processes, bench_run
 from common.servers import Server, add_server_options, choose, start_server
 from common.tally import Tally
 from common.worker import await_ready, spawn_worker
-
-from celery_zk.server import four_letter_word
 
 BROKERS = ("zk", "redis", "rabbitmq")
 PARTS = ("held", "spread", "backlog")
@@ -123,15 +120,6 @@ def rss_mb(pids: list[int]) -> float:
 def tree(workers: list[subprocess.Popen[bytes]]) -> list[int]:
     """The workers' processes: each main process and its pool children (its group)."""
     return run_pids([w.pid for w in workers], [w.pid for w in workers])
-
-
-def packets(server: Server) -> int | None:
-    """ZooKeeper's ``zk_packets_received`` (``mntr``); None for the other brokers."""
-    if server.zk is None:
-        return None
-    reply = four_letter_word(server.zk.host, server.zk.port or 0, "mntr")
-    return next(int(line.split()[1]) for line in reply.splitlines()
-                if line.startswith("zk_packets_received"))
 
 
 def await_tally(tally: Tally, workers: list[subprocess.Popen[bytes]], label: str,
@@ -298,13 +286,13 @@ class Run:
             with self.workers(server, label, queue, 1, {"BENCH_TALLY_FILE": path}) as workers:
                 if label == "backlog":
                     out.update(self.fetched(server, queue, workers))
-                    cpu0, packets0 = cpu_seconds(tree(workers)), packets(server)
+                    cpu0, packets0 = cpu_seconds(tree(workers)), server.client_packets()[0]
                     log(f"{server.name}: backlog: {self.args.idle:.0f}s idle")
                     time.sleep(self.args.idle)
                     out.update(idle_cpu_s=round(cpu_seconds(tree(workers)) - cpu0, 2),
                                idle_rss_mb=rss_mb(tree(workers)))
-                    if packets0 is not None:
-                        out["idle_zk_packets"] = (packets(server) or 0) - packets0
+                    if server.zk is not None:
+                        out["idle_zk_packets"] = server.client_packets()[0] - packets0
                 log(f"{server.name}: backlog: drain {self.args.drain:,} ({label})")
                 tally = Tally(path, self.args.drain)   # opened by a worker's first task
                 try:
@@ -404,7 +392,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # clean up as on Ctrl-C
     info = run_info()
     with bench_run("celery-zk-delayed-", args.keep) as (procs, work_dir, stops):
         run = Run(args, work_dir, procs)

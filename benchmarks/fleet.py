@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import os
-import signal
 import socket
 import sys
 import threading
@@ -207,7 +206,6 @@ def main(argv: list[str] | None = None) -> int:
                 done, out)
         return 0
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # clean up as on Ctrl-C
     results: dict[str, list[dict[str, Any]]] = {}
     with bench_run("celery-zk-fleet-", args.keep) as (procs, work_dir, stops):
         for name in args.brokers:

@@ -39,9 +39,10 @@ from typing import Any
 
 from celery import Celery
 from common.figures import write_json
-from common.processes import BENCHMARKS, Processes, child_env
+from common.processes import Processes, child_env
 from common.servers import RedisServer
 from common.spans import most_at_once, most_in_any_window
+from common.worker import start_workers
 
 PACED, FREE = "limits.paced", "limits.free"
 
@@ -108,25 +109,12 @@ def one_run(args: argparse.Namespace, name: str, broker: str, conf: dict[str, An
     log_path = os.path.join(work, f"{name.replace(' ', '-')}.log")
     env = child_env({"LIMITS_BROKER": broker, "LIMITS_LOG": log_path,
                      "LIMITS_CONF": json.dumps(conf)})
-    procs = Processes()
+    procs = start_workers("limits", [f"w{index}" for index in range(args.workers)], args.pool,
+                          args.concurrency, work, env)
     client = Celery("client", broker=broker, set_as_current=False)
     try:
-        for index in range(args.workers):
-            out = os.path.join(work, f"{name.replace(' ', '-')}.w{index}.out")
-            procs.spawn([sys.executable, "-m", "celery", "-A", "limits", "worker",
-                         f"--pool={args.pool}", "-c", str(args.concurrency), "--loglevel=INFO",
-                         f"--hostname=w{index}@%h", "--without-mingle", "--without-gossip",
-                         "--without-heartbeat"], out, env, cwd=BENCHMARKS)
-        deadline = time.monotonic() + 90
-        for index, proc in enumerate(procs.procs):
-            out = os.path.join(work, f"{name.replace(' ', '-')}.w{index}.out")
-            while "ready." not in open(out, errors="replace").read():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"{name}: worker {index} did not start:\n"
-                                     + open(out, errors="replace").read()[-3000:])
-                time.sleep(0.05)
         if zk_hosts and (conf.get("zk_rate_limits") or conf.get("zk_concurrency_limits")):
-            _wait_for_limits(zk_hosts, root or "", deadline)
+            _wait_for_limits(zk_hosts, root or "", time.monotonic() + 90)
         per = max(1, args.free // args.limited)
         started = time.time()
         with client.producer_or_acquire() as producer:

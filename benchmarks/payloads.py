@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import signal
 import statistics
 import sys
 import time
@@ -65,10 +64,6 @@ def samples_for(size: int, samples: int) -> int:
 
 def label(size: int) -> str:
     return f"{size // 1_000_000} MB" if size >= 1_000_000 else f"{size // 1000} KB"
-
-
-class Refused(Exception):
-    """The broker (or backend) refused the payload: the cell says why."""
 
 
 def measure(once: Callable[[], float], count: int) -> dict[str, Any]:
@@ -204,7 +199,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # clean up as on Ctrl-C
     results = run(args)
     print(render(results, args.sizes))
     if args.json:

@@ -31,7 +31,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
 import uuid
@@ -181,7 +180,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # clean up as on Ctrl-C
     results = run(args)
     print(render(results))
     if args.json:

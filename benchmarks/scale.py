@@ -132,7 +132,7 @@ class Run:
 
     def drain(self, broker: str, total: int, timeout: float) -> dict[str, Any]:
         """One 4-thread worker runs ``total`` drain tasks; common.app's report."""
-        result, _ = self.workers.drain(broker, QUEUE, total, timeout, broker, poll=0.5)
+        result = self.workers.drain(broker, QUEUE, total, timeout, broker)
         result["rate"] = total / result["elapsed"]
         return result
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -273,7 +272,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # clean up as on Ctrl-C
     info = run_info()
     if info["loadavg1_at_start"] > QUIET:
         log(f"WARNING: load average {info['loadavg1_at_start']:.2f} before the run: "

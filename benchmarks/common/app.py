@@ -8,7 +8,7 @@ with:
   because at loglevel WARNING the worker prints no "ready." line.
 * ``BENCH_DRAIN_TOTAL`` / ``BENCH_DRAIN_FILE``: the ``bench.drain`` task counts
   distinct task indexes in this (threads pool: single) process and writes the
-  first/last execution times to the file when all of them have run.
+  seconds from the first execution to the last to the file when all of them have run.
 * ``BENCH_TALLY_FILE``: the ``bench.tally`` task marks its index there
   (:mod:`common.tally`: one drain counted across many processes).
 * ``BENCH_LATE_FILE``: the ``bench.late`` task appends its index and lateness
@@ -70,24 +70,23 @@ class _DrainState:
     seen: set[int] = set()
     executions = 0
     first: float | None = None
-    first_mono = 0.0
     written = False
 
 
 def _drain(index: int) -> None:
-    now, mono = time.time(), time.monotonic()
+    now = time.monotonic()
     total = int(os.environ.get("BENCH_DRAIN_TOTAL", "0"))
     state = _DrainState
     with state.lock:
         state.executions += 1
         state.seen.add(index)
         if state.first is None:
-            state.first, state.first_mono = now, mono
+            state.first = now
         if state.written or not total or len(state.seen) < total:
             return
         state.written = True
-        report = {"first": state.first, "last": now, "elapsed": mono - state.first_mono,
-                  "distinct": len(state.seen), "executions": state.executions}
+        report = {"elapsed": now - state.first, "distinct": len(state.seen),
+                  "executions": state.executions}
     path = os.environ["BENCH_DRAIN_FILE"]
     with open(path + ".tmp", "w", encoding="utf-8") as fh:
         json.dump(report, fh)

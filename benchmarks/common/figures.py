@@ -81,10 +81,10 @@ def sample(once: Callable[[], float], samples: int, warm_up: int = 5) -> list[fl
 
 
 def threaded_rate(call: Callable[[int], object], total: int, threads: int,
-                  then: Callable[[], None] | None = None) -> float:
+                  then: Callable[[], None]) -> float:
     """Calls per second: ``threads`` threads at once, each calling ``call(index)`` for
     ``index`` in ``range(total // threads)``; the clock runs from the first start until
-    every thread has returned and ``then`` (if given) has too."""
+    every thread has returned and ``then`` has too."""
     per = total // threads
 
     def run() -> None:
@@ -97,6 +97,5 @@ def threaded_rate(call: Callable[[int], object], total: int, threads: int,
         thread.start()
     for thread in pool:
         thread.join()
-    if then is not None:
-        then()
+    then()
     return per * threads / (time.perf_counter() - t0)

@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from celery import Celery
@@ -54,7 +55,8 @@ class Latency:
         with self.workers.worker(self.url, queue, backend=self.backend), \
                 load(self.procs, self.work_dir, self.url, queue, rate):
             for shape, sampler in (
-                    ("oneway", oneway(app, queue, publishes)),
+                    ("oneway", oneway(partial(app.tasks[MARK].apply_async, queue=queue),
+                                      publishes)),
                     ("get", result_round_trip(app, queue, self.name)),
                     ("roundtrip", reply_round_trip(app, self.url, queue, f"{queue}-reply"))):
                 with sampler as once:
@@ -72,10 +74,11 @@ class Latency:
 
 # -- samplers: each once() is one sample, in seconds ----------------------------------------
 @contextmanager
-def oneway(app: Celery, queue: str, publishes: list[float]) -> Iterator[Callable[[], float]]:
-    """``bench.mark`` tasks; each tells the client by UDP when its body started.
-    How long each ``apply_async`` call took is appended to ``publishes``."""
-    mark = app.tasks[MARK]
+def oneway(send: Callable[[tuple[int, str]], object], publishes: list[float]
+           ) -> Iterator[Callable[[], float]]:
+    """Tasks published by ``send((port, token))``, ``bench.mark`` or one like it
+    (``affinity.py``'s): each tells the client by UDP when its body started. How
+    long each ``send`` took is appended to ``publishes``."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.bind(("127.0.0.1", 0))
         sock.settimeout(30)
@@ -84,7 +87,7 @@ def oneway(app: Celery, queue: str, publishes: list[float]) -> Iterator[Callable
         def once() -> float:
             token = uuid.uuid4().hex
             sent = time.monotonic()
-            mark.apply_async((port, token), queue=queue)
+            send((port, token))
             publishes.append(time.monotonic() - sent)
             while True:
                 got, started = sock.recv(200).decode().split()

@@ -36,9 +36,9 @@ def busy_jiffies() -> int:
     return _busy(cpu_fields())
 
 
-def busy_cores(seconds: float = 1.0) -> float:
+def busy_cores() -> float:
     before, began = busy_jiffies(), time.monotonic()
-    time.sleep(seconds)
+    time.sleep(1.0)
     return (busy_jiffies() - before) / CLK_TCK / (time.monotonic() - began)
 
 

@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -72,10 +73,10 @@ class Processes:
             self.stop(self.procs.pop(0), sig=0, grace=grace)   # signal 0: none more
 
 
-def tail(path: str, lines: int = 30) -> str:
+def tail(path: str) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
-            return "".join(fh.readlines()[-lines:])
+            return "".join(fh.readlines()[-30:])
     except OSError:
         return ""
 
@@ -96,8 +97,9 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def bench_run(prefix: str, keep: bool = False
               ) -> Iterator[tuple[Processes, str, list[Callable[[], None]]]]:
     """A run's processes, work directory and stack of things to stop: everything
-    stopped at the end (also after an error or Ctrl-C), the directory removed
-    unless ``keep``."""
+    stopped at the end (also after an error, Ctrl-C or SIGTERM), the directory
+    removed unless ``keep``."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # clean up as on Ctrl-C
     work_dir = tempfile.mkdtemp(prefix=prefix)
     procs = Processes()
     stack: list[Callable[[], None]] = []

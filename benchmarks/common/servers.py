@@ -55,17 +55,20 @@ REDIS_SERVER = "/usr/bin/redis-server"
 WARM_UP_SECONDS = 3.0
 
 
-def add_server_options(parser: argparse.ArgumentParser) -> None:
-    """The measured ZooKeeper's settings, and a celery_zk option for its URLs."""
+def add_server_options(parser: argparse.ArgumentParser, started: bool = True) -> None:
+    """The measured ZooKeeper's settings; with ``started`` (scripts that start it
+    by :func:`start_server`) its warm-up and a celery_zk option for its URLs."""
     parser.add_argument("--zk-force-sync", choices=("yes", "no"), default="yes",
                         help="ZooKeeper's forceSync (fsync every write; default yes)")
+    parser.add_argument("--zk-jvm-flag", action="append", default=[], metavar="FLAG",
+                        help="extra JVM flag for the ZooKeeper server, repeatable, e.g. "
+                             "-Dzookeeper.commitProcessor.numWorkerThreads=0")
+    if not started:
+        return
     parser.add_argument("--zk-warm-up", type=float, default=30.0, metavar="SECONDS",
                         help="before measuring zk, run a worker under a steady load for "
                              "this long: the server's JIT compiles its request path "
                              "meanwhile, as a server running for days has (default 30)")
-    parser.add_argument("--zk-jvm-flag", action="append", default=[], metavar="FLAG",
-                        help="extra JVM flag for the ZooKeeper server, repeatable, e.g. "
-                             "-Dzookeeper.commitProcessor.numWorkerThreads=0")
     parser.add_argument("--zk-option", action="append", default=[], metavar="KEY=VALUE",
                         help="celery_zk option for the zk broker and backend URLs, "
                              "repeatable, e.g. handoff=false")
@@ -212,8 +215,8 @@ class RabbitServer:
         return subprocess.run(["rabbitmqctl", "-n", self.node, *args], env=self.env,
                               capture_output=True, text=True, timeout=timeout)
 
-    def ctl(self, *args: str, timeout: float = 60) -> str:
-        return self.run_ctl(*args, timeout=timeout).stdout
+    def ctl(self, *args: str) -> str:
+        return self.run_ctl(*args).stdout
 
     def start(self) -> RabbitServer:
         self.spawn()

@@ -2,7 +2,9 @@
 
 Every worker the scripts start is a real ``celery worker`` (``--without-mingle
 --without-gossip --without-heartbeat``, loglevel WARNING) running
-:mod:`common.app`, told its broker and its files by the environment.
+:mod:`common.app`, told its broker and its files by the environment; those of
+a script that is its own app (``affinity.py``, ``limits.py``) at loglevel INFO
+(:func:`start_workers`).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .processes import Processes, child_env, tail
+from .processes import BENCHMARKS, Processes, child_env, tail
 
 
 def announce_ready(variable: str) -> None:
@@ -70,46 +72,69 @@ def await_ready(work_dir: str, workers: list[subprocess.Popen[bytes]], names: li
             time.sleep(0.05)
 
 
+def start_workers(app: str, names: list[str], pool: str, concurrency: int, work_dir: str,
+                  env: dict[str, str]) -> Processes:
+    """``celery -A {app} worker`` processes at loglevel INFO, one per name (its
+    hostname; its output in ``{work_dir}/{name}.out``), returned once each has
+    logged "ready."; SystemExit with a worker's output if it exits or is not ready
+    within 90 s."""
+    procs = Processes()
+    for name in names:
+        procs.spawn([sys.executable, "-m", "celery", "-A", app, "worker", f"--pool={pool}",
+                     "-c", str(concurrency), "--loglevel=INFO", f"--hostname={name}@%h",
+                     "--without-mingle", "--without-gossip", "--without-heartbeat"],
+                    os.path.join(work_dir, f"{name}.out"), env, cwd=BENCHMARKS)
+    deadline = time.monotonic() + 90
+    for name, proc in zip(names, procs.procs):
+        out = os.path.join(work_dir, f"{name}.out")
+        while "ready." not in open(out, errors="replace").read():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                procs.stop_together(grace=20)
+                raise SystemExit(f"worker {name} did not start:\n"
+                                 + open(out, errors="replace").read()[-3000:])
+            time.sleep(0.05)
+    return procs
+
+
 class Workers:
     """The ``celery -A common.app worker`` processes of one run, named ``{prefix}{n}``,
     each running for one ``with`` block."""
 
-    def __init__(self, procs: Processes, work_dir: str, prefix: str = "bench") -> None:
+    def __init__(self, procs: Processes, work_dir: str, prefix: str) -> None:
         self.procs, self.work_dir, self.prefix = procs, work_dir, prefix
         self.started = 0
 
     @contextmanager
     def worker(self, broker: str, queue: str, backend: str | None = None,
-               env: dict[str, str] | None = None, wait: bool = True, pool: str = "threads"
-               ) -> Iterator[tuple[subprocess.Popen[bytes], float]]:
-        """A worker on ``queue``; yields (process, time.time() at spawn)."""
+               env: dict[str, str] | None = None, wait: bool = True
+               ) -> Iterator[subprocess.Popen[bytes]]:
+        """A worker on ``queue``."""
         self.started += 1
         name = f"{self.prefix}{self.started}"
-        spawned = time.time()
         proc = spawn_worker(self.procs, self.work_dir, name, broker, queue, backend=backend,
-                            env=env, pool=pool, wait=wait)
+                            env=env, wait=wait)
         try:
-            yield proc, spawned
+            yield proc
             if proc.poll() is not None:
                 out = os.path.join(self.work_dir, f"{name}.out")
                 raise RuntimeError(f"worker exited early ({proc.returncode}):\n{tail(out)}")
         finally:
             self.procs.stop_and_remove(proc)
 
-    def drain(self, broker: str, queue: str, total: int, timeout: float, label: str,
-              poll: float = 0.02) -> tuple[dict[str, Any], float]:
+    def drain(self, broker: str, queue: str, total: int, timeout: float, label: str
+              ) -> dict[str, Any]:
         """A worker started on ``queue`` runs ``total`` distinct ``bench.drain`` tasks
-        (a backlog already there, or arriving); returns common.app's report (first,
-        last, elapsed, distinct, executions) and time.time() at the worker's spawn."""
+        (a backlog already there, or arriving); returns common.app's report (elapsed,
+        distinct, executions)."""
         done = os.path.join(self.work_dir, f"{self.prefix}{self.started + 1}.drain.json")
         env = {"BENCH_DRAIN_TOTAL": str(total), "BENCH_DRAIN_FILE": done}
-        with self.worker(broker, queue, env=env, wait=False) as (proc, spawned):
+        with self.worker(broker, queue, env=env, wait=False) as proc:
             deadline = time.monotonic() + timeout
             while not os.path.exists(done):
                 if proc.poll() is not None:
                     raise RuntimeError(f"{label}: drain worker exited ({proc.returncode})")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{label}: {total} tasks not drained in {timeout:.0f}s")
-                time.sleep(poll)
+                time.sleep(0.5)   # drains of seconds to minutes (scale.py)
         with open(done, encoding="utf-8") as fh:
-            return json.load(fh), spawned
+            return json.load(fh)

@@ -29,7 +29,6 @@ from .history import PUBLISHER, Journal, exec_journal
 
 WORK = "nemesis.work"
 BODY = "nemesis.body"
-QUEUE = "celery"
 
 app = Celery("nemesis", broker=os.environ.get("NEMESIS_URL", "zk://127.0.0.1:2181/nemesis"),
              backend=os.environ.get("NEMESIS_URL", "zk://127.0.0.1:2181/nemesis"),

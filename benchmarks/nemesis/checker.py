@@ -169,9 +169,9 @@ def why_again(history: History, task_id: str, previous: dict[str, Any],
 def check(history: History, results: dict[str, str | None], faults: list[dict[str, Any]],
           deaf: frozenset[str] | set[str] = frozenset(),
           heard: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
-    """``deaf``: workers that answered no broadcast at the end; ``heard``: {worker:
+    """The report's properties (every figure, each violation with an example).
+    ``deaf``: workers that answered no broadcast at the end; ``heard``: {worker:
     {task id: when its log says the revoke arrived}}."""
-    """The report's properties (every figure, each violation with an example)."""
     violations: list[str] = []
     lost: list[dict[str, Any]] = []
     unreadable: list[dict[str, Any]] = []

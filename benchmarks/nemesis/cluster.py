@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from common.net import Network
-from common.processes import BENCHMARKS
+from common.processes import BENCHMARKS, child_env
 from kazoo.client import KazooClient
 
 from celery_zk.server import JVM_FLAGS, ZooKeeperEnsemble
@@ -58,7 +58,7 @@ class HostProcess:
     """A program that runs on one host, in a process group of its own."""
 
     def __init__(self, name: str, prefix: Sequence[str], args: Sequence[str], log_path: str,
-                 env: dict[str, str], ready_file: str | None = None) -> None:
+                 env: dict[str, str], ready_file: str) -> None:
         self.name = name
         self.args = [*prefix, *args]
         self.log_path = log_path
@@ -77,15 +77,13 @@ class HostProcess:
         return self.proc.pid if self.running and self.proc else None
 
     def start(self, timeout: float = 90) -> None:
-        if self.ready_file and os.path.exists(self.ready_file):
+        if os.path.exists(self.ready_file):
             os.unlink(self.ready_file)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, env=self.env, cwd=BENCHMARKS,
                                      stdin=subprocess.DEVNULL, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.paused = False
-        if self.ready_file is None:
-            return
         deadline = time.monotonic() + timeout
         while not os.path.exists(self.ready_file):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -150,10 +148,8 @@ class Cluster:
             member.log_path = os.path.join(work_dir, f"{host}.log")
         self.hosts = self.ensemble.hosts
         self.url = f"zk://{self.hosts}{ROOT}"
-        env = dict(os.environ, NEMESIS_URL=self.url, NEMESIS_DIR=work_dir,
-                   NEMESIS_DEDUPE="1" if dedupe else "0",
-                   PYTHONPATH=os.pathsep.join(filter(None, [BENCHMARKS,
-                                                            os.environ.get("PYTHONPATH")])))
+        env = child_env({"NEMESIS_URL": self.url, "NEMESIS_DIR": work_dir,
+                         "NEMESIS_DEDUPE": "1" if dedupe else "0"})
         self.specs = {spec.name: spec for spec in workers}
         self.workers = {
             spec.name: HostProcess(

@@ -75,11 +75,11 @@ def recovery_leader(client: KazooClient, root: str, queue: str) -> list[int]:
 
 def queue_dispatcher(client: KazooClient, root: str, queue: str) -> list[int]:
     """After issue 26: the oldest node under ``{root}/queues/{queue}/consumers``."""
-    return _by_age(client, root, join(Layout(root).queue(queue), "consumers"), by_name=False)
+    return _by_age(client, root, Layout(root).queue_consumers(queue), by_name=False)
 
 
 def auto(client: KazooClient, root: str, queue: str) -> list[int]:
-    if client.exists(join(Layout(root).queue(queue), "consumers")):
+    if client.exists(Layout(root).queue_consumers(queue)):
         return queue_dispatcher(client, root, queue)
     return recovery_leader(client, root, queue)
 

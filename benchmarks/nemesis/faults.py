@@ -13,15 +13,16 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
+
+from common import figures
 
 from .cluster import Cluster
 from .dispatcher import Lookup
 from .schedule import Fault
 
-
-def log(msg: str) -> None:
-    print(f"[nemesis {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+log = partial(figures.log, tag="nemesis")
 
 
 @dataclass

@@ -35,8 +35,8 @@ class Journal:
         self._pid = 0
         self._lock = threading.Lock()
 
-    def write(self, **entry: Any) -> float:
-        """Append ``entry`` with ``t`` (now, unless given); returns when it is on disk."""
+    def write(self, **entry: Any) -> None:
+        """Append ``entry`` with ``t`` (now, unless given); returns once it is on disk."""
         entry.setdefault("t", time.time())
         line = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
         with self._lock:
@@ -45,7 +45,6 @@ class Journal:
                 self._pid = os.getpid()
             os.write(self._fd, line)
             os.fsync(self._fd)
-        return float(entry["t"])
 
     def close(self) -> None:
         with self._lock:

@@ -172,8 +172,7 @@ def report(args: argparse.Namespace, work_dir: str, cluster: Cluster, faults: li
     steady = [m for m in history.expected.values() if m["kind"] != "countdown"
               and m["kind"] != "revoke"]
     offered = len(steady) / max(1e-9, publishing[1] - publishing[0])
-    measure(fault_dicts, publishing[1], time.time(), completions,
-            [(d, t) for d, t in due_and_done], offered)
+    measure(fault_dicts, publishing[1], time.time(), completions, due_and_done, offered)
     for fault in fault_dicts:
         fault["t"] = round(fault["started"] - nemesis_started, 1)
         fault["duration_s"] = round((fault["healed"] or fault["started"]) - fault["started"], 1)

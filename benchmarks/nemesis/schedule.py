@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class Kind(NamedTuple):
@@ -59,9 +59,6 @@ class Fault:
     duration: float
     #: partition-split: the hosts on the minority side (target is its member)
     minority: tuple[str, ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _target(rng: random.Random, kind: str, zk: Sequence[str], workers: Sequence[str]) -> str:
